@@ -1,0 +1,143 @@
+"""Reading and writing manifests with every check a stage boundary needs.
+
+`load_manifest` refuses, with one message naming the exact field, a manifest that is missing, of another
+schema version or kind, malformed, pointing at shards whose bytes no longer match their checksums, or made
+for a different target/tokenizer/template/thinking mode than the reading stage is configured for. Doing
+this before loading a 27B model or starting 1,000 pods is the cheapest bug fix there is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from dflash_shared.manifests import MANIFEST_NAME, SCHEMA_VERSION, InputRef, Kind, Manifest
+from dflash_shared.storage import ObjectStore, StorageError, join
+
+
+class ManifestError(ValueError):
+    """A manifest cannot be used; `field` names what disagrees when one field is to blame."""
+
+    def __init__(self, uri: str, message: str, field: str | None = None) -> None:
+        self.uri = uri
+        self.field = field
+        super().__init__(f"manifest {uri}: {message}")
+
+
+@dataclass(frozen=True)
+class LoadedManifest:
+    uri: str
+    sha256: str
+    manifest: Manifest
+
+    def as_input(self) -> InputRef:
+        """How an output manifest names this one among its inputs (lineage)."""
+        return InputRef(uri=self.uri, sha256=self.sha256, kind=self.manifest.kind)
+
+
+def manifest_uri(prefix_or_uri: str) -> str:
+    """Accept either a stage prefix or the manifest URI itself."""
+    return prefix_or_uri if prefix_or_uri.endswith(".json") else join(prefix_or_uri, MANIFEST_NAME)
+
+
+def parse_manifest(uri: str, raw: bytes) -> Manifest:
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ManifestError(uri, f"is not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise ManifestError(uri, "is not a JSON object")
+    # Checked before model validation so an old or newer manifest gets a version message, not 20 field errors.
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(
+            uri, f"schema_version is {version!r}, this build reads {SCHEMA_VERSION}", field="schema_version"
+        )
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ManifestError(uri, f"field {field!r}: {first['msg']}", field=field) from err
+
+
+def lookup(manifest: Manifest, path: str) -> Any:
+    """Resolve a dotted path against the manifest's section (e.g. 'target.tokenizer_sha256')."""
+    node: Any = manifest.section
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def check_compatible(uri: str, manifest: Manifest, expected: Mapping[str, Any]) -> None:
+    """Each key of `expected` is a dotted path into the section; None values are not checked."""
+    for path, want in expected.items():
+        if want is None:
+            continue
+        have = lookup(manifest, path)
+        if have != want:
+            raise ManifestError(
+                uri,
+                f"{manifest.kind.value} manifest has {path} = {have!r}, but this stage is configured "
+                f"with {want!r}",
+                field=path,
+            )
+
+
+def verify_shards(uri: str, manifest: Manifest, store: ObjectStore, workers: int = 8) -> None:
+    """Re-hash every shard; any missing or changed object fails the load with its URI."""
+
+    def check(shard: Any) -> None:
+        try:
+            size = store.size(shard.uri)
+        except StorageError as err:
+            raise ManifestError(uri, f"shard {shard.uri} cannot be read: {err}", field="shards") from err
+        if size != shard.bytes:
+            raise ManifestError(
+                uri, f"shard {shard.uri} has {size} bytes, the manifest says {shard.bytes}", field="shards"
+            )
+        digest = store.sha256(shard.uri)
+        if digest != shard.sha256:
+            raise ManifestError(
+                uri,
+                f"shard {shard.uri} sha256 is {digest}, the manifest says {shard.sha256} (corrupted or replaced)",
+                field="shards",
+            )
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(check, manifest.shards))
+
+
+def load_manifest(
+    store: ObjectStore,
+    prefix_or_uri: str,
+    kind: Kind,
+    expected: Mapping[str, Any] | None = None,
+    verify: bool = True,
+) -> LoadedManifest:
+    uri = manifest_uri(prefix_or_uri)
+    try:
+        raw = store.read_bytes(uri)
+    except StorageError as err:
+        raise ManifestError(uri, f"cannot be read ({err}); has the producing stage finished?") from err
+    manifest = parse_manifest(uri, raw)
+    if manifest.kind != kind:
+        raise ManifestError(uri, f"is a {manifest.kind.value} manifest, expected {kind.value}", field="kind")
+    check_compatible(uri, manifest, expected or {})
+    if verify:
+        verify_shards(uri, manifest, store)
+    return LoadedManifest(uri=uri, sha256=hashlib.sha256(raw).hexdigest(), manifest=manifest)
+
+
+def write_manifest(store: ObjectStore, prefix: str, manifest: Manifest) -> tuple[str, bool]:
+    """Write the manifest exactly once; returns (uri, created). A second writer does not overwrite."""
+    uri = join(prefix, MANIFEST_NAME)
+    return uri, store.put_if_absent(uri, manifest.to_json())

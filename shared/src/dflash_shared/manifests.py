@@ -1,0 +1,199 @@
+"""The contract between stages: one manifest envelope, a typed section per kind.
+
+Every stage output prefix holds a `manifest.json` written LAST, as the commit point of the stage. It says
+who produced the data (stage, image, git revision, package versions, resolved config), what it was made
+from (input manifests by URI and sha256), which shards hold it (URI, bytes, sha256, counts), how every
+input record was accounted for, and the fields that must agree across stages (target identity, tokenizer
+and template hashes, thinking mode, special token ids). A stage reading a manifest goes through
+`dflash_shared.manifest_io.load_manifest`, which checks all of that before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class Kind(str, Enum):
+    prompts = "prompts"
+    completions = "completions"
+    tokenized = "tokenized"
+    drafter = "drafter"
+    evaluation = "evaluation"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Producer(_Frozen):
+    stage: str = Field(description="Stage (or command) that wrote the manifest.")
+    image: str | None = Field(default=None, description="Container image reference, when run in one.")
+    git_revision: str | None = Field(default=None, description="Source revision of the producing code.")
+    package_versions: dict[str, str] = Field(default_factory=dict, description="Key package versions.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The resolved stage config (no secrets).")
+
+
+class InputRef(_Frozen):
+    uri: str = Field(description="URI of an input manifest.")
+    sha256: str = Field(description="sha256 of that manifest's bytes when it was read.")
+    kind: Kind = Field(description="Kind of that manifest.")
+
+
+class Shard(_Frozen):
+    uri: str = Field(description="Full URI of the shard object.")
+    bytes: int = Field(ge=0, description="Size of the object in bytes.")
+    sha256: str = Field(description="sha256 of the object's bytes.")
+    records: int = Field(ge=0, description="Records stored in the shard.")
+    tokens: int | None = Field(default=None, ge=0, description="Tokens stored, where that applies.")
+
+
+class Accounting(_Frozen):
+    """Where every input record went. input_records = succeeded + failed + skipped, always."""
+
+    input_records: int = Field(ge=0, description="Records read from the inputs.")
+    succeeded: int = Field(ge=0, description="Records written to the shards.")
+    failed: int = Field(ge=0, description="Records rejected as bad input.")
+    skipped: int = Field(ge=0, description="Records left out on purpose (duplicates, policy).")
+    failures_by_reason: dict[str, int] = Field(default_factory=dict, description="Failed count per reason.")
+    skips_by_reason: dict[str, int] = Field(default_factory=dict, description="Skipped count per reason.")
+    examples: dict[str, list[str]] = Field(
+        default_factory=dict, description="A few examples per reason: record id or source and the message."
+    )
+
+    @model_validator(mode="after")
+    def _balanced(self) -> Accounting:
+        total = self.succeeded + self.failed + self.skipped
+        if total != self.input_records:
+            raise ValueError(
+                f"accounting does not balance: succeeded {self.succeeded} + failed {self.failed} + "
+                f"skipped {self.skipped} = {total}, but input_records is {self.input_records}"
+            )
+        if sum(self.failures_by_reason.values()) != self.failed:
+            raise ValueError(f"failures_by_reason {self.failures_by_reason} does not sum to failed={self.failed}")
+        if sum(self.skips_by_reason.values()) != self.skipped:
+            raise ValueError(f"skips_by_reason {self.skips_by_reason} does not sum to skipped={self.skipped}")
+        return self
+
+
+class SpecialTokens(_Frozen):
+    end_of_turn: int = Field(description="Id of the end-of-turn token (Qwen: <|im_end|>).")
+    think_start: int | None = Field(default=None, description="Id of <think>, when the vocabulary has it.")
+    think_end: int | None = Field(default=None, description="Id of </think>, when the vocabulary has it.")
+    mask: int | None = Field(default=None, description="Drafter mask token id (an existing embedding row).")
+
+
+class TargetIdentity(_Frozen):
+    """The fields that must agree across stages: a mismatch here is what collapses served acceptance."""
+
+    model_id: str = Field(description="Target model id or path as configured.")
+    revision: str | None = Field(default=None, description="Target model revision (commit or tag).")
+    tokenizer_sha256: str = Field(description="sha256 of the target's tokenizer.json.")
+    chat_template_sha256: str = Field(description="sha256 of the chat template text used.")
+    enable_thinking: bool = Field(description="Whether thinking mode was on when rendering/generating.")
+    special_tokens: SpecialTokens = Field(description="Special token ids in the target vocabulary.")
+
+
+class PromptsSection(_Frozen):
+    kind: Literal[Kind.prompts] = Kind.prompts
+    sources: list[str] = Field(description="Source files or prefixes the prompts were imported from.")
+    duplicates: int = Field(ge=0, description="Records dropped because their content id was seen before.")
+
+
+class CompletionsSection(_Frozen):
+    kind: Literal[Kind.completions] = Kind.completions
+    target: TargetIdentity | None = Field(
+        description="Target that generated the completions; None for imported external data."
+    )
+    has_token_ids: bool = Field(description="Records carry the engine's prompt and completion token ids.")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="Sampling parameters used.")
+    max_new_tokens: int | None = Field(default=None, description="Generation budget per prompt.")
+    max_model_len: int | None = Field(default=None, description="Engine context length.")
+    output_tokens: int = Field(default=0, ge=0, description="Completion tokens generated in total.")
+    throughput: dict[str, float] = Field(default_factory=dict, description="Throughput summary.")
+
+
+class TokenizedSection(_Frozen):
+    kind: Literal[Kind.tokenized] = Kind.tokenized
+    target: TargetIdentity = Field(description="Tokenizer, template and thinking mode the shards were made with.")
+    mode: Literal["token_exact", "render"] = Field(description="How ids and masks were produced.")
+    mask_policy: Literal["final_turn", "all_turns"] = Field(description="Which assistant turns carry loss.")
+    max_length: int = Field(gt=0, description="Longest sequence allowed in the shards.")
+    total_tokens: int = Field(ge=0, description="Tokens in all shards.")
+    loss_tokens: int = Field(ge=0, description="Tokens with loss_mask = 1.")
+    length_histogram: dict[str, int] = Field(
+        default_factory=dict, description="Sequence count per length bucket ('lo-hi' tokens)."
+    )
+
+
+class DrafterSection(_Frozen):
+    kind: Literal[Kind.drafter] = Kind.drafter
+    target: TargetIdentity = Field(description="Target the drafter was trained against.")
+    target_layer_ids: list[int] = Field(description="Target layer ids L (output of decoder layer L).")
+    block_size: int = Field(gt=1, description="Tokens per drafted block.")
+    mask_token_id: int = Field(description="Mask token id (an existing target embedding row).")
+    checkpoint_uri: str = Field(description="Final training checkpoint.")
+    export_uri: str | None = Field(default=None, description="Serving export directory, once exported.")
+    final_metrics: dict[str, float] = Field(default_factory=dict, description="Loss, accuracies, expected tau.")
+
+
+class EvaluationSection(_Frozen):
+    kind: Literal[Kind.evaluation] = Kind.evaluation
+    target: TargetIdentity = Field(description="Target the evaluation ran against.")
+    tau: float = Field(description="Mean acceptance length of the trained drafter (offline loop).")
+    tau_untrained: float | None = Field(default=None, description="Same for an untrained drafter.")
+    engine_tau: float | None = Field(default=None, description="Acceptance length measured by the engine.")
+    acceptance_per_position: list[float] = Field(default_factory=list, description="Acceptance by slot.")
+    tau_histogram: dict[str, int] = Field(default_factory=dict, description="Steps per acceptance length.")
+
+
+Section = Annotated[
+    Union[PromptsSection, CompletionsSection, TokenizedSection, DrafterSection, EvaluationSection],
+    Field(discriminator="kind"),
+]
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Manifest(_Frozen):
+    """The envelope written at `<prefix>/manifest.json` by every stage."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Manifest schema version.")
+    kind: Kind = Field(description="What the prefix holds; must equal section.kind.")
+    run_id: str = Field(description="Pipeline run this output belongs to.")
+    created_at: datetime = Field(default_factory=utc_now, description="When the manifest was written (UTC).")
+    producer: Producer = Field(description="Who wrote it.")
+    inputs: list[InputRef] = Field(default_factory=list, description="Input manifests it was made from.")
+    shards: list[Shard] = Field(default_factory=list, description="Data objects, in reading order.")
+    accounting: Accounting = Field(description="Where every input record went.")
+    section: Section = Field(description="The kind-specific part.")
+
+    @model_validator(mode="after")
+    def _kind_matches_section(self) -> Manifest:
+        if self.section.kind != self.kind:
+            raise ValueError(f"kind is {self.kind.value!r} but the section is {self.section.kind.value!r}")
+        return self
+
+    @property
+    def total_records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=2).encode("utf-8")
+
+
+SECTION_TYPES: dict[Kind, type[BaseModel]] = {
+    Kind.prompts: PromptsSection,
+    Kind.completions: CompletionsSection,
+    Kind.tokenized: TokenizedSection,
+    Kind.drafter: DrafterSection,
+    Kind.evaluation: EvaluationSection,
+}

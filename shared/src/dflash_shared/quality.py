@@ -1,0 +1,139 @@
+"""Degenerate-output detection and the bad-input gate, shared by the generate and tokenize stages.
+
+The pipeline this project replaces trained on a 914K-sample set whose responses were 87% empty, and
+nobody noticed. Here every completion is classified once, every reason is counted, and a stage whose
+bad fraction passes a threshold fails with a report instead of writing garbage for the trainer.
+Pure Python on purpose: the torch-free tokenizer image and the vLLM image both use it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+# Reasons a completion is unusable for training; the order is the order of precedence in classify().
+MALFORMED = "malformed_record"
+TRUNCATED = "truncated"
+THINKING_UNCLOSED = "thinking_unclosed"
+THINKING_MISSING = "thinking_missing"
+EMPTY_RESPONSE = "empty_response"
+TOO_SHORT = "too_short"
+REPETITIVE = "repetitive"
+OVER_MAX_LENGTH = "over_max_length"
+
+
+@dataclass(frozen=True)
+class QualityPolicy:
+    """Thresholds of the gate; the stage configs expose these as fields."""
+
+    min_content_tokens: int = 4
+    allow_truncated: bool = False
+    # Text this long that compresses below this ratio is a loop ("the the the ...", repeated paragraphs).
+    repetition_min_chars: int = 400
+    repetition_max_compression: float = 0.12
+    max_bad_fraction: float = 0.05
+
+
+def is_repetitive(text: str, policy: QualityPolicy) -> bool:
+    if len(text) < policy.repetition_min_chars:
+        return False
+    raw = text.encode("utf-8")
+    return len(zlib.compress(raw, 6)) / len(raw) < policy.repetition_max_compression
+
+
+def classify(
+    *,
+    content: str,
+    reasoning: str | None,
+    finish_reason: str | None,
+    thinking_requested: bool,
+    content_tokens: int | None,
+    policy: QualityPolicy,
+) -> str | None:
+    """Return the reason a completion is unusable, or None when it is fine.
+
+    An unclosed think block is represented by the record keeping its raw text, opening marker included, in
+    `content` (that is how the importer and the engine wrapper store it), so it is found there.
+    """
+    if finish_reason == "length" and not policy.allow_truncated:
+        return TRUNCATED
+    if THINK_OPEN in content and THINK_CLOSE not in content:
+        return THINKING_UNCLOSED
+    if thinking_requested and not (reasoning or "").strip():
+        return THINKING_MISSING
+    if not content.strip():
+        return EMPTY_RESPONSE
+    if content_tokens is not None and content_tokens < policy.min_content_tokens:
+        return TOO_SHORT
+    if is_repetitive((reasoning or "") + content, policy):
+        return REPETITIVE
+    return None
+
+
+@dataclass
+class GateCounts:
+    """Per-reason counts and a few examples each; merged across shards for the manifest."""
+
+    seen: int = 0
+    bad: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    examples_per_reason: int = 5
+
+    def observe(self, item: str, reason: str | None, detail: str = "") -> None:
+        self.seen += 1
+        if reason is None:
+            return
+        self.bad[reason] += 1
+        kept = self.examples.setdefault(reason, [])
+        if len(kept) < self.examples_per_reason:
+            kept.append(f"{item}: {detail}" if detail else item)
+
+    @property
+    def bad_total(self) -> int:
+        return sum(self.bad.values())
+
+    @property
+    def bad_fraction(self) -> float:
+        return self.bad_total / self.seen if self.seen else 0.0
+
+    def report(self) -> str:
+        lines = [f"{self.bad_total} of {self.seen} records are unusable ({self.bad_fraction:.1%}):"]
+        for reason, count in self.bad.most_common():
+            lines.append(f"  {reason}: {count} ({count / max(self.seen, 1):.1%})")
+            lines.extend(f"    e.g. {example}" for example in self.examples.get(reason, []))
+        return "\n".join(lines)
+
+
+def gate_exceeded(counts: GateCounts, max_bad_fraction: float) -> bool:
+    return counts.seen > 0 and counts.bad_fraction > max_bad_fraction
+
+
+@dataclass
+class EarlyDegenerateDetector:
+    """Stops a generation pod whose first outputs are mostly garbage, before it burns its GPU hours.
+
+    Looks at the first `window` completions only: a healthy model with a wrong template, a max-new-tokens of
+    1 or a broken thinking switch shows itself there, while a few bad answers later on are the gate's job.
+    """
+
+    window: int = 64
+    max_bad_fraction: float = 0.5
+    counts: GateCounts = field(default_factory=GateCounts)
+
+    def observe(self, item: str, reason: str | None, detail: str = "") -> None:
+        if self.counts.seen < self.window:
+            self.counts.observe(item, reason, detail)
+
+    @property
+    def decided(self) -> bool:
+        return self.counts.seen >= self.window
+
+    def verdict(self) -> str | None:
+        """A failure message once the window is full and mostly bad; None otherwise."""
+        if self.decided and self.counts.bad_fraction > self.max_bad_fraction:
+            return "the first completions are degenerate, stopping early. " + self.counts.report()
+        return None
