@@ -92,6 +92,9 @@ class GateCounts:
         if len(kept) < self.examples_per_reason:
             kept.append(f"{item}: {detail}" if detail else item)
 
+    def observe_good(self, count: int) -> None:
+        self.seen += count
+
     @property
     def bad_total(self) -> int:
         return sum(self.bad.values())

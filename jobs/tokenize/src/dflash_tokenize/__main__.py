@@ -1,0 +1,52 @@
+"""dflash-tokenize: `import` external conversations, `preflight` the node, `run` the stage."""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+from dflash_shared.cli import run_stage_main
+from dflash_shared.importing import ImportConfig, run_import
+from dflash_shared.logs import setup_logging
+from dflash_shared.manifests import Kind
+from dflash_shared.provenance import producer
+from dflash_shared.runner import resolve_shard
+from dflash_shared.settings import parse_settings, public_dict
+from dflash_shared.storage import ObjectStore
+from dflash_tokenize.checks import build_preflight
+from dflash_tokenize.config import TokenizeConfig
+from dflash_tokenize.stage import STAGE, run
+
+USAGE = "usage: dflash-tokenize {import|preflight|run} [--flag value ...]  (--help on each command)"
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = sys.argv[1:] if argv is None else argv
+    command, rest = (args[0], args[1:]) if args else ("", [])
+
+    def import_() -> None:
+        config = parse_settings(ImportConfig, rest, prog="dflash-tokenize import")
+        index, count = resolve_shard(config.shard_index, config.num_shards)
+        setup_logging("import", shard=index)
+        made = producer("import", public_dict(config), ["dflash-tokenize"])
+        run_import(ObjectStore(), config.spec(Kind.completions), made, index, count)
+
+    def preflight() -> int:
+        config = parse_settings(TokenizeConfig, rest, prog="dflash-tokenize preflight")
+        return build_preflight(config).run()
+
+    def run_() -> None:
+        config = parse_settings(TokenizeConfig, rest, prog="dflash-tokenize run")
+        index, _ = resolve_shard(config.shard_index, config.num_shards)
+        setup_logging(STAGE, shard=index)
+        run(config)
+
+    commands = {"import": import_, "preflight": preflight, "run": run_}
+    if command not in commands:
+        print(USAGE, file=sys.stderr)
+        sys.exit(64)
+    run_stage_main(f"{STAGE} {command}", commands[command])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Tokenized Arrow shards: what the trainer streams.
+
+Each shard is an Arrow IPC *stream* file, the format `datasets.Dataset.from_file` memory-maps, and which
+`pyarrow.ipc.open_stream` reads directly. Files roll over at a target size (100-500 MB by default) so the
+trainer can stream and cache them one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("loss_tokens", pa.int32(), nullable=False),
+    ],
+    metadata={b"dflash.format": b"tokenized.v1"},
+)
+
+
+@dataclass
+class Sequences:
+    """A batch of tokenized sequences as flat arrays plus offsets (no per-token Python objects)."""
+
+    ids: list[str]
+    input_ids: np.ndarray  # int32, all sequences concatenated
+    loss_mask: np.ndarray  # int8, same length
+    offsets: np.ndarray  # int64, len(ids) + 1
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets).astype(np.int32)
+
+    def loss_tokens(self) -> np.ndarray:
+        cumulative = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+        return (cumulative[self.offsets[1:]] - cumulative[self.offsets[:-1]]).astype(np.int32)
+
+    def to_record_batch(self) -> pa.RecordBatch:
+        offsets = pa.array(self.offsets.astype(np.int32), type=pa.int32())
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(self.ids, type=pa.string()),
+                pa.ListArray.from_arrays(offsets, pa.array(self.input_ids, type=pa.int32())),
+                pa.ListArray.from_arrays(offsets, pa.array(self.loss_mask, type=pa.int8())),
+                pa.array(self.lengths, type=pa.int32()),
+                pa.array(self.loss_tokens(), type=pa.int32()),
+            ],
+            schema=SCHEMA,
+        )
+
+
+@dataclass
+class FinishedFile:
+    path: str
+    records: int
+    tokens: int
+    loss_tokens: int
+
+
+class RollingArrowWriter:
+    """Writes record batches into numbered local files, closing one when it passes `target_bytes`.
+
+    `on_finished` gets each closed file (the stage publishes it to the store and deletes it), so local
+    disk holds at most one shard at a time whatever the input size.
+    """
+
+    def __init__(
+        self, directory: str, name_for: Callable[[int], str], target_bytes: int,
+        on_finished: Callable[[FinishedFile], None],
+    ) -> None:
+        self._directory = directory
+        self._name_for = name_for
+        self._target_bytes = target_bytes
+        self._on_finished = on_finished
+        self._part = 0
+        self._sink: pa.NativeFile | None = None
+        self._writer: pa.ipc.RecordBatchStreamWriter | None = None
+        self._current: FinishedFile | None = None
+
+    def write(self, batch: Sequences) -> None:
+        if not len(batch):
+            return
+        if self._writer is None:
+            path = os.path.join(self._directory, self._name_for(self._part))
+            self._sink = pa.OSFile(path, "wb")
+            self._writer = pa.ipc.new_stream(self._sink, SCHEMA)
+            self._current = FinishedFile(path, 0, 0, 0)
+        assert self._current is not None and self._sink is not None
+        self._writer.write_batch(batch.to_record_batch())
+        self._current.records += len(batch)
+        self._current.tokens += int(batch.offsets[-1] - batch.offsets[0])
+        self._current.loss_tokens += int(batch.loss_mask.sum(dtype=np.int64))
+        if self._sink.tell() >= self._target_bytes:
+            self.close_current()
+
+    def close_current(self) -> None:
+        if self._writer is None:
+            return
+        assert self._current is not None and self._sink is not None
+        self._writer.close()
+        self._sink.close()
+        finished, self._writer, self._sink, self._current = self._current, None, None, None
+        self._part += 1
+        self._on_finished(finished)
+
+
+def read_shard(path_or_buffer: str | pa.Buffer) -> pa.Table:
+    """Read one shard back (used by tests and the trainer's loader)."""
+    source = pa.memory_map(path_or_buffer) if isinstance(path_or_buffer, str) else pa.BufferReader(path_or_buffer)
+    with pa.ipc.open_stream(source) as reader:
+        return reader.read_all()

@@ -1,0 +1,48 @@
+"""Preflight of the tokenize stage: everything that can be checked before the first record is read."""
+
+from __future__ import annotations
+
+import tempfile
+
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.manifest_io import ManifestError
+from dflash_shared.preflight import CheckFailed, Preflight
+from dflash_shared.storage import ObjectStore, is_s3
+from dflash_tokenize.chat import ChatFormat
+from dflash_tokenize.config import TokenizeConfig
+from dflash_tokenize.stage import STAGE, fetch_tokenizer, open_source
+
+REQUIRED = ["dflash_tokenize", "dflash_shared", "tokenizers", "jinja2", "pyarrow", "orjson"]
+# The origin pipeline's tokenizer died importing a torch it never used: this image must not have it.
+FORBIDDEN = ["torch", "vllm", "triton"]
+
+
+def build_preflight(config: TokenizeConfig, store: ObjectStore | None = None) -> Preflight:
+    store = store or ObjectStore()
+    checks = Preflight(STAGE, store).imports(REQUIRED, FORBIDDEN)
+    for uri in sorted({config.input, config.output, config.tokenizer}):
+        if is_s3(uri):
+            checks.credentials(uri)
+    checks.storage_write(config.output)
+    checks.disk(config.scratch_dir or tempfile.gettempdir(), int(config.disk_need_gib * 2**30))
+    loaded: list[ChatFormat] = []
+
+    def tokenizer() -> str:
+        with tempfile.TemporaryDirectory(dir=config.scratch_dir) as scratch:
+            loaded.append(ChatFormat.from_dir(fetch_tokenizer(store, config.tokenizer, scratch)))
+        chat = loaded[0]
+        return f"{config.tokenizer}: tokenizer {chat.tokenizer_sha256[:12]}, template {chat.chat_template_sha256[:12]}"
+
+    def input_manifest() -> str:
+        if not loaded:
+            raise CheckFailed("skipped: the tokenizer could not be loaded", ExitCode.BAD_INPUT)
+        try:
+            source, thinking = open_source(store, config, loaded[0])
+        except ManifestError as err:
+            field = f" (field: {err.field})" if err.field else ""
+            raise CheckFailed(f"{err}{field}", ExitCode.BAD_INPUT) from err
+        m = source.manifest
+        return (f"completions {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records, "
+                f"thinking {thinking}, compatible with the tokenizer")
+
+    return checks.add("tokenizer", tokenizer).add("input_manifest", input_manifest)

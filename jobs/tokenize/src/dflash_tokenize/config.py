@@ -1,0 +1,71 @@
+"""The tokenize stage's one typed config: flags, DFLASH_TOKENIZE_* variables and defaults come from here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from dflash_shared.quality import QualityPolicy
+from dflash_shared.settings import StageSettings
+
+
+class TokenizeConfig(StageSettings):
+    model_config = SettingsConfigDict(env_prefix="DFLASH_TOKENIZE_")
+
+    input: str = Field(description="Completions prefix (or its manifest.json URI) to read.")
+    output: str = Field(description="Prefix to write the Arrow shards and the tokenized manifest to.")
+    tokenizer: str = Field(
+        description="Target model (or tokenizer) directory, local or s3://, with tokenizer.json and the chat "
+        "template (tokenizer_config.json or chat_template.jinja)."
+    )
+    model_id: str | None = Field(
+        default=None, description="Target model id to record; defaults to the completions' target or the path."
+    )
+    model_revision: str | None = Field(default=None, description="Target model revision to record.")
+    run_id: str | None = Field(default=None, description="Run id; defaults to the completions manifest's.")
+    mode: Literal["auto", "token_exact", "render"] = Field(
+        default="auto",
+        description="token_exact uses the engine's ids as they are; render applies the chat template; auto "
+        "picks token_exact when the completions carry token ids.",
+    )
+    mask_policy: Literal["final_turn", "all_turns"] = Field(
+        default="final_turn", description="Which assistant turns carry loss (render mode)."
+    )
+    enable_thinking: bool | None = Field(
+        default=None,
+        description="Thinking mode to render with; defaults to the completions' setting (True for imports).",
+    )
+    max_length: int = Field(default=4096, gt=16, description="Longest sequence written, in tokens.")
+    over_length: Literal["truncate", "drop"] = Field(
+        default="truncate", description="What to do with longer records: cut at max_length, or drop them."
+    )
+    min_content_tokens: int = Field(default=4, ge=0, description="Answers shorter than this are rejected.")
+    allow_truncated: bool = Field(
+        default=False, description="Keep completions the engine cut off (finish_reason 'length')."
+    )
+    max_bad_fraction: float = Field(
+        default=0.05, ge=0, le=1, description="Fail the stage when more records than this are unusable."
+    )
+    mask_token_id: int | None = Field(
+        default=None, description="Drafter mask token id to record (must exist in the vocabulary)."
+    )
+    shard_bytes: int = Field(default=256 * 2**20, gt=0, description="Target size of an output shard.")
+    workers: int = Field(default=0, ge=0, description="Tokenizer processes; 0 means one per available core.")
+    batch_records: int = Field(default=256, gt=0, description="Records sent to a worker process at once.")
+    shard_index: int | None = Field(
+        default=None, description="This worker's shard; defaults to JOB_COMPLETION_INDEX."
+    )
+    num_shards: int | None = Field(default=None, description="Worker count; defaults to DFLASH_NUM_SHARDS or 1.")
+    scratch_dir: str | None = Field(default=None, description="Local scratch directory (default: system temp).")
+    disk_need_gib: float = Field(
+        default=2.0, ge=0, description="Free scratch disk preflight requires (two shards plus the tokenizer)."
+    )
+
+    def quality_policy(self) -> QualityPolicy:
+        return QualityPolicy(
+            min_content_tokens=self.min_content_tokens,
+            allow_truncated=self.allow_truncated,
+            max_bad_fraction=self.max_bad_fraction,
+        )

@@ -1,0 +1,174 @@
+"""Control-token strings inside message text: encode them as the plain text they are.
+
+A user who types "<|im_end|>" or "<think>" has written text, not a turn boundary; encoding it as the
+control token would both mislead the model and shift the loss mask. Which strings count:
+- in system, user and tool messages and in tool definitions: every added token's string;
+- in assistant messages: only the tokens flagged "special". Engines drop special tokens from the text
+  they return, so a special token's string in an answer was written out piece by piece; the plain added
+  tokens (<think>, <tool_call>, ...) are kept in returned text and were emitted as single tokens.
+
+How the template's own control tokens are told apart from those in the text: the conversation is
+rendered a second time with the first character of every such string replaced by a private-use
+character. Templates copy message text without looking inside it, so both renderings have the same
+length and differ only at those characters; every control-token string left in the second rendering
+came from the template. The text between those is encoded with no added-token matching at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash_tokenize.chat import ChatFormat
+
+# Private-use characters: no tokenizer gives them meaning, and real text almost never holds them.
+_MARK_CANDIDATES = "\ue000\ue001\ue002\ue003\uf8fe\uf8ff"
+
+
+def _strings(obj: Any) -> Iterator[str]:
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _strings(key)
+            yield from _strings(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _strings(value)
+
+
+def _pattern_for(chat: ChatFormat, message: dict[str, Any]) -> re.Pattern[str]:
+    return chat.special_token_pattern if message.get("role") == "assistant" else chat.added_token_pattern
+
+
+def has_literal_specials(
+    chat: ChatFormat, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> bool:
+    """True when some message or tool text holds a control-token string that must stay text."""
+    # One search over all strings joined by NUL (which no token contains) per pattern.
+    other = "\0".join(s for m in messages if m.get("role") != "assistant" for s in _strings(m))
+    other += "\0" + "\0".join(_strings(tools or []))
+    assistant = "\0".join(s for m in messages if m.get("role") == "assistant" for s in _strings(m))
+    return bool(chat.added_token_pattern.search(other) or chat.special_token_pattern.search(assistant))
+
+
+def _neutralize(obj: Any, pattern: re.Pattern[str], mark: str) -> Any:
+    if isinstance(obj, str):
+        return pattern.sub(lambda m: mark + m.group(0)[1:], obj)
+    if isinstance(obj, dict):
+        return {_neutralize(k, pattern, mark): _neutralize(v, pattern, mark) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_neutralize(v, pattern, mark) for v in obj)
+    return obj
+
+
+@dataclass(slots=True)
+class LiteralEncoding:
+    """Ids of a rendered conversation with per-token char offsets, built piece by piece."""
+
+    text_len: int
+    scan_text: str  # the rendering with text look-alikes defused: safe to search for control strings
+    ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+
+    def token_at(self, boundary: int) -> int | tuple[int, int]:
+        """Index of the token starting exactly at `boundary`, or the (start, end) of one straddling it."""
+        if boundary >= self.text_len:
+            return len(self.ids)
+        i = bisect.bisect_left(self.starts, boundary)
+        if i > 0 and self.ends[i - 1] > boundary:
+            return (self.starts[i - 1], self.ends[i - 1])
+        if i == len(self.ids) or self.starts[i] != boundary:
+            return (boundary, boundary)
+        return i
+
+
+@dataclass(slots=True)
+class _Plan:
+    encoding: LiteralEncoding
+    # (char offset, control id or None for a text piece, index into the text-piece batch)
+    segments: list[tuple[int, int | None, int]]
+    ends: list[int]
+
+
+def _plan(
+    chat: ChatFormat,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None,
+    thinking: bool | None,
+    text: str,
+    pieces: list[str],
+) -> _Plan | str:
+    mark = next((c for c in _MARK_CANDIDATES if c not in text), None)
+    if mark is None:
+        return "the text holds every private-use marker character; cannot locate literal control tokens"
+    defused = [_neutralize(m, _pattern_for(chat, m), mark) for m in messages]
+    defused_tools = _neutralize(list(tools), chat.added_token_pattern, mark) if tools else None
+    scan = chat.render_dicts(defused, enable_thinking=thinking, tools=defused_tools)
+    if len(scan) != len(text):
+        return (
+            "the chat template treats message text containing control-token strings differently from "
+            f"the same text with those strings defused ({len(text)} vs {len(scan)} chars)"
+        )
+    restored = list(scan)
+    for m in re.finditer(re.escape(mark), scan):
+        restored[m.start()] = text[m.start()]
+        if not chat.added_token_pattern.match(text, m.start()):
+            return f"defused char {m.start()} does not start a control-token string in the rendered text"
+    if "".join(restored) != text:
+        return "the chat template changed message text around control-token strings"
+
+    segments: list[tuple[int, int | None, int]] = []
+    ends: list[int] = []
+    pos = 0
+    for m in chat.added_token_pattern.finditer(scan):
+        if m.start() > pos:
+            segments.append((pos, None, len(pieces)))
+            pieces.append(text[pos : m.start()])
+            ends.append(m.start())
+        segments.append((m.start(), chat.added_tokens[m.group(0)], -1))
+        ends.append(m.end())
+        pos = m.end()
+    if pos < len(text):
+        segments.append((pos, None, len(pieces)))
+        pieces.append(text[pos:])
+        ends.append(len(text))
+    return _Plan(LiteralEncoding(len(text), scan), segments, ends)
+
+
+def encode_literal_batch(
+    chat: ChatFormat,
+    items: Sequence[tuple[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None, bool | None, str]],
+) -> list[LiteralEncoding | str]:
+    """Encode (message dicts, tools, enable_thinking, rendered text) items.
+
+    Returns per item its encoding, or a string saying why literal control tokens could not be located.
+    All text pieces of all items go to the tokenizer in one batch call.
+    """
+    pieces: list[str] = []
+    plans = [_plan(chat, msgs, tools, thinking, text, pieces) for msgs, tools, thinking, text in items]
+    encodings = chat.encode_plain_batch(pieces) if pieces else []
+    out: list[LiteralEncoding | str] = []
+    for plan in plans:
+        if isinstance(plan, str):
+            out.append(plan)
+            continue
+        enc = plan.encoding
+        for (offset, control_id, piece), end in zip(plan.segments, plan.ends, strict=True):
+            if control_id is not None:
+                enc.ids.append(control_id)
+                enc.starts.append(offset)
+                enc.ends.append(end)
+                continue
+            piece_enc = encodings[piece]
+            enc.ids.extend(piece_enc.ids)
+            for start, stop in piece_enc.offsets:
+                enc.starts.append(start + offset)
+                enc.ends.append(stop + offset)
+        out.append(enc)
+    return out

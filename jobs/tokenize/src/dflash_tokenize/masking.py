@@ -1,0 +1,322 @@
+"""Completion records -> (input_ids, loss_mask): the pure core of the tokenize stage.
+
+Two modes:
+- `token_exact`: the engine's own ids, prompt then completion; loss on the completion. Nothing is
+  re-tokenised, so the drafter trains on exactly the sequences the target produced.
+- `render`: the model's chat template renders the conversation and the tokenizer encodes it; loss on
+  the assistant tokens only. Used for imported conversations (no ids) and multi-turn masks.
+
+The sequence ends with the final turn's end-of-turn token. The loss mask of an assistant turn covers
+its thinking (with the think markers), its answer, its tool calls and its end-of-turn token; never the
+role header, never the line break after end-of-turn, never system, user or tool text. Spans are found
+on the rendered text and mapped to tokens; a token that straddles a span boundary is an error, never
+silently half-masked.
+
+User, system and tool text that contains a control-token string ("<|im_end|>" typed by a user) is
+encoded as plain text (see `literal.py`); for everything else the whole text is encoded in one batch
+call, which keeps the stage near the tokenizer's raw speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokenizers import Encoding
+
+from dflash_shared.records import CompletionRecord
+from dflash_tokenize.chat import ChatFormat, message_dict
+from dflash_tokenize.literal import (
+    LiteralEncoding,
+    encode_literal_batch,
+    has_literal_specials,
+)
+
+MaskPolicy = Literal["final_turn", "all_turns"]
+SpecialScan = Literal["auto", "always"]
+
+
+class MaskingError(ValueError):
+    """A record that cannot be turned into a trustworthy (input_ids, loss_mask) pair.
+
+    `reason` is a short stable code for counting (the quality gate counts records per reason);
+    the message names the record and says what differed and where.
+    """
+
+    def __init__(self, record_id: str, reason: str, detail: str) -> None:
+        super().__init__(f"record {record_id}: {detail}")
+        self.record_id = record_id
+        self.reason = reason
+
+
+# Reason codes.
+MISSING_TOKEN_IDS = "missing_token_ids"
+NO_FINAL_ASSISTANT = "no_final_assistant"
+NOT_PREFIX = "template_not_prefix"
+NO_END_OF_TURN = "no_end_of_turn"
+TOKEN_STRADDLES = "token_straddles_span"
+PROMPT_MISMATCH = "prompt_ids_mismatch"
+LITERAL_UNRESOLVED = "literal_specials_unresolved"
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """One training sequence before truncation and packing."""
+
+    record_id: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 0/1 per token, same length as input_ids
+    prompt_len: int  # tokens before the final assistant turn's first trained token
+    num_loss_tokens: int
+    mode: Literal["token_exact", "render"]
+    literal_path: bool = False  # True when control-token look-alikes were encoded as plain text
+
+
+def token_exact(record: CompletionRecord) -> Tokenized:
+    """The engine's prompt and completion ids as they are; loss on every completion id."""
+    if record.prompt_token_ids is None or record.completion_token_ids is None:
+        raise MaskingError(
+            record.id, MISSING_TOKEN_IDS, "token_exact mode needs prompt_token_ids and completion_token_ids"
+        )
+    prompt, completion = record.prompt_token_ids, record.completion_token_ids
+    return Tokenized(
+        record_id=record.id,
+        input_ids=[*prompt, *completion],
+        loss_mask=[0] * len(prompt) + [1] * len(completion),
+        prompt_len=len(prompt),
+        num_loss_tokens=len(completion),
+        mode="token_exact",
+    )
+
+
+@dataclass(slots=True)
+class _Rendered:
+    record: CompletionRecord
+    dicts: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    thinking: bool | None
+    text: str
+    prompt_chars: int
+    literal: bool
+
+
+def _render_one(
+    record: CompletionRecord, chat: ChatFormat, enable_thinking: bool | None, scan: SpecialScan
+) -> _Rendered:
+    if not record.messages or record.messages[-1].role != "assistant":
+        raise MaskingError(record.id, NO_FINAL_ASSISTANT, "the last message is not an assistant turn")
+    thinking = record.enable_thinking if enable_thinking is None else enable_thinking
+    # The record contract may carry tool definitions; older records have none.
+    tools = getattr(record, "tools", None)
+    tools = [dict(t) for t in tools] if tools else None
+    dicts = [message_dict(m) for m in record.messages]
+    full = chat.render_dicts(dicts, enable_thinking=thinking, tools=tools)
+    prompt = chat.render_dicts(dicts[:-1], add_generation_prompt=True, enable_thinking=thinking, tools=tools)
+    if not full.startswith(prompt):
+        at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), len(full))
+        raise MaskingError(
+            record.id,
+            NOT_PREFIX,
+            f"the generation prompt is not a prefix of the rendered conversation (they differ at char {at}: "
+            f"prompt {prompt[at : at + 40]!r} vs conversation {full[at : at + 40]!r}): reasoning given "
+            "with thinking disabled, or a template that rewrites earlier turns once the answer is present",
+        )
+    literal = scan == "always" or has_literal_specials(chat, dicts, tools)
+    return _Rendered(record, dicts, tools, thinking, full, len(prompt), literal)
+
+
+def _char_spans(item: _Rendered, scan_text: str, chat: ChatFormat, policy: MaskPolicy) -> list[tuple[int, int]]:
+    """Character spans of the trained assistant text, in order."""
+    eot, prompt_end = chat.end_of_turn, item.prompt_chars
+    spans: list[tuple[int, int]] = []
+    if policy == "all_turns":
+        header = chat.assistant_header
+        pos = scan_text.find(header)
+        while 0 <= pos < prompt_end:
+            start = pos + len(header)
+            close = scan_text.find(eot, start)
+            if close < 0 or close + len(eot) > prompt_end:
+                break  # the final turn's header: its span starts after the generation prompt
+            spans.append((start, close + len(eot)))
+            pos = scan_text.find(header, close)
+    close = scan_text.find(eot, prompt_end)
+    if close < 0:
+        raise MaskingError(
+            item.record.id, NO_END_OF_TURN, f"no {eot!r} after the final assistant turn in the rendered text"
+        )
+    spans.append((prompt_end, close + len(eot)))
+    return spans
+
+
+def _straddle(item: _Rendered, boundary: int, start: int, end: int) -> MaskingError:
+    text = item.text
+    return MaskingError(
+        item.record.id,
+        TOKEN_STRADDLES,
+        f"a token covering chars {start}..{end} ({text[start:end]!r}) straddles the assistant span boundary "
+        f"at char {boundary} ({text[max(0, boundary - 20) : boundary]!r} | {text[boundary : boundary + 20]!r})",
+    )
+
+
+def _fast_token_index(item: _Rendered, enc: Encoding, n_tokens: int, boundary: int) -> int:
+    """Index of the token starting exactly at char `boundary` (n_tokens at the end of the text)."""
+    if boundary >= len(item.text):
+        return n_tokens
+    index = enc.char_to_token(boundary)
+    if index is None:
+        raise _straddle(item, boundary, boundary, boundary)
+    span = enc.token_to_chars(index)
+    start, end = span if span is not None else (boundary, boundary)
+    if start != boundary:
+        raise _straddle(item, boundary, start, end)
+    return int(index)
+
+
+def _check_prompt(item: _Rendered, ids: list[int], prompt_len: int, chat: ChatFormat) -> None:
+    expected = item.record.prompt_token_ids
+    if expected is None or tuple(ids[:prompt_len]) == expected:
+        return
+    at = next(
+        (i for i, (a, b) in enumerate(zip(ids[:prompt_len], expected, strict=False)) if a != b),
+        min(prompt_len, len(expected)),
+    )
+
+    def show(seq: Sequence[int]) -> str:
+        return repr(chat.decode(seq[at : at + 8])) if at < len(seq) else "<end>"
+
+    raise MaskingError(
+        item.record.id,
+        PROMPT_MISMATCH,
+        f"the rendered prompt ({prompt_len} tokens) differs from the engine's prompt_token_ids "
+        f"({len(expected)} tokens) first at position {at}: rendered {ids[at : at + 8]} {show(ids)}, "
+        f"engine {list(expected[at : at + 8])} {show(expected)}",
+    )
+
+
+def _assemble(
+    item: _Rendered,
+    ids: list[int],
+    token_spans: list[tuple[int, int]],
+    chat: ChatFormat,
+) -> Tokenized:
+    prompt_len, end = token_spans[-1]
+    _check_prompt(item, ids, prompt_len, chat)
+    # What a template writes after the final end-of-turn (Qwen: a line break) was never generated;
+    # ending there makes render mode produce the same sequence as token_exact mode.
+    ids = ids[:end]
+    mask = [0] * len(ids)
+    trained = 0
+    for a, b in token_spans:
+        mask[a:b] = [1] * (b - a)
+        trained += b - a
+    return Tokenized(
+        record_id=item.record.id,
+        input_ids=ids,
+        loss_mask=mask,
+        prompt_len=prompt_len,
+        num_loss_tokens=trained,
+        mode="render",
+        literal_path=item.literal,
+    )
+
+
+def _finish_fast(item: _Rendered, enc: Encoding, chat: ChatFormat, policy: MaskPolicy) -> Tokenized:
+    ids = enc.ids
+    n = len(ids)
+    spans = _char_spans(item, item.text, chat, policy)
+    token_spans = [(_fast_token_index(item, enc, n, a), _fast_token_index(item, enc, n, b)) for a, b in spans]
+    return _assemble(item, ids, token_spans, chat)
+
+
+def _finish_literal(item: _Rendered, lit: LiteralEncoding, chat: ChatFormat, policy: MaskPolicy) -> Tokenized:
+    spans = _char_spans(item, lit.scan_text, chat, policy)
+
+    def index(boundary: int) -> int:
+        found = lit.token_at(boundary)
+        if isinstance(found, tuple):
+            raise _straddle(item, boundary, *found)
+        return found
+
+    token_spans = [(index(a), index(b)) for a, b in spans]
+    return _assemble(item, lit.ids, token_spans, chat)
+
+
+def try_render_batch(
+    records: Sequence[CompletionRecord],
+    chat: ChatFormat,
+    *,
+    enable_thinking: bool | None = None,
+    mask_policy: MaskPolicy = "final_turn",
+    special_scan: SpecialScan = "auto",
+) -> list[Tokenized | MaskingError]:
+    """Render and encode many records with one batch call; a failing record yields its MaskingError.
+
+    `enable_thinking` overrides each record's own setting when given. `special_scan="always"` sends
+    every record through the literal-text path (slower; used to verify both paths agree).
+    """
+    results: list[Tokenized | MaskingError | None] = [None] * len(records)
+    fast: list[tuple[int, _Rendered]] = []
+    literal: list[tuple[int, _Rendered]] = []
+    for i, record in enumerate(records):
+        try:
+            item = _render_one(record, chat, enable_thinking, special_scan)
+        except MaskingError as err:
+            results[i] = err
+            continue
+        (literal if item.literal else fast).append((i, item))
+
+    encodings = chat.encode_batch([item.text for _, item in fast]) if fast else []
+    for (i, item), enc in zip(fast, encodings, strict=True):
+        try:
+            results[i] = _finish_fast(item, enc, chat, mask_policy)
+        except MaskingError as err:
+            results[i] = err
+
+    if literal:
+        lit_encodings = encode_literal_batch(
+            chat, [(it.dicts, it.tools, it.thinking, it.text) for _, it in literal]
+        )
+        for (i, item), lit in zip(literal, lit_encodings, strict=True):
+            try:
+                if isinstance(lit, str):
+                    raise MaskingError(item.record.id, LITERAL_UNRESOLVED, lit)
+                results[i] = _finish_literal(item, lit, chat, mask_policy)
+            except MaskingError as err:
+                results[i] = err
+    done = [r for r in results if r is not None]
+    assert len(done) == len(records), "every record yields a result or an error"
+    return done
+
+
+def render_batch(
+    records: Sequence[CompletionRecord],
+    chat: ChatFormat,
+    *,
+    enable_thinking: bool | None = None,
+    mask_policy: MaskPolicy = "final_turn",
+    special_scan: SpecialScan = "auto",
+) -> list[Tokenized]:
+    """Like `try_render_batch`, raising the first record's MaskingError instead of returning it."""
+    out: list[Tokenized] = []
+    for result in try_render_batch(
+        records, chat, enable_thinking=enable_thinking, mask_policy=mask_policy, special_scan=special_scan
+    ):
+        if isinstance(result, MaskingError):
+            raise result
+        out.append(result)
+    return out
+
+
+def render(
+    record: CompletionRecord,
+    chat: ChatFormat,
+    *,
+    enable_thinking: bool | None = None,
+    mask_policy: MaskPolicy = "final_turn",
+    special_scan: SpecialScan = "auto",
+) -> Tokenized:
+    """Render mode for one record (see `try_render_batch`)."""
+    return render_batch(
+        [record], chat, enable_thinking=enable_thinking, mask_policy=mask_policy, special_scan=special_scan
+    )[0]

@@ -1,0 +1,289 @@
+"""The tokenize stage: a completions manifest in, loss-masked Arrow shards and a tokenized manifest out.
+
+Per worker (one Kubernetes Indexed Job pod): resolve the input manifest and check it against the target's
+tokenizer and template, take this worker's completion shards, stream their lines in batches through a pool
+of tokenizer processes (order kept, so output is byte-identical whatever the pool size), gate the result
+on the bad-record fraction, publish rolling Arrow files, mark the shard done; the last worker to finish
+writes the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_shared.errors import BadInputError
+from dflash_shared.jsonl import iter_lines
+from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest
+from dflash_shared.manifests import (
+    Accounting,
+    CompletionsSection,
+    Kind,
+    Manifest,
+    Shard,
+    SpecialTokens,
+    TargetIdentity,
+    TokenizedSection,
+)
+from dflash_shared.progress import Progress
+from dflash_shared.provenance import producer
+from dflash_shared.quality import GateCounts, gate_exceeded
+from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
+from dflash_shared.settings import public_dict
+from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_tokenize import worker
+from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter
+from dflash_tokenize.chat import ChatFormat
+from dflash_tokenize.config import TokenizeConfig
+
+log = logging.getLogger(__name__)
+STAGE = "tokenize"
+PACKAGES = ["dflash-tokenize", "tokenizers", "transformers", "pyarrow", "pydantic"]
+# Only the small files of a model directory: the weights are never downloaded by this stage.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Everything decided before work starts: checked input, effective mode and thinking, target identity."""
+
+    config: TokenizeConfig
+    source: LoadedManifest
+    tokenizer_dir: str
+    chat: ChatFormat
+    mode: str
+    enable_thinking: bool
+    target: TargetIdentity
+
+    def worker_settings(self) -> worker.WorkerSettings:
+        return worker.WorkerSettings(
+            tokenizer_dir=self.tokenizer_dir,
+            mode=self.mode,  # type: ignore[arg-type]
+            mask_policy=self.config.mask_policy,
+            enable_thinking=self.enable_thinking,
+            max_length=self.config.max_length,
+            over_length=self.config.over_length,
+            policy=self.config.quality_policy(),
+        )
+
+
+def fetch_tokenizer(store: ObjectStore, location: str, scratch: str) -> str:
+    """A local directory with the tokenizer files (copied from S3 when needed)."""
+    if not is_s3(location):
+        return location
+    local = os.path.join(scratch, "tokenizer")
+    os.makedirs(local, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        uri = join(location, name)
+        if store.exists(uri):
+            store.download_to(uri, os.path.join(local, name))
+    return local
+
+
+def open_source(store: ObjectStore, config: TokenizeConfig, chat: ChatFormat) -> tuple[LoadedManifest, bool]:
+    """Load the completions manifest and check it was made with this tokenizer, template and thinking mode.
+
+    Returns the manifest and the effective thinking mode. Each worker re-hashes the input shards it
+    downloads (fetch_verified), so shards are not re-hashed here.
+    """
+    source = load_manifest(store, config.input, Kind.completions, verify=False)
+    section = source.manifest.section
+    assert isinstance(section, CompletionsSection)
+    generated = section.target
+    enable_thinking = config.enable_thinking
+    if enable_thinking is None:
+        enable_thinking = generated.enable_thinking if generated else True
+    if generated is not None:
+        # The pitfall that collapses served acceptance: data made with one template, trained with another.
+        check_compatible(source.uri, source.manifest, {
+            "target.tokenizer_sha256": chat.tokenizer_sha256,
+            "target.chat_template_sha256": chat.chat_template_sha256,
+            "target.enable_thinking": enable_thinking,
+        })
+    return source, enable_thinking
+
+
+def resolve(config: TokenizeConfig, store: ObjectStore, scratch: str) -> Resolved:
+    tokenizer_dir = fetch_tokenizer(store, config.tokenizer, scratch)
+    chat = ChatFormat.from_dir(tokenizer_dir)
+    source, enable_thinking = open_source(store, config, chat)
+    section = source.manifest.section
+    assert isinstance(section, CompletionsSection)
+    generated = section.target
+    mode = config.mode
+    if mode == "auto":
+        mode = "token_exact" if section.has_token_ids else "render"
+    if mode == "token_exact" and not section.has_token_ids:
+        raise BadInputError(f"{source.uri} has no token ids (imported data?): use --mode render")
+    if config.mask_token_id is not None and config.mask_token_id >= chat.tokenizer.get_vocab_size():
+        raise BadInputError(f"mask_token_id {config.mask_token_id} is not in the vocabulary")
+    target = TargetIdentity(
+        model_id=config.model_id or (generated.model_id if generated else config.tokenizer),
+        revision=config.model_revision or (generated.revision if generated else None),
+        tokenizer_sha256=chat.tokenizer_sha256,
+        chat_template_sha256=chat.chat_template_sha256,
+        enable_thinking=enable_thinking,
+        special_tokens=SpecialTokens(
+            end_of_turn=chat.eot_id,
+            think_start=chat.think_start_id,
+            think_end=chat.think_end_id,
+            mask=config.mask_token_id,
+        ),
+    )
+    return Resolved(config, source, tokenizer_dir, chat, mode, enable_thinking, target)
+
+
+def fetch_verified(store: ObjectStore, shard: Shard, scratch: str) -> str:
+    """Download one input shard and check it against its manifest entry before a byte of it is used."""
+    local = os.path.join(scratch, "in-" + hashlib.sha256(shard.uri.encode()).hexdigest()[:16] + "-" +
+                         os.path.basename(shard.uri))
+    store.download_to(shard.uri, local)
+    size, digest = os.path.getsize(local), store.sha256(local)
+    if (size, digest) != (shard.bytes, shard.sha256):
+        raise BadInputError(f"input shard {shard.uri} does not match its manifest: {size} bytes sha256 {digest}, "
+                            f"expected {shard.bytes} bytes sha256 {shard.sha256}")
+    return local
+
+
+def prefetched(store: ObjectStore, shards: list[Shard], scratch: str, ahead: int = 2) -> Iterator[tuple[Shard, str]]:
+    """Input shards downloaded in parallel, `ahead` of the one being tokenised; each deleted after use."""
+    with ThreadPoolExecutor(max_workers=ahead) as pool:
+        pending: deque[tuple[Shard, Future[str]]] = deque()
+        queue = iter(shards)
+        for shard in queue:
+            pending.append((shard, pool.submit(fetch_verified, store, shard, scratch)))
+            if len(pending) > ahead:
+                break
+        while pending:
+            shard, future = pending.popleft()
+            next_shard = next(queue, None)
+            if next_shard is not None:
+                pending.append((next_shard, pool.submit(fetch_verified, store, next_shard, scratch)))
+            local = future.result()
+            try:
+                yield shard, local
+            finally:
+                os.unlink(local)
+
+
+def line_batches(
+    store: ObjectStore, shards: list[Shard], scratch: str, size: int
+) -> Iterator[list[tuple[str, bytes]]]:
+    batch: list[tuple[str, bytes]] = []
+    for shard, local in prefetched(store, shards, scratch):
+        for number, line in iter_lines(store, local):
+            batch.append((f"{shard.uri}:{number}", line))
+            if len(batch) >= size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def ordered_map(settings: worker.WorkerSettings, workers: int, batches: Iterator[Any]) -> Iterator[worker.BatchResult]:
+    """process_batch over batches in input order, with at most 2 batches per process in flight (bounded RAM)."""
+    if workers <= 1:
+        worker.init_worker(settings, single_threaded=False)
+        yield from map(worker.process_batch, batches)
+        return
+    with ProcessPoolExecutor(workers, initializer=worker.init_worker, initargs=(settings, True)) as pool:
+        pending: deque[Future[worker.BatchResult]] = deque()
+        for batch in batches:
+            pending.append(pool.submit(worker.process_batch, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
+    config = resolved.config
+    gate = GateCounts()
+    totals: Counter[str] = Counter()
+    histogram: Counter[str] = Counter()
+
+    def publish(finished: FinishedFile) -> None:
+        ctx.publish(finished.path, os.path.basename(finished.path), finished.records, tokens=finished.tokens)
+        os.unlink(finished.path)
+
+    writer = RollingArrowWriter(ctx.scratch_dir, lambda p: ctx.part_name(p, ".arrow"), config.shard_bytes, publish)
+    workers = config.workers or len(os.sched_getaffinity(0))
+    by_uri = {shard.uri: shard for shard in resolved.source.manifest.shards}
+    batches = line_batches(ctx.store, [by_uri[uri] for uri in ctx.items], ctx.scratch_dir, config.batch_records)
+    with Progress(total=None, unit="rec", desc=f"tokenize shard {ctx.index}") as progress:
+        for result in ordered_map(resolved.worker_settings(), workers, batches):
+            writer.write(result.sequences)
+            for where, reason, detail in result.rejected:
+                gate.observe(where, reason, detail)
+            kept = len(result.sequences)
+            gate.observe_good(kept)
+            tokens = int(result.sequences.offsets[-1])
+            totals.update(tokens=tokens, loss_tokens=int(result.sequences.loss_mask.sum()), sequences=kept,
+                          truncated_to_max_length=result.truncated)
+            histogram.update(result.histogram)
+            progress.update(kept + len(result.rejected), tokens=tokens)
+    writer.close_current()
+    if gate_exceeded(gate, config.max_bad_fraction):
+        raise BadInputError(
+            f"tokenize shard {ctx.index}: too much bad input (limit {config.max_bad_fraction:.0%}). " + gate.report(),
+            counts=dict(gate.bad),
+            examples=gate.examples,
+        )
+    accounting = Accounting(
+        input_records=gate.seen,
+        succeeded=gate.seen - gate.bad_total,
+        failed=gate.bad_total,
+        skipped=0,
+        failures_by_reason=dict(gate.bad),
+        examples=gate.examples,
+    )
+    return ctx.outcome(accounting, totals=dict(totals), histograms={"length": dict(histogram)})
+
+
+def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
+    config = resolved.config
+    acc = merged.accounting
+    if acc.input_records and acc.failed / acc.input_records > config.max_bad_fraction:
+        raise BadInputError(f"tokenize: {acc.failed} of {acc.input_records} records unusable: {acc.failures_by_reason}")
+    return Manifest(
+        kind=Kind.tokenized,
+        run_id=config.run_id or resolved.source.manifest.run_id,
+        producer=producer(STAGE, public_dict(config), PACKAGES),
+        inputs=[resolved.source.as_input()],
+        shards=merged.shards,
+        accounting=acc,
+        section=TokenizedSection(
+            target=resolved.target,
+            mode=resolved.mode,  # type: ignore[arg-type]
+            mask_policy=config.mask_policy,
+            max_length=config.max_length,
+            total_tokens=int(merged.totals.get("tokens", 0)),
+            loss_tokens=int(merged.totals.get("loss_tokens", 0)),
+            length_histogram=merged.histograms.get("length", {}),
+        ),
+    )
+
+
+def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
+    """Run this worker's shard; returns the manifest URI once the last shard is done."""
+    store = store or ObjectStore()
+    index, count = resolve_shard(config.shard_index, config.num_shards)
+    scratch = tempfile.mkdtemp(prefix="dflash-tokenize-", dir=config.scratch_dir)
+    try:
+        resolved = resolve(config, store, scratch)
+        items = [shard.uri for shard in resolved.source.manifest.shards]
+        log.info("mode %s, thinking %s, %d completion shards, worker %d/%d", resolved.mode,
+                 resolved.enable_thinking, len(items), index, count)
+        run_shard(STAGE, store, config.output, items, index, count,
+                  lambda ctx: process_shard(ctx, resolved), scratch_root=config.scratch_dir)
+        return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,80 @@
+"""Exception types a stage raises on purpose, and the one mapping from exceptions to exit codes.
+
+Code deep inside a stage raises what it knows (bad input, bad config, unfit node); only the entrypoint
+wrapper (`dflash_shared.cli.run_stage_main`) turns that into a process exit status, via `exit_code_for`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dflash_shared.exit_codes import ExitCode
+
+
+class BadInputError(ValueError):
+    """The input data cannot be used: a rerun on the same input would fail the same way.
+
+    `counts` (reason -> records) and `examples` (reason -> a few record ids or messages) let the error
+    line say how much of the input is affected and where to look, without dumping the data.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        counts: Mapping[str, int] | None = None,
+        examples: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.counts: dict[str, int] = dict(counts or {})
+        self.examples: dict[str, list[str]] = {k: list(v) for k, v in (examples or {}).items()}
+
+
+class ConfigError(ValueError):
+    """The configuration or command line is invalid; the message names the flag or field."""
+
+
+class PreflightError(RuntimeError):
+    """The node or its access is unfit for the stage (no GPU, disk, credentials, ...)."""
+
+
+class Preempted(BaseException):
+    """Raised from the SIGTERM handler so the stage unwinds through its `finally` blocks to a checkpoint.
+
+    A BaseException, like KeyboardInterrupt, so that `except Exception` blocks in a stage or a library
+    do not swallow it and carry on working after the scheduler asked the pod to stop.
+    """
+
+    def __init__(self, signal_name: str = "SIGTERM") -> None:
+        super().__init__(f"{signal_name} received")
+        self.signal_name = signal_name
+
+
+def _is(exc: BaseException | None, module: str, name: str) -> bool:
+    # Looked up instead of imported: an exception of a class whose module was never imported cannot
+    # exist, and entrypoints that fail early (--help, a config typo) then do not pay for boto3 or pydantic.
+    mod: Any = sys.modules.get(module)
+    return mod is not None and isinstance(exc, getattr(mod, name))
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The exit status for an exception that reached the entrypoint."""
+    if isinstance(exc, Preempted):
+        return ExitCode.PREEMPTED
+    if _is(exc, "dflash_shared.manifest_io", "ManifestError"):
+        # A manifest that could not be read because storage failed (network, throttling) is a transient
+        # failure, not bad input; an absent manifest or an absent shard is bad input.
+        cause = exc.__cause__
+        if _is(cause, "dflash_shared.storage", "StorageError") and not _is(
+            cause, "dflash_shared.storage", "ObjectNotFoundError"
+        ):
+            return ExitCode.RETRYABLE
+        return ExitCode.BAD_INPUT
+    if isinstance(exc, BadInputError):
+        return ExitCode.BAD_INPUT
+    if isinstance(exc, ConfigError) or _is(exc, "pydantic_core", "ValidationError"):
+        return ExitCode.USAGE
+    if isinstance(exc, PreflightError):
+        return ExitCode.ENVIRONMENT
+    return ExitCode.RETRYABLE

@@ -1,0 +1,382 @@
+"""Preflight: prove the node and its access are fit before a stage starts expensive work.
+
+Loading a 27B model or fanning out 1,000 pods and only then discovering a missing credential, a full
+disk or a manifest made for another tokenizer wastes hours. A stage lists what it needs, `run()` checks
+it all (a failure does not stop the others, so the operator sees every problem at once), and each check
+writes exactly one line::
+
+    preflight tokenize OK imports: required pyarrow, tokenizers present; forbidden torch, vllm absent
+    preflight tokenize FAIL disk: need 500.0 GiB at /scratch, 120.3 GiB free
+    preflight tokenize FAIL input_manifest: manifest s3://b/c/manifest.json: ... (field: target.enable_thinking)
+
+`run()` returns 0, BAD_INPUT (65) when an input manifest is unusable (a retry cannot help), else
+ENVIRONMENT (69) (another node might do). The same checks run from the command line,
+`python -m dflash_shared.preflight --stage generate --min-gpus 1 --read-prefix s3://...`, e.g. as an
+init container.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from dflash_shared.errors import BadInputError, ConfigError, PreflightError
+from dflash_shared.exit_codes import ExitCode, describe
+from dflash_shared.logs import redact
+from dflash_shared.manifest_io import ManifestError, load_manifest
+from dflash_shared.manifests import MANIFEST_NAME, Kind
+from dflash_shared.settings import StageSettings, parse_settings
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, is_s3, join
+
+logger = logging.getLogger("dflash.preflight")
+GIB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.{2 if n < 10 * GIB else 1}f} GiB"
+
+
+class CheckError(Exception):
+    """Raised by a check to fail with `detail`; `code` says whether a retry elsewhere could help."""
+
+    def __init__(self, detail: str, code: ExitCode = ExitCode.ENVIRONMENT) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+    code: ExitCode
+
+    def line(self, stage: str) -> str:
+        return f"preflight {stage} {'OK' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+def _importable(module: str) -> bool:
+    # find_spec locates a module without executing it (a parent package of a dotted name is imported).
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _detect_gpus() -> tuple[list[tuple[str, int]], str]:
+    """(name, memory bytes) per visible GPU, and how they were found."""
+    if _importable("torch"):
+        torch: Any = importlib.import_module("torch")
+        if not torch.cuda.is_available():
+            return [], f"torch {torch.__version__}, CUDA not available"
+        found = []
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            found.append((str(props.name), int(props.total_memory)))
+        return found, f"torch {torch.__version__}"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "no torch and no nvidia-smi on PATH"
+    out = subprocess.run(
+        [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if out.returncode != 0:
+        return [], f"nvidia-smi failed: {(out.stderr or out.stdout).strip()[:200]}"
+    found = []
+    for row in out.stdout.strip().splitlines():
+        name, _, mib = row.rpartition(",")
+        found.append((name.strip(), int(float(mib)) * 2**20))
+    return found, "nvidia-smi"
+
+
+class Preflight:
+    """Collects checks for one stage; every method returns self so checks can be chained."""
+
+    def __init__(self, stage: str, store: ObjectStore | None = None) -> None:
+        self.stage = stage
+        self._store = store
+        self._checks: list[tuple[str, Callable[[], str]]] = []
+        self.results: list[CheckResult] = []
+
+    @property
+    def store(self) -> ObjectStore:
+        if self._store is None:
+            self._store = ObjectStore()
+        return self._store
+
+    def add(self, name: str, check: Callable[[], str]) -> Preflight:
+        """Register a check: it returns the OK detail, or raises `CheckError` (or any error) to fail."""
+        self._checks.append((name, check))
+        return self
+
+    # ------------------------------------------------------------------ checks
+
+    def imports(self, required: Sequence[str] = (), forbidden: Sequence[str] = ()) -> Preflight:
+        """Required modules are installed; forbidden ones (e.g. torch in a CPU image) are not."""
+
+        def check() -> str:
+            problems = [f"required module {m} is not installed" for m in required if not _importable(m)]
+            problems += [f"{m} is importable but this image must not contain it" for m in forbidden if _importable(m)]
+            if problems:
+                raise CheckError("; ".join(problems))
+            parts = []
+            if required:
+                parts.append(f"required {', '.join(required)} present")
+            if forbidden:
+                parts.append(f"forbidden {', '.join(forbidden)} absent")
+            return "; ".join(parts) or "nothing to check"
+
+        return self.add("imports", check)
+
+    def storage_read(self, prefix: str, allow_empty: bool = False) -> Preflight:
+        """The prefix can be listed and its manifest (else its first object) read."""
+
+        def check() -> str:
+            objects = self.store.list(prefix)
+            if not objects:
+                if allow_empty:
+                    return f"listed {prefix}: empty"
+                raise CheckError(f"nothing under {prefix} (the listing worked but found no objects)")
+            manifest = join(prefix, MANIFEST_NAME)
+            target = manifest if manifest in objects else objects[0]
+            with self.store.open_read(target) as fh:
+                fh.read(4096)
+            return f"listed {len(objects):,} object(s) under {prefix}, read {target}"
+
+        return self.add("storage_read", check)
+
+    def storage_write(self, prefix: str) -> Preflight:
+        """A probe object can be written below the prefix and deleted again."""
+
+        def check() -> str:
+            probe = join(prefix, "_preflight", f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+            self.store.write_bytes(probe, f"preflight {self.stage}\n".encode())
+            try:
+                self.store.delete(probe)
+            except StorageError as err:
+                raise CheckError(f"wrote {probe} but cannot delete it: {err}") from err
+            if not is_s3(probe):
+                # An empty directory left behind would show up in listings of the prefix's parent.
+                try:
+                    os.rmdir(os.path.dirname(probe))
+                except OSError:
+                    pass
+            return f"wrote and deleted a probe object under {join(prefix, '_preflight')}"
+
+        return self.add("storage_write", check)
+
+    def disk(self, path: str, need_bytes: int) -> Preflight:
+        """The filesystem holding `path` (or its nearest existing parent) has `need_bytes` free."""
+
+        def check() -> str:
+            probe = os.path.abspath(path)
+            while not os.path.exists(probe):
+                probe = os.path.dirname(probe)
+            free = shutil.disk_usage(probe).free
+            detail = f"need {_gib(need_bytes)} at {path}, {_gib(free)} free"
+            if free < need_bytes:
+                raise CheckError(detail)
+            return detail
+
+        return self.add("disk", check)
+
+    def gpus(self, min_count: int, min_memory_gib: float = 0.0) -> Preflight:
+        """At least `min_count` GPUs with `min_memory_gib` each; min_count 0 (a CPU stage) skips it."""
+
+        def check() -> str:
+            if min_count <= 0:
+                return "none required (CPU stage)"
+            found, source = _detect_gpus()
+            fit = [g for g in found if g[1] >= min_memory_gib * GIB]
+            seen = ", ".join(f"{name} {_gib(mem)}" for name, mem in found)
+            each = f" with >= {min_memory_gib:g} GiB" if min_memory_gib else ""
+            detail = f"need {min_count} GPU(s){each}, found {len(found)} ({source}{': ' + seen if seen else ''})"
+            if len(fit) < min_count:
+                raise CheckError(detail)
+            return detail
+
+        return self.add("gpus", check)
+
+    def input_manifest(
+        self,
+        store: ObjectStore | None,
+        uri: str,
+        kind: Kind,
+        expected: Mapping[str, Any] | None = None,
+    ) -> Preflight:
+        """The input manifest exists, parses, is of `kind` and agrees with `expected` (shards not re-hashed)."""
+
+        def check() -> str:
+            try:
+                loaded = load_manifest(store or self.store, uri, kind, expected, verify=False)
+            except ManifestError as err:
+                cause = err.__cause__
+                transient = isinstance(cause, StorageError) and not isinstance(cause, ObjectNotFoundError)
+                field = f" (field: {err.field})" if err.field else ""
+                raise CheckError(f"{err}{field}", ExitCode.ENVIRONMENT if transient else ExitCode.BAD_INPUT) from err
+            m = loaded.manifest
+            checked = f", {len(expected)} field(s) agree" if expected else ""
+            return (
+                f"{kind.value} manifest {loaded.uri}: run {m.run_id}, {len(m.shards):,} shard(s), "
+                f"{m.total_records:,} records{checked}"
+            )
+
+        return self.add("input_manifest", check)
+
+    def credentials(self, uri: str) -> Preflight:
+        """For s3:// URIs, the standard AWS chain yields credentials (never printed beyond 4 key chars)."""
+
+        def check() -> str:
+            if not is_s3(uri):
+                return f"not needed for local path {uri}"
+            import boto3
+
+            creds = boto3.session.Session().get_credentials()
+            if creds is None:
+                raise CheckError(
+                    f"no AWS credentials found for {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                    "AWS_PROFILE, or a workload identity (service account role)"
+                )
+            frozen = creds.get_frozen_credentials()
+            if not frozen.access_key or not frozen.secret_key:
+                raise CheckError(f"incomplete AWS credentials for {uri} (from {creds.method})")
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            where = f", endpoint {endpoint}" if endpoint else ""
+            return f"found via {creds.method}, access key id ...{frozen.access_key[-4:]}{where}"
+
+        return self.add("credentials", check)
+
+    def shm(self, min_bytes: int, path: str = "/dev/shm") -> Preflight:
+        """Shared memory for torch/vLLM worker processes (container runtimes default to 64 MiB)."""
+
+        def check() -> str:
+            if not os.path.isdir(path):
+                raise CheckError(f"{path} does not exist; need {_gib(min_bytes)}")
+            total = shutil.disk_usage(path).total
+            detail = f"{path} is {_gib(total)}, need {_gib(min_bytes)}"
+            if total < min_bytes:
+                raise CheckError(detail + " (mount an emptyDir with medium: Memory and a sizeLimit there)")
+            return detail
+
+        return self.add("shm", check)
+
+    # ------------------------------------------------------------------ running
+
+    def _run_one(self, name: str, check: Callable[[], str]) -> CheckResult:
+        try:
+            return CheckResult(name, True, redact(check()), ExitCode.OK)
+        except CheckError as err:
+            return CheckResult(name, False, redact(str(err)), err.code)
+        except Exception as err:  # one broken check must not hide the others
+            detail = redact(str(err)) or type(err).__name__
+            return CheckResult(name, False, detail, ExitCode.ENVIRONMENT)
+
+    def run(self) -> int:
+        """Run every check, log one line each, return 0, BAD_INPUT or ENVIRONMENT."""
+        self.results = []
+        for name, check in self._checks:
+            result = self._run_one(name, check)
+            self.results.append(result)
+            (logger.info if result.ok else logger.error)(result.line(self.stage))
+        failed = [r for r in self.results if not r.ok]
+        if not failed:
+            logger.info("preflight %s: all %d check(s) passed", self.stage, len(self.results))
+            return ExitCode.OK
+        # Bad input wins: moving to another node cannot fix it, so the Job should not retry.
+        code = ExitCode.BAD_INPUT if any(r.code is ExitCode.BAD_INPUT for r in failed) else ExitCode.ENVIRONMENT
+        logger.error(
+            "preflight %s: %d of %d check(s) failed (%s); exit %s",
+            self.stage,
+            len(failed),
+            len(self.results),
+            ", ".join(r.name for r in failed),
+            describe(code),
+        )
+        return code
+
+    def check(self) -> None:
+        """`run()`, raising BadInputError or PreflightError on failure (for use inside a stage)."""
+        code = self.run()
+        if code == ExitCode.OK:
+            return
+        failed = "; ".join(f"{r.name}: {r.detail}" for r in self.results if not r.ok)
+        if code == ExitCode.BAD_INPUT:
+            raise BadInputError(f"preflight {self.stage} failed: {failed}")
+        raise PreflightError(f"preflight {self.stage} failed: {failed}")
+
+
+# ---------------------------------------------------------------------- command line
+
+
+class PreflightSettings(StageSettings):
+    """The checks to run from the command line; each unset option skips its check."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_PREFLIGHT_")
+
+    stage: str = Field(default="preflight", description="Stage name printed on every line.")
+    require: list[str] = Field(default_factory=list, description="Modules that must be importable.")
+    forbid: list[str] = Field(default_factory=list, description="Modules that must NOT be importable.")
+    read_prefix: list[str] = Field(default_factory=list, description="Prefixes that must be listable and readable.")
+    write_prefix: list[str] = Field(default_factory=list, description="Prefixes that must accept a probe write.")
+    disk_path: str = Field(default=".", description="Where local scratch data will be written.")
+    need_disk_gib: float = Field(default=0.0, ge=0, description="Free space needed at disk_path (0 skips).")
+    min_gpus: int = Field(default=0, ge=0, description="GPUs needed (0: CPU stage, check skipped).")
+    min_gpu_memory_gib: float = Field(default=0.0, ge=0, description="Memory needed on each of those GPUs.")
+    min_shm_gib: float = Field(default=0.0, ge=0, description="Size needed of /dev/shm (0 skips).")
+    input_manifest: str | None = Field(default=None, description="Input manifest (or its prefix) to check.")
+    input_kind: Kind | None = Field(default=None, description="Kind the input manifest must have.")
+    expect: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Section fields the input manifest must have, as JSON: {"target.enable_thinking": true}.',
+    )
+
+
+def build_preflight(config: PreflightSettings, store: ObjectStore | None = None) -> Preflight:
+    pf = Preflight(config.stage, store)
+    if config.require or config.forbid:
+        pf.imports(config.require, config.forbid)
+    s3_uris = [u for u in [*config.read_prefix, *config.write_prefix, config.input_manifest or ""] if is_s3(u)]
+    if s3_uris:
+        pf.credentials(s3_uris[0])
+    for prefix in config.read_prefix:
+        pf.storage_read(prefix)
+    for prefix in config.write_prefix:
+        pf.storage_write(prefix)
+    if config.need_disk_gib:
+        pf.disk(config.disk_path, int(config.need_disk_gib * GIB))
+    pf.gpus(config.min_gpus, config.min_gpu_memory_gib)
+    if config.min_shm_gib:
+        pf.shm(int(config.min_shm_gib * GIB))
+    if config.input_manifest:
+        if config.input_kind is None:
+            raise ConfigError("--input-manifest needs --input-kind (prompts, completions, tokenized, ...)")
+        pf.input_manifest(None, config.input_manifest, config.input_kind, config.expect)
+    return pf
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    from dflash_shared.cli import run_stage_main
+
+    run_stage_main(
+        "preflight", lambda: build_preflight(parse_settings(PreflightSettings, argv, prog="preflight")).run()
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Shared test fixtures: a real S3 endpoint (moto server on 127.0.0.1) and storage roots.
+
+Every S3 test talks HTTP to an in-process moto server; the AWS environment is pointed at it for the
+whole session so no test can reach a real cloud account.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from dflash_shared.storage import ObjectStore
+from moto.server import ThreadedMotoServer
+
+# Variables that could redirect boto3 away from the test server or add real credentials.
+_AWS_ISOLATE = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the markers used across the test tree."""
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "e2e: runs several stages end to end")
+    config.addinivalue_line("markers", "image: builds or runs a container image")
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Start a moto S3 server on a free local port and point the AWS environment at it."""
+    # One access-log line per request would bury real failures in the captured output.
+    werkzeug_log = logging.getLogger("werkzeug")
+    previous_level = werkzeug_log.level
+    werkzeug_log.setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    empty = tmp_path_factory.mktemp("aws-config")
+    mp = pytest.MonkeyPatch()
+    for name in _AWS_ISOLATE:
+        mp.delenv(name, raising=False)
+    mp.setenv("AWS_ENDPOINT_URL", url)
+    mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+    mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    mp.setenv("AWS_REGION", "us-east-1")
+    # A developer's ~/.aws files must not leak profiles or endpoints into the tests.
+    mp.setenv("AWS_CONFIG_FILE", str(empty / "config"))
+    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty / "credentials"))
+    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    try:
+        yield url
+    finally:
+        mp.undo()
+        server.stop()
+        werkzeug_log.setLevel(previous_level)
+
+
+@pytest.fixture
+def s3_bucket(moto_endpoint: str) -> Iterator[str]:
+    """A fresh, uniquely named bucket on the moto server, emptied and removed afterwards."""
+    name = f"test-{uuid.uuid4().hex[:20]}"
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=name)
+    yield f"s3://{name}"
+    # Keeps the session-wide server's memory flat; large test objects would otherwise pile up.
+    try:
+        for upload in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
+            client.abort_multipart_upload(
+                Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            if page.get("Contents"):
+                client.delete_objects(
+                    Bucket=name,
+                    Delete={"Objects": [{"Key": o["Key"]} for o in page["Contents"]]},
+                )
+        client.delete_bucket(Bucket=name)
+    except Exception as exc:  # noqa: BLE001 - cleanup must not turn a pass into an error
+        logging.getLogger(__name__).warning(
+            "could not clean up bucket %s: %s", name, exc
+        )
+
+
+@pytest.fixture
+def store(moto_endpoint: str) -> ObjectStore:
+    """An ObjectStore whose S3 side can only reach the moto server."""
+    return ObjectStore()
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A base URI on each backend in turn: a temp directory, then a fresh S3 bucket prefix."""
+    if request.param == "local":
+        return str(tmp_path / "root")
+    bucket: str = request.getfixturevalue("s3_bucket")
+    return f"{bucket}/root"

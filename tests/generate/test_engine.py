@@ -1,0 +1,229 @@
+"""The vLLM engine wrapper against a real vLLM engine (CPU build) and the tiny random Qwen3 target.
+
+One engine serves the whole module: starting it takes tens of seconds on CPU. The expectations come from
+the tokenizer directory through transformers (chat template rendering, decoding), independent of vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="engine tests need the generate environment (.venv-generate)")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from dflash_generate.completion import RenderedPrompt, render_prompt  # noqa: E402
+from dflash_generate.engine import EngineConfig, VllmEngine  # noqa: E402
+from dflash_generate.sampling import qwen_non_thinking, qwen_thinking  # noqa: E402
+from dflash_shared.records import (  # noqa: E402
+    CompletionRecord,
+    Message,
+    PromptRecord,
+    ToolCall,
+    ToolCallFunction,
+    record_id,
+)
+from tests.support.qwen_assets import qwen_special_ids  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_MODEL_LEN = 256
+IDS = qwen_special_ids("qwen3")
+STOP_IDS = {IDS["im_end"], IDS["endoftext"]}
+
+
+def prompt(*messages: Message) -> PromptRecord:
+    return PromptRecord(id=record_id(messages), messages=messages, source="test")
+
+
+def user(text: str) -> Message:
+    return Message(role="user", content=text)
+
+
+PROMPTS = [
+    prompt(user("What is 2 + 2?")),
+    prompt(Message(role="system", content="Answer in French."), user("Name a colour.")),
+    prompt(
+        user("Hi!"),
+        Message(role="assistant", content="Hello.", reasoning_content="Greet back."),
+        user("Écris un haïku sur la mer 🌊, s'il te plaît."),
+    ),
+    prompt(
+        user("Weather in Paris?"),
+        Message(
+            role="assistant",
+            tool_calls=(ToolCall(function=ToolCallFunction(name="weather", arguments={"city": "Paris"})),),
+        ),
+        Message(role="tool", content='{"temp_c": 11}'),
+    ),
+    prompt(user("用一句话解释光合作用。")),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+    mp = pytest.MonkeyPatch()
+    # Small KV cache, no hub, and a private compile cache so parallel runs do not share state.
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+    config = EngineConfig(
+        model=str(tiny_target_dir),
+        max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+        max_num_seqs=16,
+    )
+    eng = VllmEngine(config)
+    try:
+        yield eng
+    finally:
+        eng.close()
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tiny_target_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def expected_prompt_ids(hf_tok: Any, record: PromptRecord, thinking: bool) -> list[int]:
+    return list(
+        hf_tok.apply_chat_template(
+            [m.template_dict() for m in record.messages],
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
+
+
+def raw_text(hf_tok: Any, rec: CompletionRecord) -> str:
+    """The completion decoded independently: every token but the end-of-turn the engine stopped on."""
+    ids = list(rec.completion_token_ids or ())
+    if rec.finish_reason == "stop":
+        assert ids[-1] in STOP_IDS
+        ids = ids[:-1]
+    return str(hf_tok.decode(ids, skip_special_tokens=False))
+
+
+def check_common(
+    hf_tok: Any, prompts: list[PromptRecord], outcomes: list[Any], thinking: bool, max_tokens: int
+) -> None:
+    assert [o.prompt_id for o in outcomes] == [p.id for p in prompts]
+    for p, outcome in zip(prompts, outcomes, strict=True):
+        assert outcome.ok, outcome.detail
+        rec = outcome.record
+        assert rec.id == p.id and rec.messages[:-1] == p.messages and rec.source == p.source
+        assert rec.final_assistant.role == "assistant"
+        assert list(rec.prompt_token_ids) == expected_prompt_ids(hf_tok, p, thinking)
+        assert rec.enable_thinking is thinking
+        assert rec.finish_reason in ("stop", "length")
+        n = len(rec.completion_token_ids)
+        assert 1 <= n <= max_tokens
+        assert rec.finish_reason == "stop" or n == max_tokens
+
+
+def test_thinking_off(engine: VllmEngine, hf_tok: Any) -> None:
+    sampling = qwen_non_thinking().with_overrides(max_tokens=24, seed=3)
+    outcomes = engine.generate(PROMPTS, enable_thinking=False, sampling=sampling)
+    check_common(hf_tok, PROMPTS, outcomes, thinking=False, max_tokens=24)
+    for outcome in outcomes:
+        rec = outcome.record
+        assert rec.sampling == sampling.model_dump(mode="json")
+        assert rec.final_assistant.reasoning_content is None and outcome.thinking_closed is None
+        assert rec.final_assistant.content == raw_text(hf_tok, rec)
+        # The prompt already carries the empty think block that switches thinking off.
+        assert hf_tok.decode(list(rec.prompt_token_ids[-5:])).endswith("<think>\n\n</think>\n\n")
+    # A random model must not end its turn at once, or these tests would check empty strings.
+    assert sum(len(o.record.final_assistant.content) for o in outcomes) > 0
+
+
+def test_thinking_on(engine: VllmEngine, hf_tok: Any) -> None:
+    sampling = qwen_thinking().with_overrides(max_tokens=24)
+    outcomes = engine.generate(PROMPTS, enable_thinking=True, sampling=sampling)
+    check_common(hf_tok, PROMPTS, outcomes, thinking=True, max_tokens=24)
+    for p, outcome in zip(PROMPTS, outcomes, strict=True):
+        rec = outcome.record
+        assert rec.sampling == sampling.model_dump(mode="json")
+        msg, text = rec.final_assistant, raw_text(hf_tok, rec)
+        if outcome.thinking_closed is None:  # the model did not open a think block
+            assert msg.reasoning_content is None and msg.content == text
+        else:
+            closing = r"\n*</think>\n*" if outcome.thinking_closed else ""
+            pattern = r"\s*<think>\n*" + re.escape(msg.reasoning_content or "") + closing
+            assert re.fullmatch(pattern + re.escape(msg.content), text), text
+        # Thinking on differs from off only by the pre-filled empty think block.
+        on_ids, off_ids = list(rec.prompt_token_ids), expected_prompt_ids(hf_tok, p, False)
+        assert off_ids[: len(on_ids)] == on_ids
+        assert hf_tok.decode(off_ids[len(on_ids) :]) == "<think>\n\n</think>\n\n"
+
+
+def test_failures_are_counted_and_others_unaffected(engine: VllmEngine) -> None:
+    too_long = prompt(user("lorem ipsum " * MAX_MODEL_LEN))
+    batch = [
+        PROMPTS[0],
+        prompt(),
+        too_long,
+        PROMPTS[1],
+        prompt(user("   ")),
+        prompt(user("hi"), Message(role="assistant", content="hello")),
+    ]
+    sampling = qwen_thinking().with_overrides(max_tokens=8, seed=11)
+    outcomes = engine.generate(batch, enable_thinking=True, sampling=sampling)
+    assert [o.failure for o in outcomes] == [
+        None,
+        "empty_prompt",
+        "prompt_too_long",
+        None,
+        "empty_prompt",
+        "invalid_prompt",
+    ]
+    assert too_long.id in (outcomes[2].detail or "")
+    # The good records come out exactly as when run without the failing ones.
+    alone = engine.generate([PROMPTS[0], PROMPTS[1]], enable_thinking=True, sampling=sampling)
+    assert [o.record for o in alone] == [outcomes[0].record, outcomes[3].record]
+
+
+def test_engine_rejection_is_isolated_to_its_record(engine: VllmEngine) -> None:
+    sampling = qwen_thinking().with_overrides(max_tokens=4)
+    rendered = [render_prompt(engine.tokenizer, p, True) for p in PROMPTS[:3]]
+    long_record = prompt(user("overflow " * MAX_MODEL_LEN))
+    long_rendered = render_prompt(engine.tokenizer, long_record, True)
+    assert all(isinstance(r, RenderedPrompt) for r in [*rendered, long_rendered])
+    # Pretend the local length check saw a short prompt, so the engine itself must refuse this one.
+    sneaked = RenderedPrompt(
+        record=long_record,
+        messages=long_rendered.messages,  # type: ignore[union-attr]
+        text=long_rendered.text,  # type: ignore[union-attr]
+        token_ids=[IDS["im_start"]],
+    )
+    items = list(enumerate([rendered[0], rendered[1], sneaked, rendered[2]]))
+    results = dict(engine._generate_isolated(items, True, sampling))  # noqa: SLF001
+    assert sorted(results) == [0, 1, 2, 3]
+    assert results[2].failure == "engine_error" and results[2].prompt_id == long_record.id
+    assert re.search("maximum (context|model) length", results[2].detail or ""), results[2].detail
+    assert all(results[i].ok for i in (0, 1, 3))
+    # The engine keeps serving after the rejection.
+    assert engine.generate([PROMPTS[0]], enable_thinking=False, sampling=sampling)[0].ok
+
+
+def test_max_tokens_one_gives_single_token_outputs(engine: VllmEngine, hf_tok: Any) -> None:
+    sampling = qwen_non_thinking().with_overrides(max_tokens=1)
+    outcomes = engine.generate(PROMPTS, enable_thinking=False, sampling=sampling)
+    for outcome in outcomes:
+        rec = outcome.record
+        assert len(rec.completion_token_ids) == 1
+        token = rec.completion_token_ids[0]
+        if token in STOP_IDS:
+            assert rec.finish_reason == "stop" and rec.final_assistant.content == ""
+        else:
+            assert rec.finish_reason == "length"
+            assert rec.final_assistant.content == hf_tok.decode([token], skip_special_tokens=False)
+        assert len(rec.final_assistant.content) <= 32

@@ -1,0 +1,133 @@
+"""`import`: external conversations -> prompts/completions manifests, with every record accounted for."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_shared.errors import BadInputError
+from dflash_shared.importing import ImportSpec, run_import
+from dflash_shared.jsonl import iter_lines
+from dflash_shared.manifest_io import load_manifest
+from dflash_shared.manifests import Kind, Producer
+from dflash_shared.records import CompletionRecord, PromptRecord
+from dflash_shared.storage import ObjectStore, join
+
+PRODUCER = Producer(stage="import")
+
+
+def conversation(i: int, answer: str | None = None) -> dict:
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": f"What is {i} + {i}?"},
+    ]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages}
+
+
+def jsonl(objs: list) -> bytes:
+    return b"".join((o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n" for o in objs)
+
+
+def parquet(rows: list[dict]) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), sink)
+    return sink.getvalue()
+
+
+@pytest.fixture
+def source(storage_root: str, store: ObjectStore) -> str:
+    prefix = join(storage_root, "external")
+    store.write_bytes(
+        join(prefix, "a.jsonl"),
+        jsonl(
+            [conversation(i, f"<think>\nadd {i} and {i}\n</think>\n\nIt is {2 * i}.") for i in range(40)]
+            + [b"{truncated json", conversation(3, "<think>\nadd 3 and 3\n</think>\n\nIt is 6.")]
+        ),
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": f"Name {i}"},
+                      {"role": "assistant", "content": f"Name {i}", "reasoning_content": "easy"}]}
+        for i in range(10)
+    ]
+    store.write_bytes(join(prefix, "b.parquet"), parquet(rows))
+    store.write_bytes(join(prefix, "notes.txt"), b"not a source file, ignored")
+    return prefix
+
+
+def read_records(store: ObjectStore, manifest_uri_prefix: str, kind: Kind, model: type) -> list:
+    loaded = load_manifest(store, manifest_uri_prefix, kind)
+    return [
+        model.model_validate_json(line)
+        for shard in loaded.manifest.shards
+        for _, line in iter_lines(store, shard.uri)
+    ]
+
+
+def test_import_completions(storage_root: str, store: ObjectStore, source: str) -> None:
+    out = join(storage_root, "completions")
+    spec = ImportSpec(kind=Kind.completions, source_prefix=source, output_prefix=out, run_id="r1")
+    assert run_import(store, spec, PRODUCER) is not None
+    manifest = load_manifest(store, out, Kind.completions).manifest
+    acc = manifest.accounting
+    assert (acc.input_records, acc.succeeded, acc.failed, acc.skipped) == (52, 50, 1, 1)
+    assert acc.failures_by_reason == {"malformed_record": 1}
+    assert acc.skips_by_reason == {"duplicate": 1}
+    assert "a.jsonl:41" in acc.examples["malformed_record"][0]
+    records = read_records(store, out, Kind.completions, CompletionRecord)
+    assert len(records) == 50 == manifest.total_records
+    first = records[0]
+    assert first.final_assistant.reasoning_content == "add 0 and 0"
+    assert first.final_assistant.content == "It is 0."
+    assert records[-1].final_assistant.reasoning_content == "easy"  # parquet's explicit field kept
+    assert len({r.id for r in records}) == 50
+
+
+def test_import_prompts_drops_the_final_assistant_turn(storage_root: str, store: ObjectStore, source: str) -> None:
+    out = join(storage_root, "prompts")
+    spec = ImportSpec(kind=Kind.prompts, source_prefix=source, output_prefix=out, run_id="r1")
+    run_import(store, spec, PRODUCER)
+    records = read_records(store, out, Kind.prompts, PromptRecord)
+    assert len(records) == 50
+    assert all(r.messages[-1].role == "user" for r in records)
+    manifest = load_manifest(store, out, Kind.prompts).manifest
+    assert manifest.section.duplicates == 1  # type: ignore[union-attr]
+
+
+def test_import_rerun_is_a_no_op_with_identical_output(storage_root: str, store: ObjectStore, source: str) -> None:
+    out = join(storage_root, "completions")
+    spec = ImportSpec(kind=Kind.completions, source_prefix=source, output_prefix=out, run_id="r1")
+    run_import(store, spec, PRODUCER)
+    before = {uri: store.read_bytes(uri) for uri in store.list(out)}
+    run_import(store, spec, PRODUCER)
+    assert {uri: store.read_bytes(uri) for uri in store.list(out)} == before
+
+
+def test_import_sharded_over_workers(storage_root: str, store: ObjectStore, source: str) -> None:
+    out = join(storage_root, "completions")
+    spec = ImportSpec(kind=Kind.completions, source_prefix=source, output_prefix=out, run_id="r1")
+    assert run_import(store, spec, PRODUCER, index=0, count=2) is None  # manifest waits for shard 1
+    assert run_import(store, spec, PRODUCER, index=1, count=2) is not None
+    assert load_manifest(store, out, Kind.completions).manifest.accounting.input_records == 52
+
+
+def test_too_much_bad_input_fails_the_import(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    prefix = str(tmp_path / "external")
+    bad = [b"not json"] * 3 + [{"messages": []}] * 3 + [conversation(i) for i in range(4)]
+    store.write_bytes(join(prefix, "x.jsonl"), jsonl(bad))
+    spec = ImportSpec(kind=Kind.completions, source_prefix=prefix, output_prefix=str(tmp_path / "out"), run_id="r")
+    with pytest.raises(BadInputError, match="10 of 10 records in shard 0 are unusable") as err:
+        run_import(store, spec, PRODUCER)
+    assert err.value.counts == {"malformed_record": 6, "no_final_assistant_turn": 4}
+    assert not store.exists(join(str(tmp_path / "out"), "manifest.json"))
+
+
+def test_no_source_files_is_bad_input(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    spec = ImportSpec(kind=Kind.prompts, source_prefix=str(tmp_path), output_prefix=str(tmp_path / "o"), run_id="r")
+    with pytest.raises(BadInputError, match="no .jsonl"):
+        run_import(store, spec, PRODUCER)

