@@ -169,9 +169,16 @@ class ChatFormat:
         for token in added:
             token["special"] = True
         self.tokenizer = Tokenizer.from_str(json.dumps(spec))
+        # Some tokenizer.json files carry a truncation or padding setting; the stage truncates itself.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self._lock = threading.Lock()
 
         self.added_token_pattern = _alternation(self.added_tokens)
+        # Whether JSON text of messages can be searched for these strings (see literal.py).
+        self.added_tokens_json_safe = not any(
+            c in '"\\' or ord(c) < 0x20 for token in self.added_tokens for c in token
+        )
         self.special_token_pattern = _alternation(self.special_tokens)
 
         self.end_of_turn = end_of_turn

@@ -6,7 +6,7 @@ import tempfile
 
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
-from dflash_shared.preflight import CheckFailed, Preflight
+from dflash_shared.preflight import CheckError, Preflight
 from dflash_shared.storage import ObjectStore, is_s3
 from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.config import TokenizeConfig
@@ -20,9 +20,10 @@ FORBIDDEN = ["torch", "vllm", "triton"]
 def build_preflight(config: TokenizeConfig, store: ObjectStore | None = None) -> Preflight:
     store = store or ObjectStore()
     checks = Preflight(STAGE, store).imports(REQUIRED, FORBIDDEN)
-    for uri in sorted({config.input, config.output, config.tokenizer}):
-        if is_s3(uri):
-            checks.credentials(uri)
+    # One credentials line is enough: every S3 location is read with the same credential chain.
+    s3_uris = [uri for uri in (config.input, config.output, config.tokenizer) if is_s3(uri)]
+    if s3_uris:
+        checks.credentials(s3_uris[0])
     checks.storage_write(config.output)
     checks.disk(config.scratch_dir or tempfile.gettempdir(), int(config.disk_need_gib * 2**30))
     loaded: list[ChatFormat] = []
@@ -35,12 +36,12 @@ def build_preflight(config: TokenizeConfig, store: ObjectStore | None = None) ->
 
     def input_manifest() -> str:
         if not loaded:
-            raise CheckFailed("skipped: the tokenizer could not be loaded", ExitCode.BAD_INPUT)
+            raise CheckError("skipped: the tokenizer could not be loaded", ExitCode.ENVIRONMENT)
         try:
             source, thinking = open_source(store, config, loaded[0])
         except ManifestError as err:
             field = f" (field: {err.field})" if err.field else ""
-            raise CheckFailed(f"{err}{field}", ExitCode.BAD_INPUT) from err
+            raise CheckError(f"{err}{field}", ExitCode.BAD_INPUT) from err
         m = source.manifest
         return (f"completions {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records, "
                 f"thinking {thinking}, compatible with the tokenizer")

@@ -17,6 +17,7 @@ came from the template. The text between those is encoded with no added-token ma
 from __future__ import annotations
 
 import bisect
+import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,15 +46,26 @@ def _pattern_for(chat: ChatFormat, message: dict[str, Any]) -> re.Pattern[str]:
     return chat.special_token_pattern if message.get("role") == "assistant" else chat.added_token_pattern
 
 
+def _joined(objs: Sequence[Any], json_safe: bool) -> str:
+    if json_safe:
+        # C-speed serialisation; JSON leaves these token strings intact and adds no text that could
+        # complete one (they hold no quote, backslash or control character).
+        return json.dumps(objs, ensure_ascii=False)
+    return "\0".join(_strings(list(objs)))
+
+
 def has_literal_specials(
     chat: ChatFormat, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
 ) -> bool:
     """True when some message or tool text holds a control-token string that must stay text."""
-    # One search over all strings joined by NUL (which no token contains) per pattern.
-    other = "\0".join(s for m in messages if m.get("role") != "assistant" for s in _strings(m))
-    other += "\0" + "\0".join(_strings(tools or []))
-    assistant = "\0".join(s for m in messages if m.get("role") == "assistant" for s in _strings(m))
-    return bool(chat.added_token_pattern.search(other) or chat.special_token_pattern.search(assistant))
+    safe = chat.added_tokens_json_safe
+    assistant = [m for m in messages if m.get("role") == "assistant"]
+    other: list[Any] = [m for m in messages if m.get("role") != "assistant"]
+    other.extend(tools or [])
+    return bool(
+        chat.added_token_pattern.search(_joined(other, safe))
+        or chat.special_token_pattern.search(_joined(assistant, safe))
+    )
 
 
 def _neutralize(obj: Any, pattern: re.Pattern[str], mark: str) -> Any:

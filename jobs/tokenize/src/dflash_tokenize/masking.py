@@ -204,7 +204,7 @@ def _assemble(
     _check_prompt(item, ids, prompt_len, chat)
     # What a template writes after the final end-of-turn (Qwen: a line break) was never generated;
     # ending there makes render mode produce the same sequence as token_exact mode.
-    ids = ids[:end]
+    del ids[end:]
     mask = [0] * len(ids)
     trained = 0
     for a, b in token_spans:
@@ -274,9 +274,7 @@ def try_render_batch(
             results[i] = err
 
     if literal:
-        lit_encodings = encode_literal_batch(
-            chat, [(it.dicts, it.tools, it.thinking, it.text) for _, it in literal]
-        )
+        lit_encodings = encode_literal_batch(chat, [(it.dicts, it.tools, it.thinking, it.text) for _, it in literal])
         for (i, item), lit in zip(literal, lit_encodings, strict=True):
             try:
                 if isinstance(lit, str):
