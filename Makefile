@@ -11,8 +11,10 @@ PYTEST_ARGS ?=
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-# The dev environment is rebuilt whenever a requirements or project file changes.
-$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/tokenize/pyproject.toml
+# ---------------------------------------------------------------- environments
+# The torch-free environment (shared library, tokenize stage, k8s and image tests), rebuilt whenever a
+# requirements or project file changes. uv is fast here because nothing in it needs torch.
+$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
 	uv venv --quiet --allow-existing -p $(PYTHON) $(VENV)
 	VIRTUAL_ENV=$(VENV) uv pip install --quiet -r requirements/dev.in
@@ -20,11 +22,24 @@ $(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/tokenize/pyproject
 
 venv: $(VENV_STAMP) ## Create the development environment (.venv)
 
-test: $(VENV_STAMP) ## Run the whole test suite (what CI runs)
-	$(PY) -m pytest $(PYTEST_ARGS)
+venv-generate: ## Create .venv-generate (vLLM on CPU) for the generate stage
+	bash scripts/venv-generate.sh
 
-test-fast: $(VENV_STAMP) ## Run the tests that need no image build, no vLLM and no long run
-	$(PY) -m pytest -m "not slow and not image and not e2e" $(PYTEST_ARGS)
+venv-train: ## Create .venv-train (PyTorch on CPU) for the train stage
+	bash scripts/venv-train.sh
+
+image-tools: ## Install podman/buildah/debootstrap when missing
+	bash docker/build-images.sh --ensure-tools
+
+# ---------------------------------------------------------------- tests and checks
+test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the whole test suite (what CI runs)
+	bash scripts/run-tests.sh $(PYTEST_ARGS)
+
+test-fast: $(VENV_STAMP) ## Unit tests only: no image builds, no vLLM, no long runs
+	$(PY) -m pytest -m "not slow and not image and not e2e" --ignore=tests/generate --ignore=tests/train $(PYTEST_ARGS)
+
+test-images: $(VENV_STAMP) image-tools ## Build the images and run the image tests
+	$(PY) -m pytest -m image tests/images $(PYTEST_ARGS)
 
 lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library
 	$(VENV)/bin/ruff check .
@@ -33,10 +48,22 @@ lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library
 schemas: $(VENV_STAMP) ## Export the JSON Schema of every manifest kind to schemas/
 	$(PY) -m dflash_shared.schemas schemas
 
+# ---------------------------------------------------------------- images
 build-images: ## Build every image under docker/ (docker or podman)
 	bash docker/build-images.sh
 
 build-image: ## Build one image: make build-image IMAGE=tokenizer
 	bash docker/build-images.sh $(IMAGE)
 
-.PHONY: help venv test test-fast lint schemas build-images build-image
+base-image: ## Build the local debootstrap base image (used where no registry is reachable)
+	bash docker/base/make-local-base.sh
+
+lock: ## Regenerate every stage's hash-pinned lock file
+	bash docker/lock.sh
+
+# ---------------------------------------------------------------- benchmarks
+bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer library's limit
+	$(PY) bench/bench_tokenize.py
+
+.PHONY: help venv venv-generate venv-train image-tools test test-fast test-images lint schemas build-images \
+	build-image base-image lock bench-tokenize

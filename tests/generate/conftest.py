@@ -1,11 +1,18 @@
-"""Fixtures of the generate-stage tests: a real Qwen tokenizer directory and the tiny Qwen3 target."""
+"""Fixtures of the generate-stage tests: a real Qwen tokenizer directory, the tiny Qwen3 target, one engine.
+
+Starting a vLLM engine takes tens of seconds on CPU, so every test module that needs one shares the
+session's engine (same model and context length; thinking mode and sampling are per request).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.generate.stage_support import ENGINE_SETTINGS
 from tests.support.qwen_assets import build_tokenizer_dir
 
 
@@ -21,3 +28,31 @@ def tiny_target_dir() -> Path:
     from tests.support.tiny_target import build_tiny_qwen3
 
     return build_tiny_qwen3()
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Small KV cache, no hub, a private compile cache: for engines in this process and in subprocesses."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm-cache")),
+    }
+    mp = pytest.MonkeyPatch()
+    for key, value in env.items():
+        mp.setenv(key, value)
+    yield env
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_target_dir: Path, vllm_env: dict[str, str]) -> Iterator[Any]:
+    """One started vLLM engine on the tiny target for the whole session."""
+    pytest.importorskip("vllm", reason="engine tests need the generate environment (.venv-generate)")
+    from dflash_generate.engine import EngineConfig, VllmEngine
+
+    eng = VllmEngine(EngineConfig(model=str(tiny_target_dir), **ENGINE_SETTINGS))
+    try:
+        yield eng
+    finally:
+        eng.close()

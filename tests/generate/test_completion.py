@@ -25,14 +25,15 @@ from dflash_generate.completion import (
 )
 from dflash_generate.engine import EngineConfig
 from dflash_generate.sampling import SamplingConfig, default_sampling, qwen_non_thinking, qwen_thinking
+from dflash_shared.quality import THINKING_UNCLOSED, QualityPolicy, classify
 from dflash_shared.records import Message, PromptRecord, ToolCall, ToolCallFunction, record_id
 from tests.support.qwen_assets import qwen_special_ids
 
 IDS = qwen_special_ids("qwen3")
 
 
-def prompt(*messages: Message) -> PromptRecord:
-    return PromptRecord(id=record_id(messages), messages=messages, source="unit:1")
+def prompt(*messages: Message, tools: tuple[dict[str, Any], ...] | None = None) -> PromptRecord:
+    return PromptRecord(id=record_id(messages, tools), messages=messages, tools=tools, source="unit:1")
 
 
 def user(text: str) -> Message:
@@ -84,6 +85,21 @@ def test_render_matches_the_chat_template(tok: Any) -> None:
     assert isinstance(off, RenderedPrompt) and off.text.endswith("<think>\n\n</think>\n\n")
 
 
+def test_tools_reach_the_template_and_the_record(tok: Any) -> None:
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    weather = {"type": "function",
+               "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": parameters}}
+    record = prompt(user("Weather in Paris?"), tools=(weather,))
+    rendered = render_prompt(tok, record, False)
+    assert isinstance(rendered, RenderedPrompt)
+    expected = tok.apply_chat_template([m.template_dict() for m in record.messages], tools=[weather],
+                                       add_generation_prompt=True, enable_thinking=False, tokenize=False)
+    assert rendered.text == expected and '"get_weather"' in rendered.text
+    outcome = build_outcome(rendered, prompt_token_ids=rendered.token_ids, completion_token_ids=[1], text="x",
+                            finish_reason="length", enable_thinking=False, sampling={})
+    assert outcome.record is not None and outcome.record.tools == (weather,)
+
+
 def test_template_error_is_a_record_failure(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
     # A tokenizer without a chat template (a base model) cannot render any conversation.
     config = json.loads((qwen3_tokenizer_dir / "tokenizer_config.json").read_text())
@@ -129,13 +145,38 @@ def test_split_model_opened_and_closed() -> None:
 def test_split_prompt_opened_block() -> None:
     closed = split_reasoning("\nhmm\n</think>\n\nok", enable_thinking=True, prompt_opens_thinking=True)
     assert (closed.reasoning, closed.content, closed.closed) == ("hmm", "ok", True)
+    # Never closed: kept raw as content, the opening marker the prompt wrote put back in front.
     cut = split_reasoning("\nstill thinking when the", enable_thinking=True, prompt_opens_thinking=True)
-    assert (cut.reasoning, cut.content, cut.closed) == ("still thinking when the", "", False)
+    assert (cut.reasoning, cut.content, cut.closed) == (None, "<think>\nstill thinking when the", False)
 
 
-def test_split_unclosed_model_block_is_flagged() -> None:
+def test_split_unclosed_model_block_is_kept_raw() -> None:
     split = split_reasoning("<think>\nlong thought", enable_thinking=True, prompt_opens_thinking=False)
-    assert (split.reasoning, split.content, split.closed) == ("long thought", "", False)
+    assert (split.reasoning, split.content, split.closed) == (None, "<think>\nlong thought", False)
+
+
+@pytest.mark.parametrize(
+    ("text", "opened_by_prompt"), [("<think>\nI was still going", False), ("\nI was still going", True)]
+)
+def test_unclosed_thinking_is_what_the_shared_gate_calls_unclosed(
+    tok: Any, text: str, opened_by_prompt: bool
+) -> None:
+    record = prompt(user("Think hard."))
+    rendered = render_prompt(tok, record, True)
+    assert isinstance(rendered, RenderedPrompt)
+    if opened_by_prompt:  # a Qwen3.5-style template ends the generation prompt inside the block
+        rendered = RenderedPrompt(record, rendered.messages, rendered.text + "<think>\n", rendered.token_ids)
+    ids = tok.encode(text, add_special_tokens=False)
+    outcome = build_outcome(
+        rendered, prompt_token_ids=rendered.token_ids, completion_token_ids=ids, text=text,
+        finish_reason="length", enable_thinking=True, sampling={},
+    )
+    assert outcome.record is not None and outcome.thinking_closed is False
+    answer = outcome.record.final_assistant
+    assert answer.reasoning_content is None and answer.content.startswith("<think>")
+    reason = classify(content=answer.content, reasoning=answer.reasoning_content, finish_reason="stop",
+                      thinking_requested=True, content_tokens=len(ids), policy=QualityPolicy())
+    assert reason == THINKING_UNCLOSED
 
 
 def test_split_direct_answer_in_thinking_mode() -> None:

@@ -1,13 +1,13 @@
 """The vLLM engine wrapper against a real vLLM engine (CPU build) and the tiny random Qwen3 target.
 
-One engine serves the whole module: starting it takes tens of seconds on CPU. The expectations come from
-the tokenizer directory through transformers (chat template rendering, decoding), independent of vLLM.
+The session's engine (tests/generate/conftest.py) serves the module: starting one takes tens of seconds.
+The expectations come from the tokenizer directory through transformers (chat template rendering,
+decoding), independent of vLLM.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="engine tests need the generate environment (
 from transformers import AutoTokenizer  # noqa: E402
 
 from dflash_generate.completion import RenderedPrompt, render_prompt  # noqa: E402
-from dflash_generate.engine import EngineConfig, VllmEngine  # noqa: E402
+from dflash_generate.engine import VllmEngine  # noqa: E402
 from dflash_generate.sampling import qwen_non_thinking, qwen_thinking  # noqa: E402
 from dflash_shared.records import (  # noqa: E402
     CompletionRecord,
@@ -28,11 +28,11 @@ from dflash_shared.records import (  # noqa: E402
     ToolCallFunction,
     record_id,
 )
+from tests.generate.stage_support import MAX_MODEL_LEN  # noqa: E402
 from tests.support.qwen_assets import qwen_special_ids  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MAX_MODEL_LEN = 256
 IDS = qwen_special_ids("qwen3")
 STOP_IDS = {IDS["im_end"], IDS["endoftext"]}
 
@@ -63,28 +63,6 @@ PROMPTS = [
     ),
     prompt(user("用一句话解释光合作用。")),
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
-    mp = pytest.MonkeyPatch()
-    # Small KV cache, no hub, and a private compile cache so parallel runs do not share state.
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-    config = EngineConfig(
-        model=str(tiny_target_dir),
-        max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=0.3,
-        enforce_eager=True,
-        max_num_seqs=16,
-    )
-    eng = VllmEngine(config)
-    try:
-        yield eng
-    finally:
-        eng.close()
-        mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +131,11 @@ def test_thinking_on(engine: VllmEngine, hf_tok: Any) -> None:
         rec = outcome.record
         assert rec.sampling == sampling.model_dump(mode="json")
         msg, text = rec.final_assistant, raw_text(hf_tok, rec)
-        if outcome.thinking_closed is None:  # the model did not open a think block
+        if not outcome.thinking_closed:  # no think block, or one never closed: the raw text is the content
             assert msg.reasoning_content is None and msg.content == text
+            assert outcome.thinking_closed is None or text.lstrip().startswith("<think>")
         else:
-            closing = r"\n*</think>\n*" if outcome.thinking_closed else ""
-            pattern = r"\s*<think>\n*" + re.escape(msg.reasoning_content or "") + closing
+            pattern = r"\s*<think>\n*" + re.escape(msg.reasoning_content or "") + r"\n*</think>\n*"
             assert re.fullmatch(pattern + re.escape(msg.content), text), text
         # Thinking on differs from off only by the pre-filled empty think block.
         on_ids, off_ids = list(rec.prompt_token_ids), expected_prompt_ids(hf_tok, p, False)
@@ -193,25 +171,36 @@ def test_failures_are_counted_and_others_unaffected(engine: VllmEngine) -> None:
 
 def test_engine_rejection_is_isolated_to_its_record(engine: VllmEngine) -> None:
     sampling = qwen_thinking().with_overrides(max_tokens=4)
-    rendered = [render_prompt(engine.tokenizer, p, True) for p in PROMPTS[:3]]
+    rendered = [engine.prepare(p, True) for p in PROMPTS[:3]]
     long_record = prompt(user("overflow " * MAX_MODEL_LEN))
     long_rendered = render_prompt(engine.tokenizer, long_record, True)
     assert all(isinstance(r, RenderedPrompt) for r in [*rendered, long_rendered])
-    # Pretend the local length check saw a short prompt, so the engine itself must refuse this one.
-    sneaked = RenderedPrompt(
-        record=long_record,
-        messages=long_rendered.messages,  # type: ignore[union-attr]
-        text=long_rendered.text,  # type: ignore[union-attr]
-        token_ids=[IDS["im_start"]],
-    )
-    items = list(enumerate([rendered[0], rendered[1], sneaked, rendered[2]]))
-    results = dict(engine._generate_isolated(items, True, sampling))  # noqa: SLF001
+    # Skip the local length check, so the engine itself must refuse this one.
+    items = list(enumerate([rendered[0], rendered[1], long_rendered, rendered[2]]))
+    results = dict(engine.stream_rendered(items, True, sampling))  # type: ignore[arg-type]
     assert sorted(results) == [0, 1, 2, 3]
     assert results[2].failure == "engine_error" and results[2].prompt_id == long_record.id
     assert re.search("maximum (context|model) length", results[2].detail or ""), results[2].detail
     assert all(results[i].ok for i in (0, 1, 3))
     # The engine keeps serving after the rejection.
     assert engine.generate([PROMPTS[0]], enable_thinking=False, sampling=sampling)[0].ok
+
+
+def test_stream_keeps_at_most_max_inflight_requests(engine: VllmEngine) -> None:
+    sampling = qwen_non_thinking().with_overrides(max_tokens=6, seed=5)
+    keys = [f"k{i}" for i in range(12)]
+    requests = ((key, PROMPTS[i % len(PROMPTS)]) for i, key in enumerate(keys))
+    seen: list[str] = []
+    for key, outcome in engine.stream(requests, False, sampling, max_inflight=3):
+        assert outcome.ok
+        seen.append(key)
+        assert engine._llm.llm_engine.get_num_unfinished_requests() <= 3  # noqa: SLF001
+    assert sorted(seen) == sorted(keys)
+    # A consumer that stops early leaves nothing running in the engine.
+    stream = engine.stream(((k, PROMPTS[0]) for k in keys), False, sampling, max_inflight=4)
+    next(stream)
+    stream.close()
+    assert engine._llm.llm_engine.get_num_unfinished_requests() == 0  # noqa: SLF001
 
 
 def test_max_tokens_one_gives_single_token_outputs(engine: VllmEngine, hf_tok: Any) -> None:

@@ -76,3 +76,13 @@ def parse_messages(obj: Any) -> list[Message]:
     if not isinstance(raw_messages, list) or not raw_messages:
         raise RecordError(MALFORMED, "record has no 'messages' list")
     return [_message(raw, i) for i, raw in enumerate(raw_messages)]
+
+
+def parse_tools(obj: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    """The record's tool definitions, when it offers any (rendered into the system prompt by templates)."""
+    tools = obj.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RecordError(MALFORMED, "'tools' is not a list of objects")
+    return tuple(tools)

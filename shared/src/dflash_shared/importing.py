@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from dflash_shared.conversations import RecordError, parse_messages
+from dflash_shared.conversations import RecordError, parse_messages, parse_tools
 from dflash_shared.errors import BadInputError
 from dflash_shared.jsonl import JSONL_SUFFIXES, JsonlZstWriter, iter_lines
 from dflash_shared.manifests import (
@@ -87,22 +87,24 @@ def iter_source(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
             yield f"{uri}:{number}", RecordError(MALFORMED, f"not valid JSON ({err.__class__.__name__}: {err})")
 
 
-def to_prompt(messages: list[Message], source: str) -> PromptRecord:
+def to_prompt(messages: list[Message], source: str, tools: tuple[dict[str, Any], ...] | None) -> PromptRecord:
     # The last assistant turn (if any) is what the target will regenerate, so it is not part of the prompt.
     while messages and messages[-1].role == "assistant":
         messages = messages[:-1]
     if not any(m.role == "user" and m.content.strip() for m in messages):
         raise RecordError(EMPTY_PROMPT, "no user message with text")
-    return PromptRecord(id=record_id(messages), messages=tuple(messages), source=source)
+    return PromptRecord(id=record_id(messages, tools), messages=tuple(messages), tools=tools, source=source)
 
 
-def to_completion(messages: list[Message], source: str) -> CompletionRecord:
+def to_completion(
+    messages: list[Message], source: str, tools: tuple[dict[str, Any], ...] | None
+) -> CompletionRecord:
     if messages[-1].role != "assistant":
         raise RecordError(NO_FINAL_ASSISTANT, f"last message is from {messages[-1].role!r}, not the assistant")
     prompt = messages[:-1]
     if not any(m.role == "user" and m.content.strip() for m in prompt):
         raise RecordError(EMPTY_PROMPT, "no user message with text before the assistant turn")
-    return CompletionRecord(id=record_id(prompt), messages=tuple(messages), source=source)
+    return CompletionRecord(id=record_id(prompt, tools), messages=tuple(messages), tools=tools, source=source)
 
 
 @dataclass
@@ -153,7 +155,7 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
             try:
                 if isinstance(obj, RecordError):
                     raise obj
-                record = convert(parse_messages(obj), where)
+                record = convert(parse_messages(obj), where, parse_tools(obj))
             except RecordError as err:
                 tally.reject(tally.failures, err.reason, where, str(err))
                 continue

@@ -49,10 +49,15 @@ class Message(_Record):
         return self.model_dump(mode="json", exclude_none=True)
 
 
-def record_id(messages: list[Message] | tuple[Message, ...]) -> str:
+def record_id(
+    messages: list[Message] | tuple[Message, ...], tools: tuple[dict[str, Any], ...] | None = None
+) -> str:
     """Stable content id: identical conversations get identical ids, so duplicates can be counted."""
+    content: Any = [m.model_dump(mode="json", exclude_none=True) for m in messages]
+    if tools:  # tools change what the model sees, but records without them keep their historical ids
+        content = {"messages": content, "tools": list(tools)}
     canonical = json.dumps(
-        [m.model_dump(mode="json", exclude_none=True) for m in messages],
+        content,
         sort_keys=True,
         ensure_ascii=False,
         separators=(",", ":"),
@@ -65,6 +70,9 @@ class PromptRecord(_Record):
 
     id: str = Field(description="Stable content id (see record_id).")
     messages: tuple[Message, ...] = Field(description="The conversation up to the turn to generate.")
+    tools: tuple[dict[str, Any], ...] | None = Field(
+        default=None, description="Tool definitions offered to the model (OpenAI function schema)."
+    )
     source: str | None = Field(default=None, description="Where the record came from (file and line).")
 
 
@@ -74,6 +82,9 @@ class CompletionRecord(_Record):
     id: str = Field(description="Id of the prompt this completes.")
     messages: tuple[Message, ...] = Field(
         description="The prompt messages followed by the final assistant message."
+    )
+    tools: tuple[dict[str, Any], ...] | None = Field(
+        default=None, description="Tool definitions offered to the model (OpenAI function schema)."
     )
     prompt_token_ids: tuple[int, ...] | None = Field(
         default=None, description="Prompt ids exactly as the engine saw them; None for imported data."

@@ -49,8 +49,9 @@ class GenerationOutcome(BaseModel):
     thinking_closed: bool | None = Field(
         default=None,
         description=(
-            "Thinking mode only: whether the completion closed its think block. False means the whole "
-            "text was kept as reasoning_content and content is empty (usually a length cut)."
+            "Thinking mode only: whether the completion closed its think block. False means the block was "
+            "never closed (usually a length cut): the raw text, opening marker included, is kept as content "
+            "and reasoning_content is None, which is how the shared quality gate recognises it."
         ),
     )
 
@@ -103,9 +104,10 @@ def render_prompt(
 ) -> RenderedPrompt | GenerationOutcome:
     """Render and tokenise the record as the engine will; a failure outcome if the template refuses."""
     messages = template_messages(record)
+    tools = [dict(tool) for tool in record.tools] if record.tools else None
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
         )
     except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all mean "cannot render"
         return failed(record.id, "template_error", f"prompt {record.id}: chat template failed: {exc}")
@@ -141,7 +143,9 @@ def split_reasoning(text: str, *, enable_thinking: bool, prompt_opens_thinking: 
 
     Thinking off: the template already closed an empty think block, so everything is content. Thinking on:
     the text starts inside the block (the prompt opened it) or with the model's own `<think>`; the part
-    before `</think>` is reasoning, the rest content. A block never closed keeps all text as reasoning.
+    before `</think>` is reasoning, the rest content. A block never closed is not split at all: the raw
+    text becomes the content, starting with `<think>` (prefixed when the prompt opened the block), so that
+    `dflash_shared.quality.classify` counts it as thinking_unclosed, exactly as it does for imported data.
     """
     if not enable_thinking:
         return ThinkingSplit(reasoning=None, content=text, closed=None)
@@ -153,8 +157,10 @@ def split_reasoning(text: str, *, enable_thinking: bool, prompt_opens_thinking: 
     if THINK_END in body:
         reasoning, content = body.split(THINK_END, 1)
         return ThinkingSplit(reasoning=reasoning.strip("\n"), content=content.lstrip("\n"), closed=True)
-    if prompt_opens_thinking or model_opened:
-        return ThinkingSplit(reasoning=body.strip("\n"), content="", closed=False)
+    if model_opened:
+        return ThinkingSplit(reasoning=None, content=text, closed=False)
+    if prompt_opens_thinking:
+        return ThinkingSplit(reasoning=None, content=THINK_START + text, closed=False)
     # Thinking was allowed but the model answered directly (possible with Qwen3's original template).
     return ThinkingSplit(reasoning=None, content=text, closed=None)
 
@@ -193,6 +199,7 @@ def build_outcome(
     record = CompletionRecord(
         id=rendered.record.id,
         messages=(*rendered.record.messages, answer),
+        tools=rendered.record.tools,
         prompt_token_ids=tuple(prompt_token_ids),
         completion_token_ids=tuple(completion_token_ids),
         finish_reason=finish_reason,

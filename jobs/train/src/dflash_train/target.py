@@ -1,0 +1,231 @@
+"""The frozen target model inside the trainer: features of chosen layers, embedding and LM head.
+
+`FrozenTarget` wraps a Hugging Face causal LM (eval mode, no gradients). Target features are taken with
+forward hooks on the chosen decoder layers: layer id L is the output of decoder layer L, which equals
+HF `output_hidden_states[L + 1]`. Decoder layers after the last chosen one are never needed, so they are
+dropped from the wrapped model at construction (less memory, and the forward stops there); the final
+norm still runs on the last kept layer's output, which is cheap and unused.
+
+Packed rows (several documents per row) must not attend across documents in the target either. Two ways:
+- "mask": one forward per batch with position ids restarting per document and a block-diagonal causal
+  mask handed to the model as a ready 4D mask per layer type (a float 0/-inf tensor for sdpa/eager, a
+  flex BlockMask for flex_attention). transformers passes 4D masks through unchanged. Works for models
+  whose layers are all full_attention / sliding_attention (Qwen3, Llama, Qwen2, ...).
+- "per_document": each document runs alone (slower, but right for any architecture, e.g. targets with
+  linear-attention layers whose state would leak across documents under any mask).
+`packing="auto"` picks "mask" when the layer types allow it.
+
+The embedding and LM head are the target's own modules (tied or not, as the checkpoint says); the drafter
+shares them frozen. Embeddings are never resized: a mask token id outside the table is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
+
+from dflash_train.attention import additive_mask, document_causal_mask_mod, materialize
+from dflash_train.batch import PAD_DOCUMENT
+
+Packing = Literal["auto", "mask", "per_document"]
+_MASKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_MASK_IMPLEMENTATIONS = frozenset({"sdpa", "eager", "flex_attention"})
+
+
+class FrozenTarget:
+    """A frozen HF causal LM exposing `features`, `embed` and `lm_head` for drafter training."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], packing: Packing = "auto") -> None:
+        """Wrap `model` (modified in place: eval, frozen, layers after max(layer_ids) removed)."""
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        decoder = model.get_decoder()
+        layers = decoder.layers
+        self.num_layers = len(layers)
+        self.layer_ids = [int(i) for i in layer_ids]
+        if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer ids must be a non-empty list without repeats, got {self.layer_ids}")
+        for layer_id in self.layer_ids:
+            if not 0 <= layer_id <= self.num_layers - 2:
+                raise ValueError(
+                    f"target layer id {layer_id} outside 0..{self.num_layers - 2} for a {self.num_layers}-layer"
+                    " target (the last layer is not captured by serving engines)"
+                )
+        keep_layers = max(self.layer_ids) + 1
+        decoder.layers = nn.ModuleList(list(layers)[:keep_layers])
+        self._decoder = decoder
+        self.hidden_size = int(self.config.hidden_size)
+        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self._kept_layer_types = sorted(set(self.layer_types[:keep_layers]))
+        self.packing = self._resolve_packing(packing)
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self._captured: dict[int, torch.Tensor] | None = None
+        for layer_id in self.layer_ids:
+            decoder.layers[layer_id].register_forward_hook(self._hook(layer_id))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        layer_ids: Sequence[int],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        attn_implementation: str = "sdpa",
+        packing: Packing = "auto",
+    ) -> FrozenTarget:
+        """Load a target checkpoint directory. dtype defaults to bf16 on CUDA and float32 elsewhere."""
+        from transformers import AutoModelForCausalLM
+
+        device = torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=attn_implementation
+        ).to(device)
+        return cls(model, layer_ids, packing=packing)
+
+    def _resolve_packing(self, packing: Packing) -> Literal["mask", "per_document"]:
+        maskable = set(self._kept_layer_types) <= _MASKABLE_LAYER_TYPES and self.attn_implementation in (
+            _MASK_IMPLEMENTATIONS
+        )
+        if packing == "auto":
+            return "mask" if maskable else "per_document"
+        if packing == "mask" and not maskable:
+            raise ValueError(
+                f"packing='mask' needs layer types within {sorted(_MASKABLE_LAYER_TYPES)} and an attention"
+                f" implementation in {sorted(_MASK_IMPLEMENTATIONS)}; this target has {self._kept_layer_types}"
+                f" and {self.attn_implementation!r} (use packing='per_document')"
+            )
+        if packing not in ("mask", "per_document"):
+            raise ValueError(f"unknown packing {packing!r}; expected auto, mask or per_document")
+        return packing
+
+    @property
+    def attn_implementation(self) -> str:
+        """The attention implementation the wrapped model runs with (sdpa, eager, flex_attention, ...)."""
+        return str(getattr(self.config, "_attn_implementation", None) or "eager")
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the target weights."""
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the target weights."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the input embedding table (>= tokenizer size)."""
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def feature_size(self) -> int:
+        """Width of `features`: number of layer ids times the hidden size."""
+        return len(self.layer_ids) * self.hidden_size
+
+    def validate_token_id(self, token_id: int, what: str = "mask_token_id") -> None:
+        """Raise unless `token_id` is an existing row of the embedding (the table is never resized)."""
+        if not 0 <= token_id < self.vocab_rows:
+            raise ValueError(
+                f"{what} {token_id} is not a row of the target embedding (0..{self.vocab_rows - 1});"
+                " pick an existing (e.g. reserved) token, embeddings are never resized"
+            )
+
+    def check_drafter_config(self, cfg: Any) -> None:
+        """Raise if a DrafterConfig does not fit this target (layers, widths, mask token)."""
+        problems = []
+        if cfg.num_target_layers != self.num_layers:
+            problems.append(f"num_target_layers {cfg.num_target_layers} != target's {self.num_layers}")
+        if cfg.target_hidden_size != self.hidden_size:
+            problems.append(f"target_hidden_size {cfg.target_hidden_size} != target's {self.hidden_size}")
+        if list(cfg.target_layer_ids) != self.layer_ids:
+            problems.append(f"target_layer_ids {list(cfg.target_layer_ids)} != hooked layers {self.layer_ids}")
+        if problems:
+            raise ValueError("drafter config does not match the target: " + "; ".join(problems))
+        self.validate_token_id(cfg.mask_token_id)
+
+    def _hook(self, layer_id: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            del module, args
+            if self._captured is not None:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _forward_captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any) -> torch.Tensor:
+        self._captured = {}
+        try:
+            self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+            missing = [i for i in self.layer_ids if i not in self._captured]
+            if missing:
+                raise RuntimeError(f"forward hooks did not fire for target layers {missing}")
+            return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._captured = None
+
+    def _packed_masks(self, document_ids: torch.Tensor) -> dict[str, Any]:
+        rows, seq = document_ids.shape
+        masks: dict[str, Any] = {}
+        for layer_type in self._kept_layer_types:
+            window = getattr(self.config, "sliding_window", None) if layer_type == "sliding_attention" else None
+            mod = document_causal_mask_mod(document_ids, window)
+            if self.attn_implementation == "flex_attention":
+                masks[layer_type] = create_block_mask(
+                    mod, rows, None, seq, seq, device=document_ids.device, _compile=document_ids.device.type == "cuda"
+                )
+            else:
+                masks[layer_type] = additive_mask(materialize(mod, rows, seq, seq, document_ids.device), self.dtype)
+        return masks
+
+    @torch.no_grad()
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Concatenated outputs of the chosen layers, [B, S, n * H], in the target dtype.
+
+        document_ids [B, S] (-1 = padding) makes the forward block-diagonal per document; without it each
+        row is one causal sequence. Feature rows of padding slots are meaningless (never attended to).
+        """
+        if document_ids is None:
+            return self._forward_captured(input_ids, position_ids, None)
+        if self.packing == "mask":
+            return self._forward_captured(input_ids, position_ids, self._packed_masks(document_ids))
+        return self._features_per_document(input_ids, position_ids, document_ids)
+
+    def _features_per_document(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
+    ) -> torch.Tensor:
+        rows, seq = input_ids.shape
+        out = torch.zeros(rows, seq, self.feature_size, dtype=self.dtype, device=input_ids.device)
+        for row in range(rows):
+            docs = document_ids[row]
+            for doc in torch.unique(docs[docs != PAD_DOCUMENT]).tolist():
+                where = (docs == doc).nonzero().squeeze(-1)
+                start, end = int(where[0]), int(where[-1]) + 1
+                if end - start != where.numel():
+                    raise ValueError(f"row {row}: document {doc} is not contiguous")
+                out[row, start:end] = self._forward_captured(
+                    input_ids[row : row + 1, start:end], position_ids[row : row + 1, start:end], None
+                )[0]
+        return out
+
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target input embeddings of `ids` (frozen)."""
+        return self.embed_tokens(ids)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H] weight of the target LM head (the embedding itself when tied)."""
+        return self.lm_head.weight

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run every test suite, each in the environment of the code it tests, and fail if any failed.
+#
+# The torch-free suites (shared library, tokenize, k8s, images) run in .venv; the generate stage's in
+# .venv-generate (vLLM on CPU); the train stage's in .venv-train (PyTorch on CPU). Every suite runs even
+# after another failed, so one report shows everything that is broken.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+status=0
+run_suite() {
+  local name=$1 python=$2; shift 2
+  echo "=== ${name} ($python) ==="
+  "$python" -m pytest "$@" || { echo "=== ${name}: FAILED ==="; status=1; }
+}
+
+run_suite "shared, tokenize, k8s, images" .venv/bin/python --ignore=tests/generate --ignore=tests/train "$@"
+[ -d tests/generate ] && run_suite "generate" .venv-generate/bin/python tests/generate "$@"
+[ -d tests/train ] && run_suite "train" .venv-train/bin/python tests/train "$@"
+exit $status

@@ -1,0 +1,28 @@
+"""Run orchestration on Kubernetes: a run file in, the Jobs of every stage out, their progress read back.
+
+- `config`: `RunConfig`, one TOML/JSON file per run.
+- `layout`: the prefixes of a run, <root>/<run_id>/<kind>.
+- `stages`: what each stage is (image, command, config prefix) and how it is wired to the layout.
+- `jobs`: the one Job builder every stage goes through, and the namespace and ServiceAccount.
+- `base`: the same objects written as a kustomize base (k8s/base).
+- `status`, `wait`: progress read from storage; the init container that orders the Jobs.
+
+The command line is `python -m dflash_shared.pipeline {render,submit,status,wait}`.
+"""
+
+from dflash_shared.pipeline.config import RunConfig, load_run_config, parse_run_config
+from dflash_shared.pipeline.jobs import build_job, generate_job, import_job, render_documents, tokenize_job
+from dflash_shared.pipeline.layout import RunLayout, layout
+
+__all__ = [
+    "RunConfig",
+    "RunLayout",
+    "build_job",
+    "generate_job",
+    "import_job",
+    "layout",
+    "load_run_config",
+    "parse_run_config",
+    "render_documents",
+    "tokenize_job",
+]

@@ -1,0 +1,122 @@
+"""`python -m dflash_shared.pipeline {render,submit,status,wait}`: run a pipeline on Kubernetes.
+
+    render --config run.toml [--stage tokenize] [--format yaml|json] [--out DIR]
+    submit --config run.toml [--stage tokenize] [--dry-run] [--kubectl PATH]
+    status --config run.toml [--json]
+    wait   --manifest s3://.../manifest.json [--timeout-seconds N] [--poll-seconds S]
+
+`render` prints the run's objects as a multi-document stream (or writes a kustomize base with --out);
+`submit` pipes the same stream to `kubectl apply -f -`; `status` reads the run's prefixes; `wait` is the
+init container of downstream Jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from dflash_shared.cli import run_stage_main
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.pipeline.base import write_base
+from dflash_shared.pipeline.config import load_run_config
+from dflash_shared.pipeline.jobs import render_documents
+from dflash_shared.pipeline.status import format_status, run_status
+from dflash_shared.pipeline.wait import wait_for_manifest
+from dflash_shared.pipeline.yaml_out import dump_all
+from dflash_shared.storage import ObjectStore
+
+
+class _Parser(argparse.ArgumentParser):
+    """Exits USAGE (64) on a bad command line, like every stage, instead of argparse's 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(int(ExitCode.USAGE))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m dflash_shared.pipeline", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("render", "print the run's Kubernetes objects"), ("submit", "kubectl apply them"),
+                       ("status", "show each stage's progress from storage")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
+        if name != "status":
+            cmd.add_argument("--stage", action="append", help="only this stage's Job (repeatable)")
+    render = sub.choices["render"]
+    render.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format")
+    render.add_argument("--out", type=Path, help="write a kustomize base into this directory instead")
+    submit = sub.choices["submit"]
+    submit.add_argument("--dry-run", action="store_true", help="print what would be applied, apply nothing")
+    submit.add_argument("--kubectl", default="kubectl", help="kubectl executable")
+    sub.choices["status"].add_argument("--json", action="store_true", help="machine-readable output")
+    wait = sub.add_parser("wait", help="wait for an input manifest (init container)")
+    wait.add_argument("--manifest", required=True, help="manifest URI to wait for")
+    wait.add_argument("--timeout-seconds", type=float, default=2 * 86400, help="give up (exit 65) after this")
+    wait.add_argument("--poll-seconds", type=float, default=30.0, help="time between checks")
+    return parser
+
+
+def _stream(args: argparse.Namespace, fmt: str = "yaml") -> str:
+    docs = render_documents(load_run_config(args.config), args.stage)
+    if fmt == "json":
+        return "".join(json.dumps(doc, indent=2) + "\n" for doc in docs)
+    return dump_all(docs, [f"Rendered from {args.config.name} by python -m dflash_shared.pipeline."])
+
+
+def _render(args: argparse.Namespace) -> int:
+    if args.out:
+        if args.stage:
+            raise ConfigError("--out writes the whole run; leave out --stage")
+        for path in write_base(load_run_config(args.config), args.config.name, args.out):
+            print(path)
+        return ExitCode.OK
+    sys.stdout.write(_stream(args, args.format))
+    return ExitCode.OK
+
+
+def _submit(args: argparse.Namespace) -> int:
+    stream = _stream(args)
+    command = [args.kubectl, "apply", "-f", "-"]
+    if args.dry_run:
+        sys.stdout.write(stream)
+        print(f"dry run: would pipe the above to {' '.join(command)}", file=sys.stderr)
+        return ExitCode.OK
+    if shutil.which(args.kubectl) is None:
+        raise ConfigError(f"{args.kubectl!r} not found on PATH; install kubectl or pass --kubectl")
+    proc = subprocess.run(command, input=stream, text=True, check=False)
+    if proc.returncode != 0:
+        print(f"{' '.join(command)} exited {proc.returncode}", file=sys.stderr)
+        return ExitCode.RETRYABLE
+    return ExitCode.OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    run = load_run_config(args.config)
+    statuses = run_status(run, ObjectStore())
+    if args.json:
+        print(json.dumps([s.to_json() for s in statuses], indent=2))
+    else:
+        sys.stdout.write(format_status(run, statuses))
+    return ExitCode.OK
+
+
+def _wait(args: argparse.Namespace) -> int:
+    return wait_for_manifest(ObjectStore(), args.manifest, args.timeout_seconds, args.poll_seconds)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = _parser().parse_args(argv)
+    commands = {"render": _render, "submit": _submit, "status": _status, "wait": _wait}
+    run_stage_main(f"pipeline {args.command}", lambda: commands[args.command](args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""`RunConfig`: everything one pipeline run needs to be rendered into Kubernetes Jobs, in one file.
+
+A run is described once, in TOML or JSON (`load_run_config`): its id and storage root, the namespace,
+the images, the target model, the source data, how pods reach S3, and per stage the shard count,
+resources, placement and stage config overrides. Stage settings given in the file are merged over the
+stage's own defaults (a file that sets only `stages.generate.shards` keeps generate's GPU defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from decimal import Decimal
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dflash_shared.errors import ConfigError
+
+# Kubernetes quantities as written in manifests ("500m", "4", "16Gi", "1.5G"); the schema validator
+# does not check them, so a typo like "16GB" would otherwise only fail at `kubectl apply`.
+_QUANTITY = re.compile(r"^(\d+(\.\d+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_SUFFIX = {
+    "": Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9),
+    "T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18), "Ki": Decimal(2**10), "Mi": Decimal(2**20),
+    "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50), "Ei": Decimal(2**60),
+}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_CONFIG_KEY = re.compile(r"^[a-z][a-z0-9_]*(__[a-z][a-z0-9_]*)*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names that carry credentials: they belong in the Secret (envFrom), never in a rendered manifest.
+SECRET_NAME = re.compile(
+    r"(^|_)(secret|password|passwd|credentials?|token|api_?key|access_?key|private_key)$", re.IGNORECASE
+)
+# Leaves room for "dflash-" + run id + "-" + the longest stage name and the pod index suffix in 63 chars.
+MAX_RUN_ID = 36
+
+
+def quantity_value(text: str) -> Decimal:
+    """The numeric value of a Kubernetes quantity ('16Gi' -> 17179869184)."""
+    match = _QUANTITY.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (examples: '500m', '4', '16Gi')")
+    return Decimal(match.group(1)) * _SUFFIX[match.group(3) or ""]
+
+
+def _check_quantity(text: str) -> str:
+    quantity_value(text)
+    return text
+
+
+def _check_dns_label(text: str) -> str:
+    if len(text) > 63 or not _DNS_LABEL.match(text):
+        raise ValueError(f"{text!r} must be a DNS label: lowercase letters, digits and '-', at most 63 characters")
+    return text
+
+
+Quantity = Annotated[str, AfterValidator(_check_quantity)]
+DnsLabel = Annotated[str, AfterValidator(_check_dns_label)]
+ConfigValue = str | int | float | bool | list[Any] | dict[str, Any]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Toleration(_Frozen):
+    """A pod toleration, as in the Kubernetes API."""
+
+    key: str | None = Field(default=None, description="Taint key; None with operator Exists tolerates all taints.")
+    operator: Literal["Exists", "Equal"] = Field(default="Exists", description="How the taint value is matched.")
+    value: str | None = Field(default=None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect tolerated; None tolerates every effect."
+    )
+    toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: how long to stay.")
+
+    def manifest(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "operator": self.operator, "value": self.value,
+                               "effect": self.effect, "tolerationSeconds": self.toleration_seconds}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class JobSettings(_Frozen):
+    """How one stage runs on the cluster: its shards, resources, placement and config overrides."""
+
+    shards: int = Field(default=1, ge=1, le=100_000, description="Pods of the Indexed Job (completions = parallelism).")
+    retries_per_shard: int = Field(default=3, ge=0, le=100, description="backoffLimitPerIndex: retries of one shard.")
+    max_failed_shards: int | None = Field(
+        default=None, ge=0, description="maxFailedIndexes: fail the Job once more shards than this have failed."
+    )
+    cpu: Quantity = Field(default="1", description="CPU request of the stage container.")
+    memory: Quantity = Field(default="2Gi", description="Memory request of the stage container.")
+    cpu_limit: Quantity | None = Field(default=None, description="CPU limit; None leaves CPU unthrottled.")
+    memory_limit: Quantity | None = Field(default=None, description="Memory limit; None means equal to the request.")
+    scratch_size: Quantity = Field(default="10Gi", description="sizeLimit of the scratch emptyDir (TMPDIR).")
+    home_size: Quantity = Field(default="2Gi", description="sizeLimit of the home emptyDir (library caches).")
+    shm_size: Quantity | None = Field(
+        default=None, description="Memory-backed /dev/shm of this size (GPU stages); counts against memory."
+    )
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs per pod (0: a CPU stage).")
+    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
+    gpu_types: list[str] = Field(
+        default_factory=list, description="Allowed GPU products (node affinity on gpu_type_label); empty: any."
+    )
+    gpu_type_label: str = Field(default="nvidia.com/gpu.product", description="Node label naming the GPU product.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations.")
+    runtime_class_name: str | None = Field(default=None, description="Pod runtimeClassName (e.g. 'nvidia').")
+    priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
+    termination_grace_seconds: int = Field(
+        default=120, ge=1, description="Time between SIGTERM and SIGKILL: enough to commit the shard in flight."
+    )
+    active_deadline_seconds: int | None = Field(default=None, ge=1, description="Job activeDeadlineSeconds.")
+    ttl_seconds_after_finished: int = Field(
+        default=3 * 86400, ge=0, description="Delete the finished Job (and its pods) after this long."
+    )
+    wait_for_input_seconds: int = Field(
+        default=2 * 86400, ge=0,
+        description="An init container waits this long for the input manifest (0: no wait); the Jobs of a run "
+        "can then be applied together. On timeout the pod exits 65 and the Job fails.",
+    )
+    config: dict[str, ConfigValue] = Field(
+        default_factory=dict,
+        description="Stage config overrides by field name (max_length = 8192 becomes DFLASH_<STAGE>_MAX_LENGTH).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra plain environment variables (not DFLASH_*, no credentials)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSettings:
+        for request, limit, what in ((self.memory, self.memory_limit, "memory"), (self.cpu, self.cpu_limit, "cpu")):
+            if limit is not None and quantity_value(limit) < quantity_value(request):
+                raise ValueError(f"{what}_limit {limit} is below the {what} request {request}")
+        if self.max_failed_shards is not None and self.max_failed_shards > self.shards:
+            raise ValueError(f"max_failed_shards {self.max_failed_shards} exceeds shards {self.shards}")
+        if self.gpu_types and not self.gpus:
+            raise ValueError("gpu_types is set but gpus is 0")
+        for key in self.config:
+            if not _CONFIG_KEY.match(key):
+                raise ValueError(f"config key {key!r} must be a stage config field name such as 'max_length'")
+            if SECRET_NAME.search(key):
+                raise ValueError(f"config key {key!r} looks like a credential; put it in the Secret instead")
+        for name in self.env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"env name {name!r} is not a valid environment variable name")
+            if name.upper().startswith("DFLASH_"):
+                raise ValueError(f"env {name!r}: set stage settings through `config`, which checks their names")
+            if SECRET_NAME.search(name) or name.upper().startswith("AWS_"):
+                raise ValueError(f"env {name!r}: credentials and S3 settings belong in [storage] or the Secret")
+        return self
+
+
+# Per-stage defaults, merged under whatever the run file sets for that stage.
+STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "import": {"cpu": "1", "memory": "2Gi", "scratch_size": "10Gi", "termination_grace_seconds": 60},
+    "generate": {
+        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "16Gi",
+        "termination_grace_seconds": 300,
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    "tokenize": {"cpu": "4", "memory": "8Gi", "scratch_size": "20Gi"},
+}
+
+
+class StagesSettings(_Frozen):
+    """Settings of every stage; a stage's table in the run file only needs the keys that differ."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    import_: JobSettings = Field(alias="import", description="Import of the source conversations (CPU).")
+    generate: JobSettings = Field(description="Completion generation with the target model (GPU).")
+    tokenize: JobSettings = Field(description="Tokenization and loss masking (CPU).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_defaults(cls, data: Any) -> Any:
+        data = dict(data or {})
+        if "import_" in data and "import" not in data:
+            data["import"] = data.pop("import_")
+        for stage, defaults in STAGE_DEFAULTS.items():
+            given = data.get(stage, {})
+            if isinstance(given, BaseModel):
+                continue
+            data[stage] = {**defaults, **(given or {})}
+        return data
+
+    def for_stage(self, name: str) -> JobSettings:
+        settings = getattr(self, "import_" if name == "import" else name, None)
+        if not isinstance(settings, JobSettings):
+            raise ConfigError(f"no settings for stage {name!r}")
+        return settings
+
+
+class ImageSettings(_Frozen):
+    """Where the stage images come from: <registry>/dflash-<name>:<tag>."""
+
+    registry: str = Field(default="localhost", description="Registry and path prefix of the images.")
+    tag: str = Field(default="latest", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$", description="Image tag.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="imagePullPolicy of every container."
+    )
+    pull_secrets: list[str] = Field(default_factory=list, description="imagePullSecrets names.")
+
+    def ref(self, name: str) -> str:
+        return f"{self.registry.rstrip('/')}/dflash-{name}:{self.tag}"
+
+
+class TargetModel(_Frozen):
+    """The target model the drafter is trained for."""
+
+    model_id: str = Field(description="Model id recorded in manifests (e.g. 'Qwen/Qwen3-8B').")
+    revision: str | None = Field(default=None, description="Model revision (commit or tag) recorded in manifests.")
+    uri: str = Field(
+        description="Directory (s3:// or a path inside the container) with the weights, tokenizer.json and chat "
+        "template."
+    )
+    enable_thinking: bool | None = Field(
+        default=None, description="Thinking mode for generation and tokenization; None keeps each stage's default."
+    )
+
+
+class SourceData(_Frozen):
+    """The external conversations a run starts from."""
+
+    kind: Literal["prompts", "completions"] = Field(
+        description="prompts: conversations to regenerate with the target (import -> generate -> tokenize); "
+        "completions: finished conversations used as they are (import -> tokenize)."
+    )
+    uri: str = Field(description="Prefix holding .jsonl(.zst|.gz) or .parquet conversation files.")
+
+
+class StorageAccess(_Frozen):
+    """How pods reach S3. Credentials never appear in a manifest: a Secret is referenced by name only."""
+
+    credentials: Literal["secret", "workload_identity"] = Field(
+        default="secret",
+        description="secret: the keys of a Secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) become "
+        "environment variables; workload_identity: the ServiceAccount carries the cloud identity.",
+    )
+    secret_name: str | None = Field(default=None, description="Secret name (credentials = secret); default dflash-s3.")
+    service_account: DnsLabel = Field(default="dflash-pipeline", description="ServiceAccount the pods run as.")
+    service_account_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Annotations of that ServiceAccount (e.g. the cloud role to assume)."
+    )
+    endpoint_url: str | None = Field(
+        default=None, pattern=r"^https?://\S+$", description="AWS_ENDPOINT_URL for S3-compatible stores (MinIO)."
+    )
+    region: str | None = Field(default=None, description="AWS_REGION.")
+    checksum_when_required: bool = Field(
+        default=False, description="Send S3 checksums only when required (stores that reject botocore's default)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StorageAccess:
+        if self.credentials == "workload_identity" and self.secret_name is not None:
+            raise ValueError("secret_name is set but credentials = 'workload_identity'; choose one")
+        return self
+
+    @property
+    def secret(self) -> str | None:
+        """Name of the credentials Secret, or None with workload identity."""
+        if self.credentials != "secret":
+            return None
+        return self.secret_name or "dflash-s3"
+
+
+class RunConfig(_Frozen):
+    """One pipeline run: rendered into the Jobs of every stage with their prefixes wired together."""
+
+    run_id: str = Field(description=f"Run id: a DNS label of at most {MAX_RUN_ID} characters.")
+    root: str = Field(description="s3://bucket/prefix under which <run_id>/<kind> prefixes are made.")
+    namespace: DnsLabel = Field(default="dflash", description="Namespace of every object.")
+    create_namespace: bool = Field(
+        default=True,
+        description="Render the Namespace object (labelled for the restricted Pod Security Standard); turn off "
+        "for a namespace that already exists or that you may not create.",
+    )
+    images: ImageSettings = Field(default_factory=ImageSettings, description="Stage images.")
+    target: TargetModel = Field(description="Target model.")
+    source: SourceData = Field(description="Source conversations.")
+    storage: StorageAccess = Field(default_factory=StorageAccess, description="S3 access of the pods.")
+    stages: StagesSettings = Field(default_factory=lambda: StagesSettings.model_validate({}),
+                                   description="Per-stage settings.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if len(self.run_id) > MAX_RUN_ID or not _DNS_LABEL.match(self.run_id):
+            raise ValueError(
+                f"run_id {self.run_id!r} must be lowercase letters, digits and '-', at most {MAX_RUN_ID} characters "
+                "(it names the Jobs)"
+            )
+        if not self.root.startswith("s3://") or len(self.root.rstrip("/")) <= len("s3://"):
+            raise ValueError(f"root {self.root!r} must be an s3://bucket[/prefix] URI: pods exchange data through S3")
+        return self
+
+
+def _describe(err: ValidationError, origin: str) -> str:
+    problems = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(file)"
+        problems.append(f"{where}: {item['msg']}")
+    return f"invalid run config {origin}: " + "; ".join(problems)
+
+
+def parse_run_config(data: dict[str, Any], origin: str = "(data)") -> RunConfig:
+    """Validate a run config given as data; errors name the file and the dotted field."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, origin)) from err
+
+
+def read_run_file(path: str | Path) -> dict[str, Any]:
+    """The raw data of a .toml or .json run file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read run config {path}: {err.strerror}") from err
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(raw.decode("utf-8"))
+        elif path.suffix == ".json":
+            data = json.loads(raw)
+        else:
+            raise ConfigError(f"run config {path} must end in .toml or .json")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"run config {path} is not valid {path.suffix[1:].upper()}: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"run config {path} must hold a table/object at the top level")
+    return data
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and validate a run file (.toml or .json)."""
+    return parse_run_config(read_run_file(path), str(path))

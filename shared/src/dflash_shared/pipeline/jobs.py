@@ -1,0 +1,288 @@
+"""Kubernetes objects of a run: one builder for every stage's Indexed Job, plus the namespace and account.
+
+Each stage is an Indexed Job with completions = parallelism = shards: pod i gets JOB_COMPLETION_INDEX=i
+from Kubernetes and DFLASH_NUM_SHARDS from the Job, which is all the sharded runner needs. The stage's
+config travels as DFLASH_<STAGE>_* environment variables, so the image's entrypoint hands the same
+settings to its preflight and its run. Exit codes map onto the Job's podFailurePolicy (see
+`dflash_shared.exit_codes`): bad configuration and bad input fail the Job at once, preemption is not
+counted as a failure, anything else is retried per index.
+
+Stages that read an upstream manifest get an init container that waits for it, so all Jobs of a run can
+be applied at once and start in order.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.pipeline.config import JobSettings, RunConfig
+from dflash_shared.pipeline.layout import layout
+from dflash_shared.pipeline.stages import GENERATE, TOKENIZE, StageDef, plan, stage_config
+from dflash_shared.runner import COUNT_ENV
+
+PART_OF = "dflash-pipeline"
+ACCELERATOR_LABEL = "dflash-pipeline/accelerator"
+# The image contract (docker/*/Dockerfile): user 10001, TMPDIR and HOME at these paths.
+RUN_AS = 10001
+SCRATCH_DIR = "/work/scratch"
+HOME_DIR = "/home/dflash"
+TMP_SIZE = "1Gi"
+
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "runAsGroup": RUN_AS,
+    "fsGroup": RUN_AS,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """Exit codes -> Job actions; the first matching rule wins."""
+    return {
+        "rules": [
+            # A config or input error fails the same way on every retry: stop the whole Job.
+            {"action": "FailJob",
+             "onExitCodes": {"operator": "In", "values": [int(ExitCode.USAGE), int(ExitCode.BAD_INPUT)]}},
+            # Preempted (SIGTERM) work is committed; the replacement pod resumes without using a retry.
+            {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [int(ExitCode.PREEMPTED)]}},
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]
+    }
+
+
+def job_name(run: RunConfig, stage: StageDef) -> str:
+    return f"dflash-{run.run_id}-{stage.name}"
+
+
+def labels(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": f"dflash-{stage.name}",
+        "app.kubernetes.io/instance": run.run_id,
+        "app.kubernetes.io/component": stage.name,
+        "app.kubernetes.io/part-of": PART_OF,
+        ACCELERATOR_LABEL: "gpu" if settings.gpus else "cpu",
+    }
+
+
+def env_value(value: Any) -> str:
+    """How pydantic-settings reads a value back from an environment variable."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | dict):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return str(value)
+
+
+def storage_env(run: RunConfig) -> list[dict[str, str]]:
+    env = []
+    if run.storage.endpoint_url:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": run.storage.endpoint_url})
+    if run.storage.region:
+        env.append({"name": "AWS_REGION", "value": run.storage.region})
+    if run.storage.checksum_when_required:
+        env += [{"name": "AWS_REQUEST_CHECKSUM_CALCULATION", "value": "when_required"},
+                {"name": "AWS_RESPONSE_CHECKSUM_VALIDATION", "value": "when_required"}]
+    return env
+
+
+def _with_credentials(run: RunConfig, container: dict[str, Any]) -> dict[str, Any]:
+    """The container with the credentials Secret's keys as environment variables (secret mode only)."""
+    if run.storage.secret:
+        container["envFrom"] = [{"secretRef": {"name": run.storage.secret}}]
+    return container
+
+
+def _resources(settings: JobSettings) -> dict[str, Any]:
+    requests = {"cpu": settings.cpu, "memory": settings.memory}
+    limits: dict[str, Any] = {"memory": settings.memory_limit or settings.memory}
+    if settings.cpu_limit:
+        limits["cpu"] = settings.cpu_limit
+    if settings.gpus:
+        limits[settings.gpu_resource] = settings.gpus
+    return {"requests": requests, "limits": limits}
+
+
+def _volumes(settings: JobSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): writable emptyDirs for a read-only root filesystem, and /dev/shm for GPU stages."""
+    volumes = [
+        {"name": "scratch", "emptyDir": {"sizeLimit": settings.scratch_size}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        {"name": "home", "emptyDir": {"sizeLimit": settings.home_size}},
+    ]
+    mounts = [
+        {"name": "scratch", "mountPath": SCRATCH_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "home", "mountPath": HOME_DIR},
+    ]
+    if settings.shm_size:
+        # Container runtimes give /dev/shm 64 MiB; NCCL and engine worker processes need far more.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _placement(settings: JobSettings) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if settings.node_selector:
+        spec["nodeSelector"] = dict(sorted(settings.node_selector.items()))
+    if settings.gpu_types:
+        term = {"matchExpressions": [{"key": settings.gpu_type_label, "operator": "In",
+                                      "values": list(settings.gpu_types)}]}
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [term]}}}
+    if settings.tolerations:
+        spec["tolerations"] = [t.manifest() for t in settings.tolerations]
+    if settings.runtime_class_name:
+        spec["runtimeClassName"] = settings.runtime_class_name
+    if settings.priority_class_name:
+        spec["priorityClassName"] = settings.priority_class_name
+    return spec
+
+
+def _wait_container(run: RunConfig, stage: StageDef, settings: JobSettings, image: str) -> dict[str, Any]:
+    assert stage.input_kind is not None
+    manifest = layout(run.root, run.run_id).manifest(stage.input_kind)
+    return _with_credentials(run, {
+        "name": "wait-for-input",
+        "image": image,
+        "imagePullPolicy": run.images.pull_policy,
+        "command": ["python", "-m", "dflash_shared.pipeline", "wait", "--manifest", manifest,
+                    "--timeout-seconds", str(settings.wait_for_input_seconds)],
+        "env": [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}, *storage_env(run)],
+        "resources": WAIT_RESOURCES,
+        "securityContext": CONTAINER_SECURITY,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}],
+    })
+
+
+def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
+    """The Indexed Job of one stage; every stage goes through here."""
+    settings = run.stages.for_stage(stage.name)
+    image = run.images.ref(stage.image)
+    config = stage_config(stage, run, settings)
+    env = [{"name": COUNT_ENV, "value": str(settings.shards)}]
+    env += [{"name": stage.env_name(key), "value": env_value(value)} for key, value in config.items()]
+    env += [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR}]
+    env += storage_env(run)
+    env += [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
+    volumes, mounts = _volumes(settings)
+    container = _with_credentials(run, {
+        "name": stage.name,
+        "image": image,
+        "imagePullPolicy": run.images.pull_policy,
+        "command": list(stage.command),
+        "env": env,
+        "resources": _resources(settings),
+        "securityContext": CONTAINER_SECURITY,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": mounts,
+    })
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": run.storage.service_account,
+        # The stages never call the Kubernetes API; workload identity webhooks mount their own token.
+        "automountServiceAccountToken": False,
+        # Service links inject *_SERVICE_HOST variables, and the stage configs refuse unknown DFLASH_* ones.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "securityContext": POD_SECURITY,
+    }
+    if stage.input_kind is not None and settings.wait_for_input_seconds:
+        pod["initContainers"] = [_wait_container(run, stage, settings, image)]
+    pod["containers"] = [container]
+    pod["volumes"] = volumes
+    pod.update(_placement(settings))
+    if run.images.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
+    lay = layout(run.root, run.run_id)
+    annotations = {"dflash-pipeline/output": lay.prefix(stage.output_kind)}
+    if stage.input_kind is not None:
+        annotations["dflash-pipeline/input"] = lay.manifest(stage.input_kind)
+    job_labels = labels(run, stage, settings)
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": settings.shards,
+        "parallelism": settings.shards,
+        "backoffLimitPerIndex": settings.retries_per_shard,
+    }
+    if settings.max_failed_shards is not None:
+        spec["maxFailedIndexes"] = settings.max_failed_shards
+    spec["podFailurePolicy"] = pod_failure_policy()
+    # A replacement starts only once the failed pod is gone, so one index never has two writers.
+    spec["podReplacementPolicy"] = "Failed"
+    spec["ttlSecondsAfterFinished"] = settings.ttl_seconds_after_finished
+    if settings.active_deadline_seconds:
+        spec["activeDeadlineSeconds"] = settings.active_deadline_seconds
+    spec["template"] = {"metadata": {"labels": job_labels}, "spec": pod}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": job_name(run, stage), "namespace": run.namespace, "labels": job_labels,
+                     "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def import_job(run: RunConfig) -> dict[str, Any]:
+    """Import of the source conversations into the run's prompts or completions prefix."""
+    return build_job(run, plan(run)[0])
+
+
+def generate_job(run: RunConfig) -> dict[str, Any]:
+    """Generation of completions with the target model (GPU)."""
+    return build_job(run, GENERATE)
+
+
+def tokenize_job(run: RunConfig) -> dict[str, Any]:
+    """Tokenization of the completions into loss-masked shards (CPU)."""
+    return build_job(run, TOKENIZE)
+
+
+def namespace(run: RunConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": run.namespace, "labels": {
+            "app.kubernetes.io/part-of": PART_OF,
+            # Every pod rendered here meets the restricted Pod Security Standard.
+            "pod-security.kubernetes.io/enforce": "restricted",
+        }},
+    }
+
+
+def service_account(run: RunConfig) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": run.storage.service_account, "namespace": run.namespace,
+                                "labels": {"app.kubernetes.io/part-of": PART_OF}}
+    if run.storage.service_account_annotations:
+        metadata["annotations"] = dict(sorted(run.storage.service_account_annotations.items()))
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata, "automountServiceAccountToken": False}
+
+
+def stage_jobs(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """The Jobs of the run, upstream first; `only` restricts them to the named stages."""
+    stages = plan(run)
+    names = [s.name for s in stages]
+    unknown = sorted(set(only or []) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown stage(s) {', '.join(unknown)}; this run has {', '.join(names)}")
+    return [build_job(run, s) for s in stages if not only or s.name in only]
+
+
+def render_documents(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """Everything `submit` applies: the namespace, the ServiceAccount and the Jobs. Never a Secret."""
+    head = [namespace(run)] if run.create_namespace else []
+    return [*head, service_account(run), *stage_jobs(run, only)]

@@ -1,0 +1,55 @@
+"""Where a run keeps its data: one prefix per manifest kind under <root>/<run_id>/.
+
+    s3://bucket/runs/<run_id>/prompts/       import (prompts source)      -> generate
+    s3://bucket/runs/<run_id>/completions/   generate, or import (completions source) -> tokenize
+    s3://bucket/runs/<run_id>/tokenized/     tokenize                     -> train
+    s3://bucket/runs/<run_id>/drafter/       train                        -> evaluate
+    s3://bucket/runs/<run_id>/evaluation/    evaluate
+
+Every prefix ends in a manifest.json written last; a stage's input is its upstream's manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_shared.manifests import MANIFEST_NAME, Kind
+from dflash_shared.storage import join
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The prefixes of one run, by manifest kind."""
+
+    run_prefix: str
+
+    def prefix(self, kind: Kind) -> str:
+        return join(self.run_prefix, kind.value)
+
+    def manifest(self, kind: Kind) -> str:
+        return join(self.prefix(kind), MANIFEST_NAME)
+
+    @property
+    def prompts(self) -> str:
+        return self.prefix(Kind.prompts)
+
+    @property
+    def completions(self) -> str:
+        return self.prefix(Kind.completions)
+
+    @property
+    def tokenized(self) -> str:
+        return self.prefix(Kind.tokenized)
+
+    @property
+    def drafter(self) -> str:
+        return self.prefix(Kind.drafter)
+
+    @property
+    def evaluation(self) -> str:
+        return self.prefix(Kind.evaluation)
+
+
+def layout(root: str, run_id: str) -> RunLayout:
+    """The one place prefixes are derived: <root>/<run_id>/<kind>."""
+    return RunLayout(join(root, run_id))

@@ -1,0 +1,150 @@
+"""The stages a run is made of: image, command, config prefix, and how each is wired to the layout.
+
+A `StageDef` says everything the Job builder needs to know about one stage; adding the train or
+evaluate stage is one more `StageDef` (and a `JobSettings` field in `StagesSettings`). `wiring` returns
+the stage config fields the pipeline sets itself (input and output prefixes, target model, run id); run
+files cannot override those, so two stages can never disagree about where data is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_shared.errors import ConfigError
+from dflash_shared.manifests import Kind
+from dflash_shared.pipeline.config import JobSettings, RunConfig, quantity_value
+from dflash_shared.pipeline.layout import RunLayout, layout
+
+# Entry point of every stage image: preflight, then the stage, both configured by environment variables.
+IMAGE_ENTRYPOINT = "/opt/dflash/entrypoint.sh"
+# Settings every sharded command reads from the Job instead (JOB_COMPLETION_INDEX, DFLASH_NUM_SHARDS).
+SHARD_FIELDS = frozenset({"shard_index", "num_shards"})
+
+Wiring = Callable[[RunConfig, RunLayout, JobSettings], dict[str, Any]]
+
+
+def _no_defaults(_: JobSettings) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """One stage as the cluster sees it."""
+
+    name: str  # Job name suffix and the key of its settings in RunConfig.stages
+    image: str  # image name: docker/<image>/Dockerfile, tagged dflash-<image>
+    command: tuple[str, ...]  # container command
+    env_prefix: str  # prefix of the stage config's environment variables
+    config_class: str  # "module:Class" of that config; checked at render time where importable
+    input_kind: Kind | None  # the upstream manifest kind (None: reads external data)
+    output_kind: Kind
+    wiring: Wiring
+    # Config values derived from the Job's settings that a run file may still override.
+    defaults: Callable[[JobSettings], dict[str, Any]] = _no_defaults
+
+    def config_fields(self) -> set[str] | None:
+        """Field names of the stage's config, or None when its package is not installed here."""
+        module_name, _, class_name = self.config_class.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            return None
+        return set(getattr(module, class_name).model_fields)
+
+    def env_name(self, field: str) -> str:
+        return self.env_prefix + field.upper()
+
+
+def _import_wiring(kind: Kind) -> Wiring:
+    def wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
+        return {"source": run.source.uri, "output": lay.prefix(kind), "run_id": run.run_id}
+
+    return wiring
+
+
+def _generate_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -> dict[str, Any]:
+    return {
+        "input": lay.prompts,
+        "output": lay.completions,
+        "model": run.target.uri,
+        "enable_thinking": run.target.enable_thinking,
+        # One engine per pod spanning all of its GPUs.
+        "tensor_parallel_size": settings.gpus or None,
+    }
+
+
+def _tokenize_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
+    return {
+        "input": lay.completions,
+        "output": lay.tokenized,
+        "tokenizer": run.target.uri,
+        "model_id": run.target.model_id,
+        "model_revision": run.target.revision,
+        "run_id": run.run_id,
+        "enable_thinking": run.target.enable_thinking,
+    }
+
+
+def _tokenize_defaults(settings: JobSettings) -> dict[str, Any]:
+    # Inside a pod the CPU affinity spans the whole node; the request is what the pod may really use.
+    return {"workers": max(1, math.floor(quantity_value(settings.cpu)))}
+
+
+IMPORT_COMPLETIONS = StageDef(
+    name="import", image="tokenizer", command=("dflash-tokenize", "import"), env_prefix="DFLASH_IMPORT_",
+    config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.completions,
+    wiring=_import_wiring(Kind.completions),
+)
+IMPORT_PROMPTS = StageDef(
+    name="import", image="generator", command=("dflash-generate", "import"), env_prefix="DFLASH_IMPORT_",
+    config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.prompts,
+    wiring=_import_wiring(Kind.prompts),
+)
+GENERATE = StageDef(
+    name="generate", image="generator", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_GENERATE_",
+    config_class="dflash_generate.config:GenerateConfig", input_kind=Kind.prompts, output_kind=Kind.completions,
+    wiring=_generate_wiring,
+)
+TOKENIZE = StageDef(
+    name="tokenize", image="tokenizer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TOKENIZE_",
+    config_class="dflash_tokenize.config:TokenizeConfig", input_kind=Kind.completions, output_kind=Kind.tokenized,
+    wiring=_tokenize_wiring, defaults=_tokenize_defaults,
+)
+
+
+def plan(run: RunConfig) -> list[StageDef]:
+    """The stages of the run, upstream first."""
+    if run.source.kind == "prompts":
+        return [IMPORT_PROMPTS, GENERATE, TOKENIZE]
+    return [IMPORT_COMPLETIONS, TOKENIZE]
+
+
+def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict[str, Any]:
+    """The stage config the pipeline passes: its wiring, its defaults, then the run file's overrides, checked.
+
+    Overrides may replace defaults but not wired fields or the shard fields; where the stage's package is installed,
+    every key must be one of its config's fields (the stage would refuse the variable at start anyway,
+    but a render-time error names the run file instead of a pod log).
+    """
+    wired = {k: v for k, v in stage.wiring(run, layout(run.root, run.run_id), settings).items() if v is not None}
+    where = f"stages.{stage.name}.config"
+    for key in settings.config:
+        top = key.split("__")[0]
+        if top in wired:
+            raise ConfigError(f"{where}.{key} is set by the pipeline ({stage.env_name(top)}={wired[top]}); remove it")
+        if top in SHARD_FIELDS:
+            raise ConfigError(f"{where}.{key}: shards come from stages.{stage.name}.shards and the Job's index")
+    chosen = {**stage.defaults(settings), **settings.config}
+    fields = stage.config_fields()
+    if fields is not None:
+        unknown = sorted(k for k in [*wired, *chosen] if k.split("__")[0] not in fields)
+        if unknown:
+            raise ConfigError(
+                f"{where}: {', '.join(unknown)} not a field of {stage.config_class} "
+                f"(fields: {', '.join(sorted(fields))})"
+            )
+    return {**wired, **dict(sorted(chosen.items()))}

@@ -1,0 +1,140 @@
+"""Where a run stands, read from its storage alone (no cluster access needed).
+
+A stage is complete when its prefix holds manifest.json; before that its shard markers
+(`_markers/shard-XXXXX-of-NNNNN.json`, each carrying the shard's outcome) say how many shards are done
+and how their records were accounted for. `format_status` prints one line per stage and the failures
+and skips by reason.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from dflash_shared.manifest_io import ManifestError, parse_manifest
+from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind
+from dflash_shared.pipeline.config import RunConfig
+from dflash_shared.pipeline.layout import layout
+from dflash_shared.pipeline.stages import plan
+from dflash_shared.runner import MARKERS_DIR, ShardMarker, merge_accounting
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
+
+_MARKER = re.compile(r"shard-(\d{5})-of-(\d{5})\.json$")
+_IO_THREADS = 16
+
+
+@dataclass
+class StageStatus:
+    """The state of one stage's output prefix."""
+
+    stage: str
+    kind: str
+    prefix: str
+    state: str  # complete | in progress | not started | invalid
+    shards_done: int = 0
+    shard_count: int = 0
+    records: int = 0
+    input_records: int = 0
+    failed: int = 0
+    skipped: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+    skips_by_reason: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    detail: str = ""
+
+    def account(self, accounting: Accounting) -> None:
+        self.input_records = accounting.input_records
+        self.failed = accounting.failed
+        self.skipped = accounting.skipped
+        self.failures_by_reason = dict(sorted(accounting.failures_by_reason.items()))
+        self.skips_by_reason = dict(sorted(accounting.skips_by_reason.items()))
+        self.examples = {k: list(v) for k, v in sorted(accounting.examples.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def stage_status(store: ObjectStore, stage: str, kind: Kind, prefix: str, expected_shards: int) -> StageStatus:
+    """Read one stage's prefix: its manifest if written, else its shard markers."""
+    status = StageStatus(stage=stage, kind=kind.value, prefix=prefix, state="not started",
+                         shard_count=expected_shards)
+    uri = join(prefix, MANIFEST_NAME)
+    try:
+        manifest = parse_manifest(uri, store.read_bytes(uri))
+    except ObjectNotFoundError:
+        manifest = None
+    except ManifestError as err:
+        status.state, status.detail = "invalid", str(err)
+        return status
+    if manifest is not None:
+        if manifest.kind != kind:
+            status.state, status.detail = "invalid", f"{uri} is a {manifest.kind.value} manifest, not {kind.value}"
+            return status
+        status.state = "complete"
+        status.shards_done = status.shard_count = expected_shards
+        status.records = manifest.total_records
+        status.account(manifest.accounting)
+        status.detail = f"{len(manifest.shards)} file(s), written {manifest.created_at:%Y-%m-%d %H:%M} UTC"
+        return status
+
+    markers = [u for u in store.list(join(prefix, MARKERS_DIR)) if _MARKER.search(u)]
+    counts = {int(_MARKER.search(u).group(2)) for u in markers}  # type: ignore[union-attr]
+    if len(counts) > 1:
+        status.state, status.detail = "invalid", f"markers of several shard counts {sorted(counts)} under {prefix}"
+        return status
+    if counts and counts != {expected_shards}:
+        status.detail = f"markers are of a {counts.pop()}-shard run, the run config says {expected_shards}"
+    if not markers:
+        return status
+
+    def read(uri: str) -> ShardMarker:
+        return ShardMarker.model_validate_json(store.read_bytes(uri))
+
+    try:
+        with ThreadPoolExecutor(max_workers=_IO_THREADS) as pool:
+            loaded = list(pool.map(read, markers))
+    except ValidationError as err:
+        status.state, status.detail = "invalid", f"unreadable shard marker under {prefix}: {err.errors()[0]['msg']}"
+        return status
+    status.state = "in progress"
+    status.shards_done = len(loaded)
+    status.records = sum(s.records for m in loaded for s in m.outcome.shards)
+    status.account(merge_accounting(m.outcome.accounting for m in loaded))
+    return status
+
+
+def run_status(run: RunConfig, store: ObjectStore) -> list[StageStatus]:
+    """The status of every stage of the run, upstream first."""
+    lay = layout(run.root, run.run_id)
+    out = []
+    for stage in plan(run):
+        shards = run.stages.for_stage(stage.name).shards
+        try:
+            out.append(stage_status(store, stage.name, stage.output_kind, lay.prefix(stage.output_kind), shards))
+        except StorageError as err:
+            out.append(StageStatus(stage.name, stage.output_kind.value, lay.prefix(stage.output_kind), "unknown",
+                                   shard_count=shards, detail=str(err)))
+    return out
+
+
+def format_status(run: RunConfig, statuses: list[StageStatus]) -> str:
+    """A table of the stages, then failures and skips by reason with a few examples."""
+    rows = [("stage", "state", "shards", "records", "failed", "skipped", "prefix")]
+    for s in statuses:
+        rows.append((s.stage, s.state, f"{s.shards_done}/{s.shard_count}", f"{s.records:,}", f"{s.failed:,}",
+                     f"{s.skipped:,}", s.prefix))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"run {run.run_id} ({layout(run.root, run.run_id).run_prefix})"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for s in statuses:
+        if s.detail:
+            lines.append(f"{s.stage}: {s.detail}")
+        for title, reasons in (("failed", s.failures_by_reason), ("skipped", s.skips_by_reason)):
+            for reason, n in reasons.items():
+                example = s.examples.get(reason, [""])[0]
+                lines.append(f"{s.stage}: {title} {reason}: {n:,}" + (f" (e.g. {example})" if example else ""))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,52 @@
+"""Wait for an upstream manifest: the init container that lets every Job of a run be applied at once.
+
+A downstream pod starts, finds its input manifest missing, and polls until the upstream stage writes it
+(the manifest is the upstream's commit point, so its presence means the input is complete). Storage
+errors while polling are logged and retried: the upstream may still be running for hours. Running out
+of time exits BAD_INPUT (65), which the Job's podFailurePolicy turns into a failed Job instead of a
+retry that would wait just as long again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.storage import ObjectStore, StorageError
+
+logger = logging.getLogger("dflash.pipeline.wait")
+# How often a still-waiting pod says so in its log.
+_REPORT_EVERY_S = 600.0
+
+
+def wait_for_manifest(
+    store: ObjectStore,
+    uri: str,
+    timeout_s: float,
+    poll_s: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """0 once `uri` exists, BAD_INPUT when `timeout_s` passes first."""
+    start = clock()
+    last_report = None
+    while True:
+        try:
+            if store.exists(uri):
+                logger.info("input manifest %s is present after %.0f s", uri, clock() - start)
+                return ExitCode.OK
+        except StorageError as err:
+            logger.warning("cannot check %s yet: %s", uri, err)
+        waited = clock() - start
+        if waited >= timeout_s:
+            logger.error(
+                "input manifest %s did not appear within %.0f s; has the upstream stage failed? exit %d",
+                uri, timeout_s, ExitCode.BAD_INPUT,
+            )
+            return ExitCode.BAD_INPUT
+        if last_report is None or waited - last_report >= _REPORT_EVERY_S:
+            logger.info("waiting for %s (upstream stage not finished; %.0f s of %.0f s)", uri, waited, timeout_s)
+            last_report = waited
+        sleep(min(poll_s, max(timeout_s - waited, 0.0)))

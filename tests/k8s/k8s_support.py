@@ -1,0 +1,57 @@
+"""Helpers of the Kubernetes tests: schema validation over every supported version, policy evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+from kubernetes_validate.utils import ValidationError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE_RUN = REPO_ROOT / "k8s" / "example-run.toml"
+BASE_DIR = REPO_ROOT / "k8s" / "base"
+OVERLAYS = REPO_ROOT / "k8s" / "overlays"
+# podFailurePolicy and backoffLimitPerIndex need 1.31 or later.
+VERSIONS = [f"1.{minor}" for minor in range(31, 38)]
+
+
+def schema_errors(docs: list[dict[str, Any]], versions: list[str] = VERSIONS) -> list[str]:
+    """Every strict-schema error of every document for every version, as readable lines."""
+    errors = []
+    for version in versions:
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except ValidationError as err:
+                where = ".".join(str(p) for p in err.path) or "(document)"
+                errors.append(f"{version} {doc['kind']}/{doc['metadata']['name']}: {where}: {err.message}")
+    return errors
+
+
+def jobs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Stage name -> Job."""
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "Job"}
+
+
+def containers(job: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = job["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def failure_action(job: dict[str, Any], exit_code: int | None = None, condition: str | None = None) -> str:
+    """What the Job's podFailurePolicy does with a pod that failed this way (first matching rule wins)."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        on_codes = rule.get("onExitCodes")
+        if on_codes and exit_code is not None:
+            hit = exit_code in on_codes["values"]
+            if hit == (on_codes["operator"] == "In"):
+                return str(rule["action"])
+        for cond in rule.get("onPodConditions", []):
+            if condition == cond["type"] and cond.get("status", "True") == "True":
+                return str(rule["action"])
+    return "Count"

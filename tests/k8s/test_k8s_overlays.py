@@ -1,0 +1,68 @@
+"""The kustomize overlays, built with a small JSON 6902 applier (kustomize_lite, a test aid) and validated.
+
+What is proven: each overlay only uses the supported subset (resources, images, JSON 6902 patches with a
+target), every patch matches and applies to the generated base (its `test` operations included), and
+the result passes strict schema validation for Kubernetes 1.31-1.37 and has the intended effect. What
+is not: kustomize's own behaviour beyond that subset; `kubectl apply -k` on a cluster remains the proof.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.k8s.k8s_support import BASE_DIR, OVERLAYS, containers, env_of, jobs, schema_errors
+from tests.k8s.kustomize_lite import KustomizeLiteError, apply_json6902, build
+
+
+@pytest.mark.parametrize("overlay", sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()))
+def test_overlay_builds_and_validates(overlay: str) -> None:
+    docs = build(OVERLAYS / overlay)
+    assert sorted(d["kind"] for d in docs) == ["Job", "Job", "Job", "Namespace", "ServiceAccount"]
+    assert schema_errors(docs) == []
+
+
+def test_base_builds_and_validates_without_the_example_secret() -> None:
+    docs = build(BASE_DIR)
+    assert "Secret" not in {d["kind"] for d in docs}
+    assert schema_errors(docs) == []
+
+
+def test_local_cpu_overlay_drops_gpus_and_runs_one_pod_at_a_time() -> None:
+    base = jobs(build(BASE_DIR))
+    local = jobs(build(OVERLAYS / "local-cpu"))
+    for stage, job in local.items():
+        pod = job["spec"]["template"]["spec"]
+        assert job["spec"]["parallelism"] == 1
+        assert job["spec"]["completions"] == base[stage]["spec"]["completions"]
+        assert env_of(pod["containers"][0])["DFLASH_NUM_SHARDS"] == str(job["spec"]["completions"])
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+        assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
+        assert job["metadata"]["labels"]["dflash-pipeline/accelerator"] == "cpu"
+        assert [c["image"] for c in containers(job)] == [c["image"] for c in containers(base[stage])]
+    shm = {v["name"]: v for v in local["generate"]["spec"]["template"]["spec"]["volumes"]}["dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+
+
+def test_gpu_cluster_overlay_pins_gpu_nodes_and_uses_the_registry_placeholder() -> None:
+    docs = jobs(build(OVERLAYS / "gpu-cluster"))
+    for job in docs.values():
+        assert all(c["image"].startswith("registry.invalid/dflash/dflash-") for c in containers(job))
+    pod = docs["generate"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {t.get("key") for t in pod["tolerations"]} == {"nvidia.com/gpu", "dedicated"}
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nodeSelector" not in docs["tokenize"]["spec"]["template"]["spec"]
+
+
+def test_the_applier_fails_loudly() -> None:
+    doc = {"spec": {"volumes": [{"name": "tmp"}]}}
+    with pytest.raises(KustomizeLiteError, match="test failed"):
+        apply_json6902(doc, [{"op": "test", "path": "/spec/volumes/0/name", "value": "dshm"}])
+    with pytest.raises(KustomizeLiteError, match="nothing at"):
+        apply_json6902(doc, [{"op": "remove", "path": "/spec/nodeSelector"}])
+    with pytest.raises(KustomizeLiteError, match="not implemented"):
+        apply_json6902(doc, [{"op": "move", "from": "/spec", "path": "/x"}])
+    patched = apply_json6902(doc, [{"op": "add", "path": "/spec/volumes/-", "value": {"name": "a~b/c"}},
+                                   {"op": "replace", "path": "/spec/volumes/0/name", "value": "scratch"}])
+    assert patched == {"spec": {"volumes": [{"name": "scratch"}, {"name": "a~b/c"}]}} and doc["spec"]["volumes"] == [
+        {"name": "tmp"}]

@@ -1,0 +1,298 @@
+"""Rendered manifests: valid for Kubernetes 1.31-1.37 (strict), safe by policy, wired, and up to date."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.pipeline import load_run_config, parse_run_config, render_documents
+from dflash_shared.pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret
+from dflash_shared.pipeline.config import read_run_file
+from dflash_shared.pipeline.jobs import HOME_DIR, RUN_AS, SCRATCH_DIR
+from dflash_shared.pipeline.stages import IMAGE_ENTRYPOINT
+from dflash_shared.pipeline.yaml_out import dump_all
+from tests.k8s.k8s_support import (
+    BASE_DIR,
+    EXAMPLE_RUN,
+    REPO_ROOT,
+    containers,
+    env_of,
+    failure_action,
+    jobs,
+    schema_errors,
+)
+from tests.k8s.pod_emulation import image_env, image_files
+
+
+def example(**changes: Any) -> dict[str, Any]:
+    """The example run file's data with top-level tables updated."""
+    data = read_run_file(EXAMPLE_RUN)
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and key != "stages" else value
+    return data
+
+
+def everything_set() -> dict[str, Any]:
+    """A run using every optional knob: workload identity, MinIO, GPU types, pull secrets, limits, ..."""
+    stages = read_run_file(EXAMPLE_RUN)["stages"]
+    stages["generate"] = {**stages["generate"], "gpus": 2, "gpu_types": ["NVIDIA-H100-80GB-HBM3"],
+                          "runtime_class_name": "nvidia", "priority_class_name": "batch-high",
+                          "max_failed_shards": 1, "active_deadline_seconds": 86400, "cpu_limit": "16",
+                          "memory_limit": "80Gi", "env": {"VLLM_LOGGING_LEVEL": "INFO"}}
+    return example(
+        storage={"credentials": "workload_identity", "secret_name": None, "endpoint_url": "http://minio.minio:9000",
+                 "service_account_annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"},
+                 "checksum_when_required": True},
+        images={"pull_secrets": ["regcred"], "pull_policy": "Always"},
+        stages=stages,
+        create_namespace=False,
+    )
+
+
+RUNS = {
+    "example-prompts": lambda: read_run_file(EXAMPLE_RUN),
+    "completions": lambda: example(source={"kind": "completions", "uri": "s3://b/sources"}),
+    "everything-set": everything_set,
+}
+
+
+@pytest.fixture(params=sorted(RUNS))
+def docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render_documents(parse_run_config(RUNS[request.param](), request.param))
+
+
+def test_every_document_passes_strict_validation_for_1_31_to_1_37() -> None:
+    rendered = [doc for make in RUNS.values() for doc in render_documents(parse_run_config(make()))]
+    run = load_run_config(EXAMPLE_RUN)
+    assert schema_errors([*rendered, example_secret(run)]) == []
+
+
+def test_strict_validation_catches_a_misspelt_field() -> None:
+    job = copy.deepcopy(jobs(render_documents(load_run_config(EXAMPLE_RUN)))["generate"])
+    pod = job["spec"]["template"]["spec"]
+    pod["nodeSelektor"] = pod.pop("nodeSelector")
+    errors = schema_errors([job], ["1.31"])
+    assert len(errors) == 1 and "nodeSelektor" in errors[0]
+
+
+def test_optional_settings_reach_the_manifests() -> None:
+    docs = render_documents(parse_run_config(everything_set()))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Job", "Job", "Job"]
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"}
+    generate = jobs(docs)["generate"]
+    pod = generate["spec"]["template"]["spec"]
+    assert generate["spec"]["maxFailedIndexes"] == 1 and generate["spec"]["activeDeadlineSeconds"] == 86400
+    assert pod["runtimeClassName"] == "nvidia" and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"] == [
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]
+    for container in containers(generate):
+        assert "envFrom" not in container
+        assert env_of(container)["AWS_ENDPOINT_URL"] == "http://minio.minio:9000"
+        assert env_of(container)["AWS_REQUEST_CHECKSUM_CALCULATION"] == "when_required"
+    main = pod["containers"][0]
+    assert main["resources"]["limits"] == {"memory": "80Gi", "cpu": "16", "nvidia.com/gpu": 2}
+    assert env_of(main)["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert env_of(main)["DFLASH_GENERATE_TENSOR_PARALLEL_SIZE"] == "2"
+
+
+def test_jobs_are_indexed_with_one_pod_per_shard(docs: list[dict[str, Any]]) -> None:
+    for job in jobs(docs).values():
+        spec = job["spec"]
+        shards = spec["completions"]
+        assert spec["completionMode"] == "Indexed" and spec["parallelism"] == shards
+        assert spec["backoffLimitPerIndex"] >= 1 and spec["ttlSecondsAfterFinished"] > 0
+        assert spec["template"]["spec"]["restartPolicy"] == "Never"
+        main = spec["template"]["spec"]["containers"][0]
+        assert env_of(main)["DFLASH_NUM_SHARDS"] == str(shards)
+
+
+def test_pod_failure_policy_follows_the_exit_codes(docs: list[dict[str, Any]]) -> None:
+    for job in jobs(docs).values():
+        assert failure_action(job, int(ExitCode.BAD_INPUT)) == "FailJob"
+        assert failure_action(job, int(ExitCode.USAGE)) == "FailJob"
+        assert failure_action(job, int(ExitCode.PREEMPTED)) == "Ignore"
+        assert failure_action(job, condition="DisruptionTarget") == "Ignore"
+        for retried in (ExitCode.RETRYABLE, ExitCode.ENVIRONMENT, 137):
+            assert failure_action(job, int(retried)) == "Count"
+
+
+def test_pods_run_non_root_with_a_read_only_root(docs: list[dict[str, Any]]) -> None:
+    for job in jobs(docs).values():
+        pod = job["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == RUN_AS
+        assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
+        assert pod["terminationGracePeriodSeconds"] >= 30
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in containers(job):
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            # Everything the process writes to (TMPDIR, HOME, /tmp) is a writable emptyDir.
+            for path in (env_of(container)["TMPDIR"], env_of(container)["HOME"], "/tmp"):
+                assert path in mounts and "emptyDir" in volumes[mounts[path]], (container["name"], path)
+            assert all("sizeLimit" in volumes[name]["emptyDir"] for name in mounts.values())
+
+
+def test_gpu_stage_requests_gpus_and_is_placed_on_gpu_nodes(docs: list[dict[str, Any]]) -> None:
+    by_stage = jobs(docs)
+    for stage, job in by_stage.items():
+        pod = job["spec"]["template"]["spec"]
+        limits = pod["containers"][0]["resources"]["limits"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        if stage != "generate":
+            assert "nvidia.com/gpu" not in limits and "dshm" not in volumes and "nodeSelector" not in pod
+            continue
+        assert limits["nvidia.com/gpu"] >= 1
+        assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+        env = env_of(pod["containers"][0])
+        assert env["DFLASH_GENERATE_TENSOR_PARALLEL_SIZE"] == str(limits["nvidia.com/gpu"])
+
+
+def test_prefixes_are_wired_stage_to_stage() -> None:
+    by_stage = jobs(render_documents(load_run_config(EXAMPLE_RUN)))
+    run_prefix = "s3://dflash-example-bucket/runs/example"
+    imp, gen, tok = (env_of(by_stage[s]["spec"]["template"]["spec"]["containers"][0])
+                     for s in ("import", "generate", "tokenize"))
+    assert imp["DFLASH_IMPORT_OUTPUT"] == gen["DFLASH_GENERATE_INPUT"] == f"{run_prefix}/prompts"
+    assert gen["DFLASH_GENERATE_OUTPUT"] == tok["DFLASH_TOKENIZE_INPUT"] == f"{run_prefix}/completions"
+    assert tok["DFLASH_TOKENIZE_OUTPUT"] == f"{run_prefix}/tokenized"
+    wait = by_stage["tokenize"]["spec"]["template"]["spec"]["initContainers"][0]
+    assert wait["command"][wait["command"].index("--manifest") + 1] == f"{run_prefix}/completions/manifest.json"
+    assert "initContainers" not in by_stage["import"]["spec"]["template"]["spec"]
+    # The CPU request bounds the tokenizer's worker processes (a pod sees all of the node's cores).
+    assert tok["DFLASH_TOKENIZE_WORKERS"] == "4"
+
+
+def test_rendered_output_holds_no_credentials(docs: list[dict[str, Any]]) -> None:
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for job in jobs(docs).values():
+        for container in containers(job):
+            names = set(env_of(container))
+            assert not names & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+            assert container.get("envFrom", []) in ([], [{"secretRef": {"name": "dflash-s3"}}])
+    text = dump_all(docs)
+    assert "stringData" not in text and "secretKeyRef" not in text
+    secret = example_secret(load_run_config(EXAMPLE_RUN))
+    assert all(value.startswith(PLACEHOLDER) for value in secret["stringData"].values())
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("stages", "tokenize", "config", "max_lenght"), 1, "max_lenght not a field of dflash_tokenize"),
+        (("stages", "tokenize", "config", "input"), "s3://x/y", "tokenize.config.input is set by the pipeline"),
+        (("stages", "import", "config", "num_shards"), 3, "shards come from stages.import.shards"),
+        (("stages", "tokenize", "memory"), "16GB", "stages.tokenize.memory"),
+        (("stages", "tokenize", "config", "hub_token"), "x", "looks like a credential"),
+        (("stages", "generate", "env", "HF_TOKEN"), "x", "credentials and S3 settings"),
+        (("stages", "generate", "env", "DFLASH_GENERATE_MODEL"), "x", "through `config`"),
+        (("stages", "tokenize", "memory_limit"), "1Gi", "below the memory request"),
+        (("run_id",), "Example_Run", "run_id"),
+        (("root",), "/data/runs", "must be an s3://"),
+        (("storage", "credentials"), "workload_identity", "choose one"),
+    ],
+)
+def test_bad_run_files_are_refused_with_the_field_named(path: tuple[str, ...], value: Any, message: str) -> None:
+    data = read_run_file(EXAMPLE_RUN)
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("`", ".")):
+        render_documents(parse_run_config(data, "bad.toml"))
+
+
+def test_a_partial_stage_table_keeps_the_stage_defaults() -> None:
+    run = parse_run_config(example(stages={"generate": {"shards": 8}}))
+    generate = run.stages.for_stage("generate")
+    assert generate.shards == 8 and generate.gpus == 1 and generate.shm_size == "16Gi"
+    assert run.stages.for_stage("tokenize").shards == 1
+
+
+def test_committed_base_is_what_the_renderer_makes() -> None:
+    expected = base_files(load_run_config(EXAMPLE_RUN), EXAMPLE_RUN.name)
+    committed = {p.name: p.read_text(encoding="utf-8") for p in BASE_DIR.glob("*.yaml")}
+    stale = sorted(set(committed) ^ set(expected)) or sorted(n for n in expected if committed[n] != expected[n])
+    assert not stale, (
+        f"k8s/base is out of date ({', '.join(stale)}); run "
+        "python -m dflash_shared.pipeline render --config k8s/example-run.toml --out k8s/base"
+    )
+
+
+def test_yaml_writer_round_trips_through_a_yaml_parser(docs: list[dict[str, Any]]) -> None:
+    assert list(yaml.safe_load_all(dump_all(docs, ["header"]))) == docs
+    tricky = {"k": ["yes", "no", "on", "null", "~", "", "1.0", "0x1F", "2024-01-01", "- a", "a: b", "#c",
+                    "*x", "!t", "ünï ✓", "line\nbreak", 'q"uote', "/opt/x", "a/b.c-d_e", "64Gi", "500m"],
+              "nvidia.com/gpu": 1, "f": 0.5, "t": True, "n": None, "e": {}, "l": [[1, 2], {"a": [{"b": 1}]}]}
+    assert yaml.safe_load(dump_all([tricky])) == tricky
+
+
+def test_image_contract_matches_the_manifests() -> None:
+    """The paths and user the Jobs rely on are the ones the tokenizer image sets up."""
+    env = image_env("localhost/dflash-tokenizer:latest")
+    assert env["TMPDIR"] == SCRATCH_DIR and env["HOME"] == HOME_DIR
+    assert IMAGE_ENTRYPOINT in image_files("localhost/dflash-tokenizer:latest")
+    dockerfile = (REPO_ROOT / "docker" / "tokenizer" / "Dockerfile").read_text(encoding="utf-8")
+    assert f"USER {RUN_AS}:{RUN_AS}" in dockerfile and f'ENTRYPOINT ["{IMAGE_ENTRYPOINT}"]' in dockerfile
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dflash_shared.pipeline", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT, timeout=60, check=False)
+
+
+def test_render_and_submit_command_line(tmp_path: Path) -> None:
+    as_json = _cli("render", "--config", str(EXAMPLE_RUN), "--format", "json", "--stage", "tokenize")
+    assert as_json.returncode == 0, as_json.stderr
+    decoder, text, found = json.JSONDecoder(), as_json.stdout, []
+    while text.strip():
+        doc, end = decoder.raw_decode(text.lstrip())
+        found.append(doc)
+        text = text.lstrip()[end:]
+    assert [d["kind"] for d in found] == ["Namespace", "ServiceAccount", "Job"]
+    assert found[2]["metadata"]["name"] == "dflash-example-tokenize"
+
+    # A stand-in for kubectl that records what it is given: submit must pipe exactly the rendered stream.
+    fake = tmp_path / "fake-kubectl"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ncat > {tmp_path}/stdin\n', encoding="utf-8")
+    fake.chmod(0o755)
+    submitted = _cli("submit", "--config", str(EXAMPLE_RUN), "--kubectl", str(fake))
+    rendered = _cli("render", "--config", str(EXAMPLE_RUN))
+    dry = _cli("submit", "--config", str(EXAMPLE_RUN), "--dry-run")
+    assert submitted.returncode == 0, submitted.stderr
+    assert (tmp_path / "args").read_text().split() == ["apply", "-f", "-"]
+    assert (tmp_path / "stdin").read_text() == rendered.stdout == dry.stdout
+    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == ["Namespace", "ServiceAccount"] + ["Job"] * 3
+
+    unknown = _cli("render", "--config", str(EXAMPLE_RUN), "--stage", "train")
+    assert unknown.returncode == ExitCode.USAGE and "unknown stage(s) train" in unknown.stderr
+    with pytest.raises(ConfigError, match="cannot read run config .*nope.toml"):
+        load_run_config(tmp_path / "nope.toml")
+
+
+def test_render_out_writes_the_base_and_removes_stale_files(tmp_path: Path) -> None:
+    (tmp_path / "job-old.yaml").write_text(f"# {GENERATED.format(config='old-run.toml')}\nkind: Job\n")
+    (tmp_path / "mine.yaml").write_text("kind: Mine\n")
+    done = _cli("render", "--config", str(EXAMPLE_RUN), "--out", str(tmp_path), env={**os.environ})
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in tmp_path.glob("*.yaml"))
+    assert "job-old.yaml" not in names and "mine.yaml" in names and "job-tokenize.yaml" in names
+    kustomization = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    assert "secret.example.yaml" not in kustomization["resources"]
+    assert all((tmp_path / name).is_file() for name in kustomization["resources"])

@@ -1,0 +1,58 @@
+"""Fixtures of the train-stage tests: the tiny random Qwen3 target and real-vocabulary documents.
+
+The target is `tests.support.tiny_target` (4 layers, hidden 128, the real Qwen3 vocabulary of 151,936
+embedding rows, tied embeddings), loaded in float32 so comparisons can be tight. Documents are real text
+encoded with the real Qwen3 tokenizer: prompt tokens unmasked, completion tokens loss-masked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.qwen_assets import qwen_special_ids, shared_tokenizer_dir
+
+_TEXTS = [
+    ("What is the capital of France?", "The capital of France is Paris, a city on the Seine."),
+    ("Add 17 and 25.", "17 + 25 = 42. So the answer is 42."),
+    ("Name a prime number above ten.", "Eleven is prime: it has no divisors other than one and itself."),
+    ("Write a haiku about rain.", "Soft rain on the roof,\nthe garden drinks quietly,\nclouds drift to the east."),
+    ("Translate 'good morning' into German.", "Guten Morgen."),
+    ("Why is the sky blue?", "Sunlight scatters off air molecules, and blue light scatters the most."),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    """Directory of the cached tiny random Qwen3 target."""
+    from tests.support.tiny_target import build_tiny_qwen3
+
+    return build_tiny_qwen3()
+
+
+@pytest.fixture(scope="session")
+def mask_token_id() -> int:
+    """The reference mask token of Qwen3 drafters: an existing, unused row of the embedding."""
+    return qwen_special_ids("qwen3")["mask"]
+
+
+@pytest.fixture(scope="session")
+def qwen_docs() -> list[tuple[list[int], list[bool]]]:
+    """Real-vocabulary documents as (token ids, loss mask): completion tokens are the trained ones."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(shared_tokenizer_dir("qwen3") / "tokenizer.json"))
+    docs = []
+    for prompt, answer in _TEXTS:
+        p = tok.encode(prompt, add_special_tokens=False).ids
+        a = tok.encode(" " + answer, add_special_tokens=False).ids
+        docs.append((p + a, [False] * len(p) + [True] * len(a)))
+    return docs
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same global RNG state (drafter init, noise)."""
+    torch.manual_seed(0)
