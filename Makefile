@@ -45,8 +45,14 @@ lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy shared/src/dflash_shared
 
+docs: $(VENV_STAMP) ## Regenerate the README's configuration reference from the config models
+	$(PY) scripts/update_readme.py
+
 schemas: $(VENV_STAMP) ## Export the JSON Schema of every manifest kind to schemas/
 	$(PY) -m dflash_shared.schemas schemas
+
+k8s-base: $(VENV_STAMP) ## Regenerate k8s/base from the example run config
+	$(PY) -m dflash_shared.pipeline render --config k8s/example-run.toml --out k8s/base
 
 # ---------------------------------------------------------------- images
 build-images: ## Build every image under docker/ (docker or podman)
@@ -65,5 +71,5 @@ lock: ## Regenerate every stage's hash-pinned lock file
 bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer library's limit
 	$(PY) bench/bench_tokenize.py
 
-.PHONY: help venv venv-generate venv-train image-tools test test-fast test-images lint schemas build-images \
+.PHONY: help venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
 	build-image base-image lock bench-tokenize

@@ -1,14 +1,25 @@
 """Tokenize-stage throughput, side by side in one run (`make bench-tokenize`).
 
 On generated multi-turn conversations with the Qwen3.6 vocabulary (>= 50 MB of JSONL by default), measures
-tokens per second PER CORE (each measurement pinned to one core with TOKENIZERS_PARALLELISM=false) for:
-  (a) raw `tokenizers` encode_batch on the same rendered text: the limit of the tokenizer library;
+tokens per second PER CORE for:
+  (a) raw `tokenizers` encode_batch on the same rendered text: the limit of the tokenizer library
+      (the encode loop alone, input already in memory);
   (b) the common way: `datasets` load + `map` over records, `apply_chat_template(tokenize=True)` per record,
       the prompt tokenised again separately to find the mask boundary, `save_to_disk`;
   (c) this stage in render mode, input files to written shards;
   (d) this stage in token-exact mode, input files to written shards;
 then (c) with 2 worker processes on 2 cores against 1, and the peak RSS of (c) on twice the input.
-Each stage measurement is a separate process, so its peak RSS and start-up are its own.
+
+The machine this runs on may be shared, so wall-clock rates are noisy. The primary figure is therefore the
+CPU time (user + system) of the measured process and every process it started, taken from os.wait4 when it
+exits; (b), (c) and (d) count the whole process (start-up, imports, tokenizer load, reading, writing), (a)
+only its encode loop. Wall time is printed beside it, with the load average before and after each step.
+Every measurement is its own process, pinned with taskset (one core, or two for the scaling run), with
+tokenizer threads off.
+
+The 2-process figure: with the pool's processes sharing 2 cores, the run cannot finish faster than
+max(total CPU / 2, the busiest single process's CPU), so `1-process CPU / that bound` is the speed-up the
+code allows whatever else the machine runs; the wall-clock ratio is printed next to it.
 """
 
 from __future__ import annotations
@@ -16,13 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,6 +54,8 @@ CODE = [
     "SELECT user_id, COUNT(*) AS n FROM events WHERE ts > NOW() - INTERVAL '1 day' GROUP BY user_id;\n",
 ]
 CJK = "機械学習のモデルは大量のデータから規則を学びます。数学的な証明を一歩ずつ確認しましょう。"
+# Bump when the generated inputs change, so a reused --work-dir is regenerated.
+INPUT_VERSION = 1
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -60,9 +76,9 @@ def paragraph(rng: random.Random) -> str:
     return " ".join(parts)
 
 
-def conversation(rng: random.Random, i: int) -> dict:
+def conversation(rng: random.Random, i: int) -> dict[str, Any]:
     messages = [{"role": "system", "content": "You are a helpful assistant. " + sentence(rng, 8)}]
-    for turn in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(1, 3)):
         messages.append({"role": "user", "content": paragraph(rng)})
         reasoning = "\n\n".join(paragraph(rng) for _ in range(rng.randint(2, 5)))
         answer = "\n\n".join(paragraph(rng) for _ in range(rng.randint(1, 4)))
@@ -70,21 +86,29 @@ def conversation(rng: random.Random, i: int) -> dict:
     return {"id": f"bench-{i:07d}", "messages": messages, "enable_thinking": True, "finish_reason": "stop"}
 
 
-def make_inputs(work: Path, megabytes: float, tok_dir: Path, files: int = 8) -> dict[str, Path]:
-    """Completions prefixes for render mode (text only) and token-exact mode (engine-style ids)."""
+def make_inputs(work: Path, megabytes: float, tok_dir: Path, vocab: str, files: int = 8) -> dict[str, Any]:
+    """Completions prefixes for render mode (text only) and token-exact mode (engine-style ids).
+
+    Kept in `work` with a stamp, so a rerun with the same --work-dir and size reuses them.
+    """
+    stamp = work / "inputs.json"
+    wanted = {"version": INPUT_VERSION, "megabytes": megabytes, "vocab": vocab, "files": files}
+    if stamp.is_file():
+        done = json.loads(stamp.read_text())
+        if done.get("wanted") == wanted:
+            return done
     from dflash_shared.jsonl import encode_line
+    from dflash_shared.records import CompletionRecord, Message
+    from dflash_shared.storage import ObjectStore
     from dflash_tokenize.chat import ChatFormat
     from tests.tokenize.stage_fixtures import engine_like, target_for, write_completions
 
-    from dflash_shared.records import CompletionRecord, Message
-    from dflash_shared.storage import ObjectStore
-
+    shutil.rmtree(work, ignore_errors=True)
     chat = ChatFormat.from_dir(tok_dir)
     rng = random.Random(0)
     records, size, i = [], 0, 0
     while size < megabytes * 1e6:
-        obj = conversation(rng, i)
-        record = CompletionRecord.model_validate(obj)
+        record = CompletionRecord.model_validate(conversation(rng, i))
         size += len(encode_line(record.model_dump(mode="json", exclude_none=True)))
         records.append(record)
         i += 1
@@ -92,76 +116,114 @@ def make_inputs(work: Path, megabytes: float, tok_dir: Path, files: int = 8) -> 
     render_prefix = write_completions(store, str(work / "render-in"), records, shards=files)
     exact = [engine_like(chat, [Message.model_validate(m) for m in r.model_dump()["messages"]]) for r in records]
     exact_prefix = write_completions(store, str(work / "exact-in"), exact, shards=files, target=target_for(chat))
-    return {"render": Path(render_prefix), "exact": Path(exact_prefix), "records": len(records), "bytes": size}
+    done = {"wanted": wanted, "render": render_prefix, "exact": exact_prefix, "records": len(records), "bytes": size}
+    stamp.write_text(json.dumps(done))
+    return done
 
 
-def rendered_texts(prefix: Path, tok_dir: Path) -> list[str]:
+def source_lines(prefix: str) -> list[bytes]:
+    """The completions of a prefix as plain JSONL lines, in shard order."""
     from dflash_shared.jsonl import iter_lines
     from dflash_shared.manifest_io import load_manifest
     from dflash_shared.manifests import Kind
-    from dflash_shared.records import CompletionRecord
     from dflash_shared.storage import ObjectStore
+
+    store = ObjectStore()
+    return [line for shard in load_manifest(store, prefix, Kind.completions).manifest.shards
+            for _, line in iter_lines(store, shard.uri)]
+
+
+def rendered_texts(lines: list[bytes], tok_dir: Path) -> list[str]:
+    from dflash_shared.records import CompletionRecord
     from dflash_tokenize.chat import ChatFormat
 
-    store, chat = ObjectStore(), ChatFormat.from_dir(tok_dir)
-    texts = []
-    for shard in load_manifest(store, str(prefix), Kind.completions).manifest.shards:
-        for _, line in iter_lines(store, shard.uri):
-            record = CompletionRecord.model_validate_json(line)
-            texts.append(chat.render_dicts([m.template_dict() for m in record.messages], enable_thinking=True))
-    return texts
+    chat = ChatFormat.from_dir(tok_dir)
+    return [chat.render_dicts([m.template_dict() for m in CompletionRecord.model_validate_json(line).messages],
+                              enable_thinking=True) for line in lines]
 
 
-def timed_child(cmd: list[str], cores: str, env: dict[str, str] | None = None) -> tuple[float, str]:
-    """Run a command pinned to `cores`; return (wall seconds, stdout)."""
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    start = time.perf_counter()
-    proc = subprocess.Popen(["taskset", "-c", cores, *cmd], env=full_env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate()
-    elapsed = time.perf_counter() - start
+@dataclass
+class Child:
+    """What one measured process cost: wall and CPU seconds (itself plus its waited-for children)."""
+
+    wall_s: float
+    cpu_s: float
+    max_rss_mib: float
+    stdout: str
+    load_before: float
+    load_after: float
+
+
+def run_child(cmd: list[str], cores: str) -> Child:
+    """Run a command pinned to `cores` and take its resource usage from the kernel when it exits."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(["taskset", "-c", cores, *cmd], env=env, cwd=REPO, stdout=out, stderr=err)
+        # wait4 rather than Popen.wait: it returns the rusage of this child and its reaped descendants.
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
     if proc.returncode != 0:
-        raise SystemExit(f"benchmark step failed ({' '.join(cmd[:4])}...):\n{err[-3000:]}")
-    return elapsed, out
+        raise SystemExit(f"benchmark step failed ({' '.join(cmd[:4])}...):\n{stderr[-3000:]}")
+    return Child(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, stdout, load_before,
+                 os.getloadavg()[0])
 
 
-def stage_run(prefix: Path, out: Path, tok_dir: Path, cores: str, workers: int) -> tuple[float, float, int]:
+# Prints: total tokens, then the CPU seconds of the main process and of its (pool) children.
+STAGE_CODE = """
+import json, resource, sys
+from dflash_tokenize.config import TokenizeConfig
+from dflash_tokenize.stage import run
+src, out, tok, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+run(TokenizeConfig(input=src, output=out, tokenizer=tok, workers=workers, run_id="bench"))
+print(json.load(open(out + "/manifest.json"))["section"]["total_tokens"])
+for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+    usage = resource.getrusage(who)
+    print(usage.ru_utime + usage.ru_stime)
+"""
+
+
+@dataclass
+class StageRun:
+    child: Child
+    tokens: int
+    main_cpu_s: float
+    pool_cpu_s: float
+
+
+def stage_run(prefix: str, out: Path, tok_dir: Path, cores: str, workers: int) -> StageRun:
     shutil.rmtree(out, ignore_errors=True)
-    code = (
-        "import json,resource,sys;from dflash_tokenize.config import TokenizeConfig;"
-        "from dflash_tokenize.stage import run;"
-        f"run(TokenizeConfig(input={str(prefix)!r},output={str(out)!r},tokenizer={str(tok_dir)!r},"
-        f"workers={workers},run_id='bench'));"
-        "m=json.load(open(" + repr(str(out / 'manifest.json')) + "));"
-        "print(m['section']['total_tokens']);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-    )
-    elapsed, stdout = timed_child([sys.executable, "-c", code], cores)
-    tokens, rss_kib = (int(x) for x in stdout.split())
-    return elapsed, rss_kib / 1024, tokens
+    child = run_child([sys.executable, "-c", STAGE_CODE, prefix, str(out), str(tok_dir), str(workers)], cores)
+    tokens, main_cpu, pool_cpu = child.stdout.split()
+    shutil.rmtree(out, ignore_errors=True)
+    return StageRun(child, int(tokens), float(main_cpu), float(pool_cpu))
 
 
+# Prints: encode-loop CPU seconds, encode-loop wall seconds, tokens.
 RAW_CODE = """
 import sys, time, pickle
 from tokenizers import Tokenizer
 texts = pickle.load(open(sys.argv[1], "rb"))
 tok = Tokenizer.from_file(sys.argv[2])
-start = time.perf_counter()
+cpu, wall = time.process_time(), time.perf_counter()
 n = 0
 for i in range(0, len(texts), 256):
     n += sum(len(e.ids) for e in tok.encode_batch(texts[i:i + 256], add_special_tokens=False))
-print(time.perf_counter() - start, n)
+print(time.process_time() - cpu, time.perf_counter() - wall, n)
 """
 
 COMMON_CODE = """
-import sys, time, json
-start = time.perf_counter()
+import sys
 import datasets
 from transformers import PreTrainedTokenizerFast
 datasets.disable_progress_bars()
 tok = PreTrainedTokenizerFast.from_pretrained(sys.argv[2])
-files = sys.argv[3:]
-ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=sys.argv[1] + "/cache")
+ds = datasets.load_dataset("json", data_files=sys.argv[3:], split="train", cache_dir=sys.argv[1] + "/cache")
 def encode(example):
     msgs = [{k: v for k, v in m.items() if v is not None} for m in example["messages"]]
     ids = tok.apply_chat_template(msgs, tokenize=True, enable_thinking=True, return_dict=False)
@@ -170,91 +232,142 @@ def encode(example):
     return {"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt))}
 ds = ds.map(encode, remove_columns=ds.column_names)
 ds.save_to_disk(sys.argv[1] + "/out")
-print(time.perf_counter() - start, sum(len(x) for x in ds["input_ids"]))
+print(sum(len(x) for x in ds["input_ids"]))
 """
 
 
+@dataclass
+class Row:
+    name: str
+    tokens: int
+    cpu_s: float
+    wall_s: float
+    load: tuple[float, float]
+    cores: int = 1
+
+    @property
+    def cpu_rate(self) -> float:
+        return self.tokens / self.cpu_s
+
+    @property
+    def wall_rate(self) -> float:
+        return self.tokens / self.wall_s / self.cores
+
+
+def best(rows: list[Row]) -> Row:
+    """The repetition with the least CPU time (the one least disturbed by other work)."""
+    return min(rows, key=lambda r: r.cpu_s)
+
+
+def measure_raw(work: Path, tok_dir: Path, texts_file: Path) -> Row:
+    child = run_child([sys.executable, "-c", RAW_CODE, str(texts_file), str(tok_dir / "tokenizer.json")], "0")
+    cpu, wall, tokens = child.stdout.split()
+    return Row("(a) tokenizers encode_batch, rendered text", int(tokens), float(cpu), float(wall),
+               (child.load_before, child.load_after))
+
+
+def measure_common(work: Path, tok_dir: Path, jsonl: Path) -> Row:
+    shutil.rmtree(work / "common", ignore_errors=True)
+    child = run_child([sys.executable, "-c", COMMON_CODE, str(work / "common"), str(tok_dir), str(jsonl)], "0")
+    shutil.rmtree(work / "common", ignore_errors=True)
+    return Row("(b) datasets.map + apply_chat_template x2, to disk", int(child.stdout.split()[-1]),
+               child.cpu_s, child.wall_s, (child.load_before, child.load_after))
+
+
+def stage_row(name: str, run: StageRun, cores: int = 1) -> Row:
+    return Row(name, run.tokens, run.child.cpu_s, run.child.wall_s, (run.child.load_before, run.child.load_after),
+               cores)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--megabytes", type=float, default=50.0, help="Size of the generated JSONL input.")
     parser.add_argument("--vocab", default="qwen3_6", choices=["qwen3", "qwen3_6"])
-    parser.add_argument("--work-dir", default=None, help="Where inputs and outputs go (default: a temp dir).")
+    parser.add_argument("--work-dir", default=None, help="Where inputs and outputs go (default: a temp dir); "
+                        "generated inputs found there are reused.")
+    parser.add_argument("--repeat", type=int, default=1, help="Runs per measurement; the least CPU time counts.")
+    parser.add_argument("--only", default="a,b,c,d,2,rss", help="Comma-separated subset of a,b,c,d,2,rss.")
     args = parser.parse_args()
+    only = set(args.only.split(","))
     from tests.support.qwen_assets import shared_tokenizer_dir
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-tokenize-"))
+    work.mkdir(parents=True, exist_ok=True)
     tok_dir = shared_tokenizer_dir(args.vocab)
-    print(f"generating {args.megabytes:.0f} MB of multi-turn conversations ({args.vocab} vocabulary) in {work}")
-    one = make_inputs(work / "x1", args.megabytes, tok_dir)
-    print(f"  {one['records']:,} records, {one['bytes'] / 1e6:.1f} MB of JSONL")
+    print(f"inputs: {args.megabytes:.0f} MB of multi-turn conversations ({args.vocab} vocabulary) in {work}")
+    one = make_inputs(work / "x1", args.megabytes, tok_dir, args.vocab)
+    print(f"  {one['records']:,} records, {one['bytes'] / 1e6:.1f} MB of JSONL; load average "
+          f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores", flush=True)
 
-    import pickle
+    rows: dict[str, Row] = {}
+    repeat = range(args.repeat)
+    if only & {"a", "b"}:
+        lines = source_lines(one["render"])
+        texts_file, jsonl = work / "texts.pkl", work / "all.jsonl"
+        with open(texts_file, "wb") as handle:
+            pickle.dump(rendered_texts(lines, tok_dir), handle)
+        jsonl.write_bytes(b"".join(line + b"\n" for line in lines))
+        if "a" in only:
+            rows["a"] = best([measure_raw(work, tok_dir, texts_file) for _ in repeat])
+        if "b" in only:
+            rows["b"] = best([measure_common(work, tok_dir, jsonl) for _ in repeat])
+    runs: dict[str, StageRun] = {}
+    if "c" in only or "2" in only:
+        runs["c"] = min((stage_run(one["render"], work / "out", tok_dir, "0", 1) for _ in repeat),
+                        key=lambda r: r.child.cpu_s)
+        rows["c"] = stage_row("(c) this stage, render mode, files to shards", runs["c"])
+    if "d" in only:
+        runs["d"] = min((stage_run(one["exact"], work / "out", tok_dir, "0", 1) for _ in repeat),
+                        key=lambda r: r.child.cpu_s)
+        rows["d"] = stage_row("(d) this stage, token-exact mode, files to shards", runs["d"])
+    if "2" in only:
+        runs["2"] = min((stage_run(one["render"], work / "out", tok_dir, "0,1", 2) for _ in repeat),
+                        key=lambda r: r.child.wall_s)
+        rows["2"] = stage_row("(c) 2 worker processes on 2 cores", runs["2"], cores=2)
+    if "rss" in only:
+        two = make_inputs(work / "x2", 2 * args.megabytes, tok_dir, args.vocab)
+        rss_one = stage_run(one["render"], work / "out", tok_dir, "0", 1).child.max_rss_mib
+        rss_two = stage_run(two["render"], work / "out", tok_dir, "0", 1).child.max_rss_mib
 
-    texts = rendered_texts(one["render"], tok_dir)
-    pickle.dump(texts, open(work / "texts.pkl", "wb"))
-    _, raw = timed_child([sys.executable, "-c", RAW_CODE, str(work / "texts.pkl"), str(tok_dir / "tokenizer.json")],
-                            "0")
-    raw_s, raw_tokens = float(raw.split()[0]), int(raw.split()[1])
-
-    jsonl_dir = work / "jsonl"
-    jsonl_dir.mkdir(exist_ok=True)
-    with open(jsonl_dir / "all.jsonl", "w") as handle:
-        for text_record in iter_source_records(one["render"]):
-            handle.write(text_record)
-    _, common = timed_child([sys.executable, "-c", COMMON_CODE, str(work / "common"), str(tok_dir),
-                                str(jsonl_dir / "all.jsonl")], "0")
-    common_s, common_tokens = float(common.split()[0]), int(common.split()[1])
-
-    render_s, render_rss, render_tokens = stage_run(one["render"], work / "out-render", tok_dir, "0", 1)
-    exact_s, _, exact_tokens = stage_run(one["exact"], work / "out-exact", tok_dir, "0", 1)
-    two_s, _, _ = stage_run(one["render"], work / "out-render-2", tok_dir, "0,1", 2)
-
-    two = make_inputs(work / "x2", 2 * args.megabytes, tok_dir)
-    _, double_rss, _ = stage_run(two["render"], work / "out-render-x2", tok_dir, "0", 1)
-
-    rate = {
-        "a": raw_tokens / raw_s,
-        "b": common_tokens / common_s,
-        "c": render_tokens / render_s,
-        "d": exact_tokens / exact_s,
-    }
     print()
-    print(f"{'measurement (1 core unless said)':58s} {'tokens':>12s} {'seconds':>8s} {'Mtok/s/core':>12s}")
-    rows = [
-        ("(a) tokenizers encode_batch, rendered text", raw_tokens, raw_s, rate["a"]),
-        ("(b) datasets.map + apply_chat_template x2, to disk", common_tokens, common_s, rate["b"]),
-        ("(c) this stage, render mode, files to shards", render_tokens, render_s, rate["c"]),
-        ("(d) this stage, token-exact mode, files to shards", exact_tokens, exact_s, rate["d"]),
-        ("(c) with 2 processes on 2 cores (per core)", render_tokens, two_s, render_tokens / two_s / 2),
-    ]
-    for name, tokens, seconds, per_core in rows:
-        print(f"{name:58s} {tokens:12,d} {seconds:8.2f} {per_core / 1e6:12.3f}")
+    print(f"{'measurement (1 core unless said)':52s} {'tokens':>11s} {'CPU s':>7s} {'wall s':>7s} "
+          f"{'Mtok/s/core CPU':>15s} {'wall':>6s}  load before/after")
+    for row in rows.values():
+        print(f"{row.name:52s} {row.tokens:11,d} {row.cpu_s:7.2f} {row.wall_s:7.2f} {row.cpu_rate / 1e6:15.3f} "
+              f"{row.wall_rate / 1e6:6.3f}  {row.load[0]:.1f}/{row.load[1]:.1f}")
     print()
-    checks = [
-        ("(c) / (a)", rate["c"] / rate["a"], ">= 0.8", rate["c"] / rate["a"] >= 0.8),
-        ("(c) / (b)", rate["c"] / rate["b"], ">= 2.0", rate["c"] / rate["b"] >= 2.0),
-        ("(d) Mtok/s per core", rate["d"] / 1e6, ">= 5.0", rate["d"] >= 5e6),
-        ("2 processes / 1", render_s / two_s, ">= 1.7", render_s / two_s >= 1.7),
-        ("peak RSS 2x input / 1x", double_rss / render_rss, "< 1.2", double_rss / render_rss < 1.2),
-    ]
+    checks: list[tuple[str, float, str, bool]] = []
+    rate = {k: r.cpu_rate for k, r in rows.items()}
+    if "a" in rate and "c" in rate:
+        checks.append(("(c) / (a), CPU", rate["c"] / rate["a"], ">= 0.8", rate["c"] / rate["a"] >= 0.8))
+    if "b" in rate and "c" in rate:
+        checks.append(("(c) / (b), CPU", rate["c"] / rate["b"], ">= 2.0", rate["c"] / rate["b"] >= 2.0))
+    if "d" in rate:
+        checks.append(("(d) Mtok/s per core, CPU", rate["d"] / 1e6, ">= 5.0", rate["d"] >= 5e6))
+    summary: dict[str, Any] = {"cpu_rates_tok_per_s": rate,
+                               "wall_rates_tok_per_s_per_core": {k: r.wall_rate for k, r in rows.items()}}
+    if "2" in runs:
+        one_run, pair = runs["c"], runs["2"]
+        # The pool's workers share the two cores with the main process (reading, writing): the run
+        # cannot be shorter than half the total CPU, nor than the main process's own CPU.
+        bound = max(pair.child.cpu_s / 2, pair.main_cpu_s, pair.pool_cpu_s / 2)
+        speedup = one_run.child.cpu_s / bound
+        checks.append(("2 processes / 1, CPU bound", speedup, ">= 1.7", speedup >= 1.7))
+        wall_ratio = one_run.child.wall_s / pair.child.wall_s
+        print(f"2-process run: total CPU {pair.child.cpu_s:.2f} s (main {pair.main_cpu_s:.2f}, pool "
+              f"{pair.pool_cpu_s:.2f}), wall {pair.child.wall_s:.2f} s; 1-process run: CPU "
+              f"{one_run.child.cpu_s:.2f} s, wall {one_run.child.wall_s:.2f} s; wall ratio {wall_ratio:.2f} "
+              f"(load {pair.child.load_before:.1f} before, {pair.child.load_after:.1f} after)")
+        summary["two_process"] = {"cpu_bound_speedup": speedup, "wall_ratio": wall_ratio}
+    if "rss" in only:
+        ratio = rss_two / rss_one
+        checks.append(("peak RSS 2x input / 1x", ratio, "< 1.2", ratio < 1.2))
+        print(f"peak RSS: {rss_one:.0f} MiB for {one['bytes'] / 1e6:.0f} MB, {rss_two:.0f} MiB for "
+              f"{two['bytes'] / 1e6:.0f} MB")
+        summary["rss_mib"] = [rss_one, rss_two]
     for name, value, target, ok in checks:
         print(f"{name:28s} {value:8.2f}   target {target:8s} {'met' if ok else 'NOT MET'}")
-    print(f"peak RSS: {render_rss:.0f} MiB for {one['bytes'] / 1e6:.0f} MB, {double_rss:.0f} MiB for "
-          f"{two['bytes'] / 1e6:.0f} MB")
-    print(json.dumps({"rates_tok_per_s": rate, "rss_mib": [render_rss, double_rss], "two_process_s": two_s}))
-
-
-def iter_source_records(prefix: Path):  # type: ignore[no-untyped-def]
-    """The completions as plain JSONL lines (the input of the common way)."""
-    from dflash_shared.jsonl import iter_lines
-    from dflash_shared.manifest_io import load_manifest
-    from dflash_shared.manifests import Kind
-    from dflash_shared.storage import ObjectStore
-
-    store = ObjectStore()
-    for shard in load_manifest(store, str(prefix), Kind.completions).manifest.shards:
-        for _, line in iter_lines(store, shard.uri):
-            yield line.decode() + "\n"
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

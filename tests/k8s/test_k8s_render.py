@@ -19,7 +19,13 @@ from dflash_shared.pipeline import load_run_config, parse_run_config, render_doc
 from dflash_shared.pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret
 from dflash_shared.pipeline.config import read_run_file
 from dflash_shared.pipeline.jobs import HOME_DIR, RUN_AS, SCRATCH_DIR
-from dflash_shared.pipeline.stages import IMAGE_ENTRYPOINT
+from dflash_shared.pipeline.stages import (
+    GENERATE,
+    IMAGE_ENTRYPOINT,
+    IMPORT_COMPLETIONS,
+    IMPORT_PROMPTS,
+    TOKENIZE,
+)
 from dflash_shared.pipeline.yaml_out import dump_all
 from tests.k8s.k8s_support import (
     BASE_DIR,
@@ -243,12 +249,18 @@ def test_yaml_writer_round_trips_through_a_yaml_parser(docs: list[dict[str, Any]
     assert yaml.safe_load(dump_all([tricky])) == tricky
 
 
-def test_image_contract_matches_the_manifests() -> None:
-    """The paths and user the Jobs rely on are the ones the tokenizer image sets up."""
-    env = image_env("localhost/dflash-tokenizer:latest")
+STAGE_IMAGES = sorted({s.image for s in (IMPORT_COMPLETIONS, IMPORT_PROMPTS, GENERATE, TOKENIZE)
+                       if (REPO_ROOT / "docker" / s.image / "Dockerfile").is_file()})
+
+
+@pytest.mark.parametrize("image", STAGE_IMAGES)
+def test_image_contract_matches_the_manifests(image: str) -> None:
+    """The paths, user and entrypoint the Jobs rely on are the ones each stage image sets up."""
+    ref = f"localhost/dflash-{image}:latest"
+    env = image_env(ref)
     assert env["TMPDIR"] == SCRATCH_DIR and env["HOME"] == HOME_DIR
-    assert IMAGE_ENTRYPOINT in image_files("localhost/dflash-tokenizer:latest")
-    dockerfile = (REPO_ROOT / "docker" / "tokenizer" / "Dockerfile").read_text(encoding="utf-8")
+    assert IMAGE_ENTRYPOINT in image_files(ref)
+    dockerfile = (REPO_ROOT / "docker" / image / "Dockerfile").read_text(encoding="utf-8")
     assert f"USER {RUN_AS}:{RUN_AS}" in dockerfile and f'ENTRYPOINT ["{IMAGE_ENTRYPOINT}"]' in dockerfile
 
 

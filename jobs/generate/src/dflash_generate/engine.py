@@ -147,10 +147,14 @@ class VllmEngine:
             top_k=sampling.top_k,
             min_p=sampling.min_p,
             presence_penalty=sampling.presence_penalty,
-            # Never ask for more than the context holds: vLLM would refuse the request.
-            max_tokens=min(
-                sampling.max_tokens or self.config.max_model_len,
-                self.config.max_model_len - len(rendered.token_ids),
+            # Never ask for more than the context holds: vLLM would refuse the request. At least 1, so that
+            # a prompt that is too long is refused for its length, with the engine's own message.
+            max_tokens=max(
+                1,
+                min(
+                    sampling.max_tokens or self.config.max_model_len,
+                    self.config.max_model_len - len(rendered.token_ids),
+                ),
             ),
             seed=sampling.record_seed(rendered.record.id),
             # Text is decoded here from the final ids; vLLM's incremental text is not needed.
