@@ -33,8 +33,8 @@ from dflash_shared.manifests import (
 )
 from dflash_shared.quality import MALFORMED
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
-from dflash_shared.settings import StageSettings
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, run_shard
+from dflash_shared.settings import StageSettings
 from dflash_shared.storage import ObjectStore
 
 SOURCE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
@@ -221,3 +221,18 @@ def run_import(
         lambda ctx: process_import(ctx, spec),
     )
     return finalize(store, spec.output_prefix, count, lambda merged: build_import_manifest(spec, producer, merged))
+
+
+def import_command(argv: list[str], kind: Kind, prog: str, packages: list[str]) -> None:
+    """The `import` subcommand of a stage CLI: parse ImportConfig, import this worker's share."""
+    # Imported here: the CLI helpers pull in logging setup that library users of this module do not need.
+    from dflash_shared.logs import setup_logging
+    from dflash_shared.provenance import producer
+    from dflash_shared.runner import resolve_shard
+    from dflash_shared.settings import parse_settings, public_dict
+
+    config = parse_settings(ImportConfig, argv, prog=prog)
+    index, count = resolve_shard(config.shard_index, config.num_shards)
+    setup_logging("import", shard=index)
+    made = producer("import", public_dict(config), packages)
+    run_import(ObjectStore(), config.spec(kind), made, index, count)

@@ -10,9 +10,9 @@ and template hashes, thinking mode, special token ids). A stage reading a manife
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from enum import Enum
-from typing import Annotated, Any, Literal, Union
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,7 +20,7 @@ SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     prompts = "prompts"
     completions = "completions"
     tokenized = "tokenized"
@@ -154,13 +154,13 @@ class EvaluationSection(_Frozen):
 
 
 Section = Annotated[
-    Union[PromptsSection, CompletionsSection, TokenizedSection, DrafterSection, EvaluationSection],
+    PromptsSection | CompletionsSection | TokenizedSection | DrafterSection | EvaluationSection,
     Field(discriminator="kind"),
 ]
 
 
 def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Manifest(_Frozen):

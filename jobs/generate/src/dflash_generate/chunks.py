@@ -184,7 +184,9 @@ class PromptReader:
         self._open: _OpenShard | None = None
 
     def _fetch(self, shard: Shard) -> str:
-        local = os.path.join(self.scratch_dir, "prompts-" + hashlib.sha256(shard.uri.encode()).hexdigest()[:16])
+        # The original name ends the local one: its suffix says how the lines are compressed.
+        digest = hashlib.sha256(shard.uri.encode()).hexdigest()[:16]
+        local = os.path.join(self.scratch_dir, f"prompts-{digest}-{os.path.basename(shard.uri)}")
         self.store.download_to(shard.uri, local)
         size, digest = os.path.getsize(local), self.store.sha256(local)
         if (size, digest) != (shard.bytes, shard.sha256):

@@ -6,13 +6,11 @@ import sys
 from typing import NoReturn
 
 from dflash_shared.cli import run_stage_main
-from dflash_shared.importing import ImportConfig, run_import
+from dflash_shared.importing import import_command
 from dflash_shared.logs import setup_logging
 from dflash_shared.manifests import Kind
-from dflash_shared.provenance import producer
 from dflash_shared.runner import resolve_shard
-from dflash_shared.settings import parse_settings, public_dict
-from dflash_shared.storage import ObjectStore
+from dflash_shared.settings import parse_settings
 from dflash_tokenize.checks import build_preflight
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import STAGE, run
@@ -25,11 +23,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     command, rest = (args[0], args[1:]) if args else ("", [])
 
     def import_() -> None:
-        config = parse_settings(ImportConfig, rest, prog="dflash-tokenize import")
-        index, count = resolve_shard(config.shard_index, config.num_shards)
-        setup_logging("import", shard=index)
-        made = producer("import", public_dict(config), ["dflash-tokenize"])
-        run_import(ObjectStore(), config.spec(Kind.completions), made, index, count)
+        import_command(rest, Kind.completions, "dflash-tokenize import", ["dflash-tokenize"])
 
     def preflight() -> int:
         config = parse_settings(TokenizeConfig, rest, prog="dflash-tokenize preflight")

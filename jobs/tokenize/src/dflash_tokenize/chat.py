@@ -28,6 +28,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Encoding, Tokenizer
 
+from dflash_shared import identity
 from dflash_shared.records import Message
 
 # The named special tokens transformers passes to every chat template (its `special_tokens_map`).
@@ -118,21 +119,11 @@ def _alternation(tokens: Iterable[str]) -> re.Pattern[str]:
 
 
 def read_chat_template(directory: Path, config: Mapping[str, Any]) -> str:
-    """The chat template of a tokenizer directory whose tokenizer_config.json holds `config`."""
-    # A separate chat_template.jinja takes priority over the config entry, as in transformers.
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if not isinstance(template, str) or not template:
-        raise ChatFormatError(
-            f"{directory}: no chat template (neither chat_template.jinja nor a 'chat_template' string "
-            "or 'default' entry in tokenizer_config.json)"
-        )
-    return template
+    """The chat template of a tokenizer directory, as every stage finds it (see dflash_shared.identity)."""
+    try:
+        return identity.read_chat_template(directory, config)
+    except identity.TargetFilesError as err:
+        raise ChatFormatError(str(err)) from err
 
 
 class ChatFormat:
