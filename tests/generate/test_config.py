@@ -38,20 +38,20 @@ def test_flags_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None
     assert config.sampling() == qwen_non_thinking().with_overrides(temperature=0.2, max_tokens=2048)
     assert config.inflight == config.chunk_records == 512
     engine = config.engine_config("/models/q")
-    assert (engine.model, engine.tensor_parallel_size, engine.max_model_len) == ("/models/q", 2, 8192)
+    assert (engine.model, engine.tensor_parallel_size, engine.max_model_len) == ("/models/q", 2, 16384)
 
 
 def test_thinking_defaults_to_the_recommended_thinking_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     clear_stage_env(monkeypatch)
     config = parse_settings(GenerateConfig, BASE)
     assert config.enable_thinking is True
-    assert config.sampling() == qwen_thinking().with_overrides(max_tokens=4096)
+    assert config.sampling() == qwen_thinking().with_overrides(max_tokens=8192)
 
 
 def test_inconsistent_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     clear_stage_env(monkeypatch)
     with pytest.raises(ConfigError, match="max_new_tokens .* must be below max_model_len"):
-        parse_settings(GenerateConfig, [*BASE, "--max-new-tokens", "9000"])
+        parse_settings(GenerateConfig, [*BASE, "--max-new-tokens", "16384"])
     with pytest.raises(ConfigError, match="data_parallel_rank 2 is out of range"):
         parse_settings(GenerateConfig, [*BASE, "--data-parallel-size", "2", "--data-parallel-rank", "2"])
     with pytest.raises(ConfigError, match="--top-p"):

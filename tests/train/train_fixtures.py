@@ -13,10 +13,13 @@ target's directory (itself keyed by its build parameters) and the generation set
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,11 +37,15 @@ from dflash_shared.manifests import (
     TokenizedSection,
 )
 from dflash_shared.records import CompletionRecord, Message, record_id
+from dflash_shared.settings import parse_settings
 from dflash_shared.storage import ObjectStore, join
 from dflash_tokenize.arrow_shards import Sequences
 from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import run as run_tokenize
+from dflash_train.config import TrainConfig
+from dflash_train.metrics import read_scalars
+from dflash_train.stage import run as run_train
 from tests.support.qwen_assets import cache_root, qwen_special_ids
 from tests.support.tiny_target import build_tiny_qwen3
 from tests.tokenize.stage_fixtures import write_completions
@@ -52,6 +59,46 @@ TOPICS = ["prime numbers", "binary search", "rivers", "photosynthesis", "chess o
 def tiny_target() -> Path:
     """The cached tiny Qwen3 target (4 layers, hidden 128, real Qwen3 vocabulary)."""
     return build_tiny_qwen3()
+
+
+SMALL_VOCAB = 8192
+SMALL_MASK_ID = SMALL_VOCAB - 1
+
+
+@functools.cache
+def small_vocab_target() -> Path:
+    """The tiny target's shape and tokenizer files with an 8,192-row embedding (cached).
+
+    For tests on synthetic data (ids below 8,192) that run many steps: the LM-head cross-entropy over
+    the full 151,936-row vocabulary is what costs the time of a CPU step. The tokenizer (and so the
+    identity hashes) are the full target's; only token ids the embedding covers may appear in the data.
+    """
+    full = tiny_target()
+    cached = cache_root() / "tiny-qwen3" / f"small-vocab-{SMALL_VOCAB}-{full.name}"
+    if (cached / ".complete").is_file():
+        return cached
+    import torch
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+    try:
+        config = AutoConfig.from_pretrained(full)
+        config.vocab_size = SMALL_VOCAB
+        # The padding row must exist in the smaller table (it is never used: nothing pads).
+        config.pad_token_id = config.bos_token_id = config.eos_token_id = 0
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            shutil.copyfile(full / name, tmp / name)
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.rename(tmp, cached)
+        except OSError:
+            if not (cached / ".complete").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
 
 
 def identity_of(target_dir: Path, thinking: bool = False) -> TargetIdentity:
@@ -138,15 +185,19 @@ def generated_answers(count: int = 64, new_tokens: int = 40) -> list[tuple[list[
     rows = int(model.config.vocab_size)
     # Control tokens and the unused embedding rows past the tokenizer would not decode to answer text.
     suppress = list(range(special["endoftext"], rows))
-    out: list[tuple[list[int], list[int]]] = []
-    for i in range(count):
-        text = chat.render_dicts([m.template_dict() for m in _prompt(i)], add_generation_prompt=True,
-                                 enable_thinking=False)
-        prompt = chat.encode(text)
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                 suppress_tokens=suppress, pad_token_id=special["endoftext"])
-        out.append((list(prompt), gen[0, len(prompt):].tolist() + [special["im_end"]]))
+    prompts = [chat.encode(chat.render_dicts([m.template_dict() for m in _prompt(i)], add_generation_prompt=True,
+                                             enable_thinking=False)) for i in range(count)]
+    width = max(len(p) for p in prompts)
+    pad = special["endoftext"]
+    # Left padding: every row's answer starts at the same column of the batched output.
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        # A random model with tied embeddings mostly predicts its input token again; the repetition penalty
+        # keeps the greedy answers varied (and they stay a deterministic function of the context).
+        gen = model.generate(ids, attention_mask=attention, max_new_tokens=new_tokens, do_sample=False,
+                             repetition_penalty=1.5, suppress_tokens=suppress, pad_token_id=pad)
+    out = [(p, gen[i, width:].tolist() + [special["im_end"]]) for i, p in enumerate(prompts)]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(out))
@@ -169,5 +220,46 @@ def target_generated(store: ObjectStore, root: str, count: int = 64) -> str:
     src = write_completions(store, join(root, "completions"), records, shards=2, target=identity)
     out = join(root, "tokenized")
     run_tokenize(TokenizeConfig(input=src, output=out, tokenizer=str(target_dir), workers=1, max_length=512,
-                                max_bad_fraction=0.5, mask_token_id=identity.special_tokens.mask), store)
+                                max_bad_fraction=0.5), store)
     return out
+
+
+# ---------------------------------------------------------------------------------------- resume runs
+
+RESUME_STEPS = 10
+
+
+@functools.cache
+def session_root() -> str:
+    """A scratch directory shared by the train test modules of this process, removed at exit."""
+    root = tempfile.mkdtemp(prefix="dflash-train-tests-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
+def resume_data() -> str:
+    """A small synthetic tokenized prefix for the interruption tests (short rows keep steps cheap)."""
+    return write_tokenized(ObjectStore(), join(session_root(), "resume-tok"), synthetic_docs(100, max_len=60),
+                           identity_of(tiny_target()), shards=2)
+
+
+def resume_args(output: str, **flags: str) -> list[str]:
+    """Command-line flags of the interruption tests' runs (the same for CLI and in-process runs)."""
+    values = {"input": resume_data(), "output": output, "target": str(small_vocab_target()),
+              "scratch-dir": join(session_root(), "scratch"), "max-steps": str(RESUME_STEPS), "max-length": "64",
+              "batch-tokens": "256", "checkpoint-every": "2", "mask-token-id": str(SMALL_MASK_ID),
+              "drafter-overrides": '{"num_anchors": 2}', **flags}
+    return ["--preset", "debug", *(item for key, value in values.items() for item in (f"--{key}", value))]
+
+
+def resume_config(output: str, **flags: str) -> TrainConfig:
+    return parse_settings(TrainConfig, resume_args(output, **flags))
+
+
+@functools.cache
+def resume_reference() -> dict[int, float]:
+    """step -> loss of the uninterrupted run (world size 1) the interrupted ones must reproduce."""
+    output = join(session_root(), "reference")
+    run_train(resume_config(output), ObjectStore())
+    return read_scalars(ObjectStore(), output, "train/loss")

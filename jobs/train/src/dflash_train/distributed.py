@@ -1,0 +1,204 @@
+"""Process groups and model wrapping under torchrun: DDP when a replica fits a device, FSDP2 when not.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous; a plain `python -m dflash_train run` is
+world size 1 and needs none of it. The backend is NCCL on CUDA and gloo on CPU, so the same code runs
+two CPU processes in tests.
+
+- ddp: every rank holds the whole target and drafter; the drafter is wrapped in DistributedDataParallel
+  (gradient all-reduce overlapping backward, no_sync on accumulation micro-steps).
+- fsdp: the target's decoder layers are sharded with FSDP2 (`fully_shard`, gathered one layer at a time
+  in its forward) and so is the drafter (per layer, plus the root); the target's embedding and LM head
+  stay whole on every rank because the drafter reads them directly.
+- auto: ddp when the bf16 target plus the drafter with fp32 master weights, gradients and AdamW moments
+  take under 80% of one device's memory, else fsdp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+Parallelism = Literal["ddp", "fsdp"]
+# Bytes per drafter parameter in training: fp32 weight, fp32 gradient, two fp32 AdamW moments.
+DRAFTER_BYTES_PER_PARAM = 16
+REPLICA_MEMORY_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (also returned); the identity at world size 1."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank (used to stop all ranks at the same step)."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        return bool(self.all_reduce_sum(value).item() > 0)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else default
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
+    """Join the process group torchrun set up (if any) and pick this rank's device."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but CUDA is not available in this process")
+        torch.cuda.set_device(local_rank)
+        where = torch.device("cuda", local_rank)
+    else:
+        where = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                device_id=where if use_cuda else None)
+        log.info("joined process group: rank %d of %d (%s), device %s", rank, world, backend, where)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=where)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------- wrapping
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def choose_parallelism(requested: str, target_bytes: int, drafter_params: int, env: DistEnv) -> Parallelism:
+    """Resolve `auto` from the memory a replica needs against the device's memory."""
+    if requested in ("ddp", "fsdp"):
+        return requested  # type: ignore[return-value]
+    if env.device.type != "cuda":
+        return "ddp"  # host memory is not the constraint sharding addresses
+    need = target_bytes + drafter_params * DRAFTER_BYTES_PER_PARAM
+    have = torch.cuda.get_device_properties(env.device).total_memory
+    choice: Parallelism = "ddp" if need < REPLICA_MEMORY_FRACTION * have else "fsdp"
+    log.info("parallelism auto -> %s: a replica needs %.1f GiB of %.1f GiB", choice, need / 2**30, have / 2**30)
+    return choice
+
+
+class DrafterDDP(DistributedDataParallel):
+    """DDP that still answers the wrapped drafter's attributes (config, fc, layers) like the drafter does."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def _mesh(env: DistEnv) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(env.device.type, (env.world_size,))
+
+
+def shard_target(target_model: nn.Module, layers: nn.ModuleList, env: DistEnv) -> None:
+    """FSDP2-shard each decoder layer of the frozen target; the rest (embedding, head, norm) stays whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(env)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    # Unsharded leftovers (embedding, LM head, final norm, rotary buffers) move the ordinary way.
+    target_model.to(env.device)
+
+
+def wrap_drafter(drafter: nn.Module, parallelism: Parallelism, env: DistEnv, bf16: bool) -> nn.Module:
+    """The drafter as the trainer calls it: as is (world 1), in DDP, or FSDP2-sharded."""
+    if not env.distributed:
+        return drafter
+    if parallelism == "ddp":
+        # No device_ids: the inputs (masks in dataclasses among them) are already on the device, and
+        # DDP should not try to move them.
+        return DrafterDDP(drafter)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _mesh(env)
+    # Gathered weights in bf16 for compute, gradients reduced in fp32; the sharded masters stay fp32.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else (
+        MixedPrecisionPolicy())
+    for layer in drafter.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(drafter, mesh=mesh, mp_policy=policy)
+    return drafter
+
+
+@contextlib.contextmanager
+def accumulate(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Skip the gradient reduction on accumulation micro-steps (`sync=False`); reduce on the last one."""
+    if isinstance(model, DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+        return
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
+    if set_sync is not None:
+        set_sync(sync)
+    yield
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: allocated CUDA memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

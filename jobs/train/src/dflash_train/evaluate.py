@@ -1,0 +1,405 @@
+"""`dflash-train evaluate`: acceptance of an exported drafter on held-out prompts, with a gate.
+
+The drafter is loaded FROM ITS EXPORT (what the engines will load), the target from its directory, and
+every held-out prompt is decoded greedily by the offline speculative loop (`speculate`). Reported:
+mean acceptance length tau (pooled over all verification steps, as an engine counts it), its histogram,
+acceptance per block position (fraction of steps whose draft was accepted at least that far), tokens per
+target forward; beside them an untrained drafter of the same shape on the first prompts, the per-position
+accuracies that training logged, and a losslessness check (loop output == the target's own greedy output)
+on the first prompts.
+
+Output: `<output>/evaluation.json` (the full report, including the prompts' token ids, which the serving
+check replays in the engine) and `<output>/manifest.json` (kind evaluation, engine_tau None), written
+last. A tau below `min_tau` fails the run with BadInputError (exit 65) after the report is written, and
+no manifest is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_shared.errors import BadInputError
+from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
+from dflash_shared.jsonl import iter_lines
+from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest
+from dflash_shared.manifests import MANIFEST_NAME, Accounting, EvaluationSection, Kind, Manifest, Shard
+from dflash_shared.provenance import producer
+from dflash_shared.records import CompletionRecord, PromptRecord
+from dflash_shared.settings import public_dict
+from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_train.evaluate_config import EvaluateConfig
+
+log = logging.getLogger(__name__)
+STAGE = "evaluate"
+REPORT_NAME = "evaluation.json"
+PACKAGES = ["dflash-train", "torch", "transformers", "safetensors"]
+_ACC_KEY = re.compile(r"^(?:train_)?acc(?:uracy)?_(?:pos_)?(\d+)$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Acceptance(_Frozen):
+    """Acceptance statistics of one drafter over a set of decoded prompts."""
+
+    tau: float = Field(description="Mean acceptance length: accepted draft tokens + 1, over all steps.")
+    steps: int = Field(description="Verification steps (drafts) counted.")
+    accepted_tokens: int = Field(description="Draft tokens accepted in all steps.")
+    acceptance_per_position: list[float] = Field(description="Fraction of steps accepted at least to slot k.")
+    tau_histogram: dict[str, int] = Field(description="Steps per acceptance length.")
+    generated_tokens: int = Field(description="Tokens generated over all prompts.")
+    target_forwards: int = Field(description="Target passes: one prefill per prompt plus one per step.")
+    tokens_per_target_forward: float = Field(description="generated_tokens / target_forwards.")
+    prompts: int = Field(description="Prompts decoded.")
+
+
+class PromptResult(_Frozen):
+    """One held-out prompt as the loop decoded it."""
+
+    id: str = Field(description="Record id of the prompt.")
+    prompt_token_ids: list[int] = Field(description="Prompt ids fed to the target (rendered, template applied).")
+    output_token_ids: list[int] = Field(description="Generated ids (stop token included when reached).")
+    accepted: list[int] = Field(description="Accepted draft tokens per verification step.")
+
+
+class OfflineReport(_Frozen):
+    """Content of `evaluation.json`: settings, per-prompt results and summaries of the offline loop."""
+
+    block_size: int = Field(description="Block size B of the loop (num_speculative_tokens = B - 1).")
+    max_new_tokens: int = Field(description="Generation budget per prompt.")
+    stop_token_ids: list[int] = Field(description="Ids that end a generation (kept in the output).")
+    dtype: str = Field(description="Dtype of target and drafter.")
+    drafter_export: str = Field(description="Export directory the drafter was loaded from.")
+    trained: Acceptance = Field(description="The exported drafter.")
+    untrained: Acceptance | None = Field(description="An untrained drafter of the same shape, first prompts.")
+    training_acceptance_per_position: list[float] = Field(description="Per-slot accuracy logged by training.")
+    training_expected_tau: float | None = Field(description="tau implied by the training accuracies.")
+    lossless_checked: int = Field(description="Prompts also decoded by the target alone.")
+    lossless_mismatches: list[str] = Field(description="Ids of prompts whose outputs differed (should be none).")
+    results: list[PromptResult] = Field(description="Per-prompt outputs and acceptance.")
+
+
+def summarize(results: Sequence[Any], block_size: int) -> Acceptance:
+    """Acceptance statistics of SpeculativeResults (or anything with tokens/accepted/target_forwards)."""
+    accepted = [n for r in results for n in r.accepted]
+    steps = len(accepted)
+    generated = sum(len(r.tokens) for r in results)
+    forwards = sum(r.target_forwards for r in results)
+    per_position = [sum(n >= k for n in accepted) / steps if steps else 0.0 for k in range(1, block_size)]
+    histogram = Counter(n + 1 for n in accepted)
+    return Acceptance(
+        tau=1.0 + sum(accepted) / steps if steps else 1.0,
+        steps=steps,
+        accepted_tokens=sum(accepted),
+        acceptance_per_position=per_position,
+        tau_histogram={str(k): histogram[k] for k in sorted(histogram)},
+        generated_tokens=generated,
+        target_forwards=forwards,
+        tokens_per_target_forward=generated / forwards if forwards else 0.0,
+        prompts=len(results),
+    )
+
+
+def training_accuracies(final_metrics: dict[str, float]) -> list[float]:
+    """Per-slot accuracies from a drafter manifest's final_metrics ('acc_1', 'acc_2', ... ; slot 1 first)."""
+    found = {int(m.group(1)): float(v) for k, v in final_metrics.items() if (m := _ACC_KEY.match(k))}
+    return [found[k] for k in sorted(found) if k >= 1]
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def local_dir(store: ObjectStore, uri: str, scratch: str, name: str) -> str:
+    """`uri` itself when local, else a copy of the s3:// prefix under scratch/name."""
+    if not is_s3(uri):
+        return uri
+    dest = os.path.join(scratch, name)
+    prefix = uri.rstrip("/") + "/"
+    for obj in store.list(prefix):
+        store.download_to(obj, os.path.join(dest, obj[len(prefix) :]))
+    return dest
+
+
+class PromptSource:
+    """Held-out prompts from a prompts, completions or tokenized manifest, as (id, token ids)."""
+
+    def __init__(self, store: ObjectStore, loaded: LoadedManifest, tokenizer_dir: str, enable_thinking: bool) -> None:
+        self.store, self.loaded = store, loaded
+        self.tokenizer_dir, self.enable_thinking = tokenizer_dir, enable_thinking
+        self._tokenizer: Any = None
+
+    def _render(self, messages: Sequence[Any], tools: Sequence[dict[str, Any]] | None) -> list[int]:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        # Rendered to text, then encoded without added specials: what the generate stage and the engine do.
+        text = self._tokenizer.apply_chat_template(
+            [m.template_dict() for m in messages], tools=list(tools) if tools else None, tokenize=False,
+            add_generation_prompt=True, enable_thinking=self.enable_thinking,
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def __iter__(self) -> Any:
+        kind = self.loaded.manifest.kind
+        for shard in self.loaded.manifest.shards:
+            if kind is Kind.tokenized:
+                yield from self._tokenized(shard.uri)
+                continue
+            for number, line in iter_lines(self.store, shard.uri):
+                where = f"{shard.uri}:{number}"
+                try:
+                    data = json.loads(line)
+                    if kind is Kind.prompts:
+                        record = PromptRecord.model_validate(data)
+                        yield record.id, self._render(record.messages, record.tools)
+                    else:
+                        done = CompletionRecord.model_validate(data)
+                        ids = done.prompt_token_ids or self._render(done.messages[:-1], done.tools)
+                        yield done.id, list(ids)
+                except ValueError as err:
+                    raise BadInputError(f"held-out prompt {where} cannot be read: {err}") from err
+
+    def _tokenized(self, uri: str) -> Any:
+        import pyarrow as pa
+
+        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
+            path = os.path.join(tmp, "shard.arrow")
+            self.store.download_to(uri, path)
+            with pa.ipc.open_stream(pa.memory_map(path)) as reader:
+                table = reader.read_all()
+            for rid, ids, mask in zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist(),
+                                      table.column("loss_mask").to_pylist(), strict=True):
+                # The prompt is everything before the first trained (assistant) token.
+                first = next((i for i, m in enumerate(mask) if m), len(ids))
+                yield rid, ids[:first]
+
+
+def pick_prompts(source: PromptSource, config: EvaluateConfig) -> tuple[list[tuple[str, list[int]]], Accounting]:
+    """The evaluated prompts (skip, then take num_prompts usable ones) and how every record read went."""
+    picked: list[tuple[str, list[int]]] = []
+    skips: Counter[str] = Counter()
+    examples: dict[str, list[str]] = {}
+    for index, (rid, ids) in enumerate(source):
+        if len(picked) >= config.num_prompts:
+            break
+        reason = "before_start" if index < config.skip_prompts else None
+        if reason is None and not ids:
+            reason = "empty_prompt"
+        if reason is None and len(ids) > config.max_prompt_tokens:
+            reason = "too_long"
+        if reason is None:
+            picked.append((rid, ids))
+            continue
+        skips[reason] += 1
+        if len(examples.setdefault(reason, [])) < 3:
+            examples[reason].append(rid)
+    if not picked:
+        raise BadInputError(f"no usable held-out prompt in {source.loaded.uri}", counts=dict(skips))
+    accounting = Accounting(input_records=len(picked) + sum(skips.values()), succeeded=len(picked), failed=0,
+                            skipped=sum(skips.values()), skips_by_reason=dict(skips), examples=examples)
+    return picked, accounting
+
+
+def check_target_files(target_dir: str, drafter: LoadedManifest) -> None:
+    """The target directory must have the tokenizer and template the drafter was trained with."""
+    identity = drafter.manifest.section.target  # type: ignore[union-attr]
+    checks = {"tokenizer_sha256": tokenizer_sha256(target_dir),
+              "chat_template_sha256": chat_template_sha256(target_dir)}
+    for name, have in checks.items():
+        want = getattr(identity, name)
+        if have != want:
+            raise BadInputError(f"target {target_dir}: {name} is {have}, the drafter {drafter.uri} was trained "
+                                f"with {want} (a different tokenizer or chat template collapses acceptance)")
+
+
+# ---------------------------------------------------------------------------------------- decoding
+
+
+def resolve_device_dtype(config: EvaluateConfig) -> tuple[Any, Any]:
+    """(torch device, torch dtype) from the config: auto = CUDA when present, bf16 on CUDA, fp32 on CPU."""
+    import torch
+
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          config.device if config.device != "auto" else "cpu")
+    if config.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+
+
+def stop_token_ids(model: Any) -> list[int]:
+    """End-of-sequence ids of the target: its generation config's and its model config's (as engines do)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return sorted(int(i) for i in ids)
+
+
+def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, export_uri: str,
+                     final_metrics: dict[str, float], prompts: list[tuple[str, list[int]]]) -> OfflineReport:
+    """Decode `prompts` with the exported drafter (and the baselines); the report of the offline loop."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.export import load_export_dir
+    from dflash_train.loss import expected_acceptance_length
+    from dflash_train.model import DFlashDrafter
+    from dflash_train.speculate import HookedTarget, greedy_reference, speculative_generate
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device, dtype = resolve_device_dtype(config)
+    drafter = load_export_dir(export_dir, device, dtype)
+    cfg = drafter.config
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    target = HookedTarget(model, cfg.target_layer_ids)
+    if not 0 <= cfg.mask_token_id < target.vocab_rows:
+        raise BadInputError(f"mask_token_id {cfg.mask_token_id} is not a row of the target embedding "
+                            f"(0..{target.vocab_rows - 1})")
+    block = config.block_size or cfg.block_size
+    stop = stop_token_ids(model)
+
+    def decode(which: Any, items: list[tuple[str, list[int]]], label: str) -> list[Any]:
+        out = []
+        for index, (_, ids) in enumerate(items):
+            out.append(speculative_generate(which, target, ids, config.max_new_tokens, stop, block))
+            if (index + 1) % 16 == 0 or index + 1 == len(items):
+                log.info("%s drafter: %d/%d prompts decoded", label, index + 1, len(items))
+        return out
+
+    results = decode(drafter, prompts, "exported")
+    untrained = None
+    if config.baseline_prompts:
+        torch.manual_seed(config.seed)
+        baseline = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+        untrained = summarize(decode(baseline, prompts[: config.baseline_prompts], "untrained"), block)
+    mismatches = []
+    checked = prompts[: config.lossless_prompts]
+    for (rid, ids), result in zip(checked, results, strict=False):
+        if greedy_reference(model, ids, config.max_new_tokens, stop) != result.tokens:
+            log.warning("prompt %s: speculative output differs from the target's greedy output", rid)
+            mismatches.append(rid)
+    accuracies = training_accuracies(final_metrics)
+    return OfflineReport(
+        block_size=block,
+        max_new_tokens=config.max_new_tokens,
+        stop_token_ids=stop,
+        dtype=str(dtype).removeprefix("torch."),
+        drafter_export=export_uri,
+        trained=summarize(results, block),
+        untrained=untrained,
+        training_acceptance_per_position=accuracies,
+        training_expected_tau=expected_acceptance_length(accuracies) if accuracies else None,
+        lossless_checked=len(checked),
+        lossless_mismatches=mismatches,
+        results=[PromptResult(id=rid, prompt_token_ids=ids, output_token_ids=r.tokens, accepted=r.accepted)
+                 for (rid, ids), r in zip(prompts, results, strict=True)],
+    )
+
+
+# ------------------------------------------------------------------------------------------- stage
+
+
+def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
+    """Run the evaluation; returns the URI of the evaluation manifest (existing one: nothing is redone)."""
+    store = store or ObjectStore()
+    out_manifest = join(config.output, MANIFEST_NAME)
+    if store.exists(out_manifest):
+        log.info("%s exists: evaluation already committed", out_manifest)
+        return out_manifest
+    drafter = load_manifest(store, config.drafter, Kind.drafter, verify=False)
+    section = drafter.manifest.section
+    export_uri = getattr(section, "export_uri", None)
+    if not export_uri:
+        raise BadInputError(f"drafter manifest {drafter.uri} names no export_uri: run `dflash-train export` first")
+    identity = section.target  # type: ignore[union-attr]
+    prompts_loaded = _load_prompts_manifest(store, config.prompts, identity)
+    with tempfile.TemporaryDirectory(prefix="dflash-evaluate-", dir=config.scratch_dir) as scratch:
+        target_dir = local_dir(store, config.target, scratch, "target")
+        check_target_files(target_dir, drafter)
+        source = PromptSource(store, prompts_loaded, target_dir, identity.enable_thinking)
+        picked, accounting = pick_prompts(source, config)
+        export_dir = local_dir(store, export_uri, scratch, "export")
+        report = evaluate_drafter(config, target_dir, export_dir, export_uri, section.final_metrics,  # type: ignore[union-attr]
+                                  picked)
+    return commit(config, store, report, drafter, prompts_loaded, accounting, identity)
+
+
+def _load_prompts_manifest(store: ObjectStore, uri: str, identity: Any) -> LoadedManifest:
+    for kind in (Kind.prompts, Kind.completions, Kind.tokenized):
+        try:
+            loaded = load_manifest(store, uri, kind, verify=False)
+        except ValueError as err:
+            if getattr(err, "field", None) == "kind":
+                continue
+            raise
+        if kind is not Kind.prompts and getattr(loaded.manifest.section, "target", None) is not None:
+            # Prompts rendered under another template or thinking mode are not the served distribution.
+            check_compatible(loaded.uri, loaded.manifest, {
+                "target.tokenizer_sha256": identity.tokenizer_sha256,
+                "target.chat_template_sha256": identity.chat_template_sha256,
+                "target.enable_thinking": identity.enable_thinking,
+            })
+        return loaded
+    raise BadInputError(f"{uri} is not a prompts, completions or tokenized manifest")
+
+
+def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, drafter: LoadedManifest,
+           prompts: LoadedManifest, accounting: Accounting, identity: Any) -> str:
+    """Write the report, apply the gate, then commit the manifest (the gate failing commits nothing)."""
+    data = report.model_dump_json(indent=1).encode()
+    report_uri = join(config.output, REPORT_NAME)
+    store.write_bytes(report_uri, data)
+    trained, untrained = report.trained, report.untrained
+    log.info("offline tau %.3f over %d prompts / %d steps (untrained %s); per position %s", trained.tau,
+             trained.prompts, trained.steps, f"{untrained.tau:.3f}" if untrained else "not run",
+             [round(a, 3) for a in trained.acceptance_per_position])
+    if trained.tau < config.min_tau:
+        raise BadInputError(
+            f"offline acceptance length tau {trained.tau:.3f} is below min_tau {config.min_tau} (untrained "
+            f"{untrained.tau if untrained else 'n/a'}, per position "
+            f"{[round(a, 3) for a in trained.acceptance_per_position]}, training accuracies "
+            f"{[round(a, 3) for a in report.training_acceptance_per_position]}; {trained.prompts} prompts, "
+            f"{trained.steps} steps); report: {report_uri}"
+        )
+    manifest = Manifest(
+        kind=Kind.evaluation,
+        run_id=config.run_id or drafter.manifest.run_id,
+        producer=producer(STAGE, public_dict(config), PACKAGES),
+        inputs=[drafter.as_input(), prompts.as_input()],
+        shards=[Shard(uri=report_uri, bytes=len(data), sha256=store.sha256(report_uri), records=trained.prompts,
+                      tokens=trained.generated_tokens)],
+        accounting=accounting,
+        section=EvaluationSection(
+            target=identity,
+            tau=trained.tau,
+            tau_untrained=untrained.tau if untrained else None,
+            engine_tau=None,
+            acceptance_per_position=trained.acceptance_per_position,
+            tau_histogram=trained.tau_histogram,
+        ),
+    )
+    store.put_if_absent(join(config.output, MANIFEST_NAME), manifest.to_json())
+    return join(config.output, MANIFEST_NAME)
+
+
+def evaluate_command(argv: list[str]) -> None:
+    """Entry of `dflash-train evaluate` (the caller wraps it in run_stage_main)."""
+    from dflash_shared.logs import setup_logging
+    from dflash_shared.settings import parse_settings
+
+    config = parse_settings(EvaluateConfig, argv, prog="dflash-train evaluate")
+    setup_logging(STAGE)
+    run(config)

@@ -1,0 +1,102 @@
+"""Typed configs of `dflash-train export` and `dflash-train evaluate` (flags, DFLASH_* variables, presets).
+
+No torch import here: `--help` and config errors are answered before the heavy libraries load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from dflash_shared.settings import StageSettings
+
+ExportDtype = Literal["bfloat16", "float32"]
+
+
+class ExportConfig(StageSettings):
+    """Turn a trained drafter (drafter manifest + checkpoint) into the directory serving engines load."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_EXPORT_")
+
+    drafter: str = Field(description="Drafter prefix written by training (or its manifest.json URI).")
+    output: str = Field(
+        description="Export prefix: config.json, model.safetensors and a drafter manifest naming the export."
+    )
+    target: str = Field(description="Target model directory or s3:// prefix; only its config.json is read.")
+    checkpoint: str | None = Field(
+        default=None, description="Checkpoint to export instead of the manifest's final checkpoint_uri."
+    )
+    dtype: ExportDtype = Field(default="bfloat16", description="Dtype of the exported weights.")
+    speculators: bool = Field(
+        default=False,
+        description="Also write the speculators format (aux_hidden_state_layer_ids = layer id + 1) under "
+        "<output>/speculators.",
+    )
+    verifier: str | None = Field(
+        default=None, description="Target name recorded in the speculators config; defaults to the model id."
+    )
+
+
+class EvaluateConfig(StageSettings):
+    """Acceptance of an exported drafter on held-out prompts with the offline speculative loop."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_EVALUATE_")
+
+    preset: Literal["none", "debug"] = Field(
+        default="none", description="'debug' fills unset settings for a CPU run of a few minutes on a tiny target."
+    )
+    drafter: str = Field(description="Export prefix written by `dflash-train export` (or its manifest.json URI).")
+    prompts: str = Field(
+        description="Held-out prompts: a prompts, completions or tokenized prefix (or manifest.json URI). "
+        "Completions and tokenized records contribute their prompt part only."
+    )
+    target: str = Field(description="Target model directory or s3:// prefix (copied to local scratch).")
+    output: str = Field(description="Evaluation prefix, e.g. <run>/evaluation-offline.")
+    run_id: str | None = Field(default=None, description="Run id; defaults to the drafter manifest's.")
+    num_prompts: int = Field(default=64, ge=1, description="Prompts evaluated (the first ones, in shard order).")
+    skip_prompts: int = Field(default=0, ge=0, description="Prompts skipped before the evaluated ones.")
+    max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated per prompt.")
+    max_prompt_tokens: int = Field(
+        default=4096, ge=1, description="Longer prompts are skipped (counted under 'too_long')."
+    )
+    block_size: int | None = Field(
+        default=None, ge=2, description="Block size of the loop (num_speculative_tokens + 1); default: the export's."
+    )
+    min_tau: float = Field(
+        default=1.5, ge=0, description="Fail (exit 65) when the offline mean acceptance length is below this."
+    )
+    baseline_prompts: int = Field(
+        default=8, ge=0, description="Prompts also decoded with an untrained drafter of the same shape (0 = off)."
+    )
+    lossless_prompts: int = Field(
+        default=2, ge=0, description="Prompts also decoded by the target alone, to confirm identical output."
+    )
+    seed: int = Field(default=0, description="Seed of the untrained baseline drafter.")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where to run; auto prefers CUDA.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Dtype of target and drafter alike; auto = bfloat16 on CUDA, float32 on CPU. Compare with a "
+        "serving check only at the same dtype.",
+    )
+    threads: int | None = Field(default=None, ge=1, description="CPU threads for torch (default: torch's choice).")
+    scratch_dir: str | None = Field(default=None, description="Local scratch for a copied target or export.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset", "none") == "debug":
+            data = {**DEBUG_EVALUATE, **data}
+        return data
+
+
+# What `--preset debug` sets unless given: a tiny CPU run in float32 (the serving check compares at float32).
+DEBUG_EVALUATE: dict[str, Any] = {
+    "num_prompts": 16,
+    "max_new_tokens": 64,
+    "baseline_prompts": 4,
+    "lossless_prompts": 2,
+    "device": "cpu",
+    "dtype": "float32",
+}

@@ -1,0 +1,137 @@
+"""Training metrics: loss, per-slot accuracy, expected acceptance length, throughput and peak memory.
+
+Each rank sums its micro-batch results over a logging window; at the end of the window the sums are
+all-reduced, so the logged numbers cover every rank. The expected acceptance length is derived from the
+per-slot accuracies (`loss.expected_acceptance_length`): what those accuracies would give a served
+drafter if slot errors were independent. Rank 0 writes one log line per window and the same scalars to
+TensorBoard event files, which are uploaded under `<output>/tensorboard/` at every checkpoint and at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from dflash_shared.progress import human_count
+from dflash_shared.storage import ObjectStore, join
+from dflash_train.distributed import DistEnv, peak_memory_bytes
+from dflash_train.loss import expected_acceptance_length, per_position_accuracy
+from dflash_train.step import StepOutput
+
+log = logging.getLogger(__name__)
+TENSORBOARD_DIR = "tensorboard"
+
+
+class MetricWindow:
+    """Sums of one logging window on this rank."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self.reset()
+
+    def reset(self) -> None:
+        # [loss sum, micro-batches, label tokens, input tokens] then correct[block], counted[block]
+        self.sums = torch.zeros(4 + 2 * self.block_size, dtype=torch.float64, device=self.device)
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add_micro(self, out: StepOutput, input_tokens: int) -> None:
+        head = torch.stack([out.loss.detach().double(), torch.ones((), dtype=torch.float64, device=self.device),
+                            torch.tensor(float(out.tokens), dtype=torch.float64, device=self.device),
+                            torch.tensor(float(input_tokens), dtype=torch.float64, device=self.device)])
+        self.sums += torch.cat([head.to(self.device), out.correct.double().to(self.device),
+                                out.counted.double().to(self.device)])
+
+    def finish(self, env: DistEnv, lr: float, grad_norm: float) -> dict[str, float]:
+        """All-reduce the window (a collective) and return its metrics; the window starts anew."""
+        sums = env.all_reduce_sum(self.sums.clone()).cpu().tolist()
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        loss_sum, micro, labels, inputs = sums[:4]
+        correct = sums[4:4 + self.block_size]
+        counted = sums[4 + self.block_size:]
+        acc = per_position_accuracy(correct, counted)
+        peaks = env.all_gather_object(peak_memory_bytes(env.device))
+        metrics: dict[str, float] = {
+            "loss": loss_sum / max(micro, 1.0),
+            "tau": expected_acceptance_length(acc),
+            "accuracy": sum(correct[1:]) / max(sum(counted[1:]), 1.0),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": inputs / elapsed,
+            "label_tokens_per_s": labels / elapsed,
+            "steps_per_s": self.steps / elapsed,
+            "peak_memory_gib_max": max(peaks) / 2**30,
+        }
+        metrics.update({f"acc_{k}": a for k, a in enumerate(acc, start=1)})
+        metrics.update({f"peak_memory_gib_rank{r}": p / 2**30 for r, p in enumerate(peaks)})
+        self.reset()
+        return metrics
+
+
+def format_line(step: int, total: int, m: dict[str, float]) -> str:
+    accs = [m[k] for k in sorted((k for k in m if k.startswith("acc_")), key=lambda k: int(k[4:]))]
+    shown = " ".join(f"{a:.2f}" for a in accs[:8]) + (" ..." if len(accs) > 8 else "")
+    return (f"step {step}/{total} loss {m['loss']:.4f} tau {m['tau']:.2f} acc[1..] {shown} lr {m['lr']:.2e} "
+            f"gnorm {m['grad_norm']:.3f} {human_count(m['tokens_per_s'])} tok/s "
+            f"peak mem {m['peak_memory_gib_max']:.2f} GiB (max over ranks)")
+
+
+class MetricsSink:
+    """Log lines and TensorBoard scalars on rank 0; nothing on the others."""
+
+    def __init__(self, env: DistEnv, local_dir: str, enabled_tensorboard: bool, run_tag: str) -> None:
+        self.env = env
+        self.local_dir = os.path.join(local_dir, run_tag)
+        self._writer: Any = None
+        if env.is_main and enabled_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.local_dir, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=self.local_dir, flush_secs=30)
+
+    def write(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        if not self.env.is_main:
+            return
+        log.info(format_line(step, total, metrics))
+        if self._writer is not None:
+            for name, value in metrics.items():
+                group = "perf" if name.startswith(("peak_", "tokens_", "label_", "steps_")) else "train"
+                self._writer.add_scalar(f"{group}/{name}", value, step)
+
+    def upload(self, store: ObjectStore, output: str) -> None:
+        """Copy the event files to `<output>/tensorboard/` (the whole file each time: S3 cannot append)."""
+        if self._writer is None:
+            return
+        self._writer.flush()
+        for name in sorted(os.listdir(self.local_dir)):
+            path = os.path.join(self.local_dir, name)
+            if os.path.isfile(path):
+                store.upload_from(path, join(output, TENSORBOARD_DIR, name))
+
+    def close(self, store: ObjectStore, output: str) -> None:
+        if self._writer is not None:
+            self.upload(store, output)
+            self._writer.close()
+            self._writer = None
+
+
+def read_scalars(store: ObjectStore, output: str, tag: str) -> dict[int, float]:
+    """step -> value of a TensorBoard scalar over every event file under the output (later files win)."""
+    import tempfile
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for uri in store.list(join(output, TENSORBOARD_DIR)):
+            local = os.path.join(tmp, uri.rsplit("/", 1)[-1])
+            store.download_to(uri, local)
+            acc = EventAccumulator(local, size_guidance={"scalars": 0})
+            acc.Reload()
+            if tag in acc.Tags().get("scalars", []):
+                values.update({int(e.step): float(e.value) for e in acc.Scalars(tag)})
+    return values

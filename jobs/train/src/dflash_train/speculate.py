@@ -1,0 +1,247 @@
+"""The offline speculative-decoding loop: a DFlash drafter proposing blocks to a Hugging Face target (greedy).
+
+One sequence at a time:
+1. prefill: the target runs over the prompt (P tokens); its argmax at the last position is the first
+   generated token, and the chosen layers' outputs at positions 0..P-1 become the drafter's context;
+2. each step, with L tokens committed and `last` the newest one (at position L - 1... the anchor):
+   block = [last, MASK x (B-1)] at positions anchor..anchor+B-1; ONE drafter pass (context strictly before
+   the anchor, exactly as in training) gives draft tokens d_1..d_{B-1} from slots 1..B-1;
+3. ONE target pass verifies [last, d_1..d_{B-1}] on top of its KV cache; with a_k its argmax at slot k,
+   accepted n = cumprod(d[1:] == a[:-1]).sum(), and d_1..d_n plus the bonus token a_n are committed.
+   The target's cache is rolled back to the committed tokens, and the layer outputs of the committed
+   positions join the drafter's context. Acceptance length of the step: tau = n + 1.
+
+Committed tokens are always the target's own argmax given the committed prefix, so the output equals the
+target's greedy decoding token for token (`greedy_reference`; tests hold the loop to it).
+
+The target keeps its whole stack (unlike the trainer's `FrozenTarget`, which drops the layers it does not
+need): forward hooks capture the chosen decoder layers' outputs during the verification pass itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_train.attention import build_drafter_mask
+from dflash_train.model import DFlashDrafter
+
+
+@dataclass(frozen=True)
+class SpeculativeResult:
+    """Outcome of one prompt: generated tokens and what every verification step accepted."""
+
+    tokens: list[int]
+    accepted: list[int]
+    target_forwards: int
+    block_size: int
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        """tau of every step: accepted draft tokens + the target's bonus token."""
+        return [n + 1 for n in self.accepted]
+
+
+class HookedTarget:
+    """A full HF causal LM whose chosen decoder layers' outputs are captured on every forward.
+
+    Layer id L is the output of decoder layer L (= HF output_hidden_states[L + 1]), the convention of
+    the drafter config and of the export.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        layers = model.get_decoder().layers
+        self.layer_ids = [int(i) for i in layer_ids]
+        for layer_id in self.layer_ids:
+            if not 0 <= layer_id <= len(layers) - 2:
+                raise ValueError(
+                    f"target layer id {layer_id} outside 0..{len(layers) - 2} for a {len(layers)}-layer target"
+                )
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+        self.embed_tokens: nn.Module = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+
+    def _hook(self, layer_id: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            del module, args
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def close(self) -> None:
+        """Remove the hooks (the model is usable as before)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def vocab_rows(self) -> int:
+        return int(self.embed_tokens.weight.shape[0])
+
+    def new_cache(self) -> Any:
+        """An empty KV cache that can be rolled back (sliding and linear-attention layers record their past)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: Any, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(argmax per kept position [T'], concatenated layer outputs [T, n*H]) for ids [T] after the cache."""
+        self._captured = {}
+        out = self.model(
+            input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+        )
+        missing = [i for i in self.layer_ids if i not in self._captured]
+        if missing:
+            raise RuntimeError(f"forward hooks did not fire for target layers {missing}")
+        features = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
+        self._captured = {}
+        return out.logits[0].argmax(dim=-1), features
+
+
+@dataclass
+class _Context:
+    """The drafter's context: target layer outputs of every committed position but the newest."""
+
+    rows: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+
+    def extend(self, features: torch.Tensor) -> None:
+        self.rows.append(features)
+        self.length += int(features.shape[0])
+
+    def tensor(self) -> torch.Tensor:
+        if len(self.rows) > 1:
+            self.rows = [torch.cat(self.rows, dim=0)]
+        return self.rows[0]
+
+
+@torch.no_grad()
+def propose(
+    drafter: DFlashDrafter,
+    target: HookedTarget,
+    context: torch.Tensor,
+    last_token: int,
+    block_size: int,
+) -> list[int]:
+    """One drafter pass: block_size - 1 draft tokens after `last_token`, which sits at position len(context).
+
+    The mask is the training mask of a single anchor at position S = len(context): a placeholder row for
+    the anchor's own (not yet computed) target state is appended and, as in training, never attended to.
+    """
+    cfg = drafter.config
+    device = context.device
+    dtype = drafter.fc.weight.dtype
+    seq = int(context.shape[0])
+    placeholder = torch.zeros(1, context.shape[1], dtype=context.dtype, device=device)
+    features = torch.cat([context, placeholder], dim=0).unsqueeze(0).to(dtype)
+    context_positions = torch.arange(seq + 1, device=device).unsqueeze(0)
+    document_ids = torch.zeros(1, seq + 1, dtype=torch.int32, device=device)
+    anchor = torch.tensor([[seq]], device=device)
+    keep = torch.ones(1, 1, dtype=torch.bool, device=device)
+    mask = build_drafter_mask(
+        anchor, keep, document_ids, block_size, cfg.layer_types, cfg.sliding_window, "sdpa", dtype
+    )
+    ids = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+    ids[0, 0] = last_token
+    embeds = target.embed_tokens(ids).to(dtype)
+    positions = (seq + torch.arange(block_size, device=device)).unsqueeze(0)
+    hidden = drafter(embeds, positions, features, context_positions, mask)
+    head = target.lm_head
+    logits = head(hidden[0, 1:].to(head.weight.dtype))
+    return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> tuple[list[int], bool]:
+    """Cut at the first stop token (kept) or at max_new_tokens; True when generation is over."""
+    for i, tok in enumerate(tokens[:max_new_tokens]):
+        if tok in stop:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+@torch.no_grad()
+def speculative_generate(
+    drafter: DFlashDrafter,
+    target: HookedTarget,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Iterable[int] = (),
+    block_size: int | None = None,
+) -> SpeculativeResult:
+    """Greedy speculative decoding of one prompt (see the module docstring).
+
+    `block_size` defaults to the drafter's; a smaller or larger block works too (the drafter has no fixed
+    block length), which is how one drafter serves several `num_speculative_tokens` settings.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if list(drafter.config.target_layer_ids) != target.layer_ids:
+        raise ValueError(
+            f"drafter reads target layers {list(drafter.config.target_layer_ids)}, the target hooks {target.layer_ids}"
+        )
+    block = block_size or drafter.config.block_size
+    if block < 2:
+        raise ValueError(f"block_size must be >= 2, got {block}")
+    stop = frozenset(int(t) for t in stop_ids)
+    device = target.device
+    cache = target.new_cache()
+    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+    preds, features = target.forward(prompt, cache, logits_to_keep=1)
+    context = _Context()
+    context.extend(features)
+    tokens = [int(preds[-1])]
+    accepted: list[int] = []
+    forwards = 1
+    tokens, done = _truncate(tokens, max_new_tokens, stop)
+    while not done:
+        last = tokens[-1]
+        draft = propose(drafter, target, context.tensor(), last, block)
+        verify = torch.tensor([last, *draft], dtype=torch.long, device=device)
+        preds, features = target.forward(verify, cache)
+        forwards += 1
+        matches = torch.tensor(draft, device=device) == preds[:-1]
+        n = int(torch.cumprod(matches.to(torch.long), dim=0).sum())
+        accepted.append(n)
+        # The target has seen `last` and all drafts; keep `last` and the n accepted drafts.
+        cache.crop(-(block - 1 - n))
+        context.extend(features[: n + 1])
+        tokens, done = _truncate([*tokens, *draft[:n], int(preds[n])], max_new_tokens, stop)
+    return SpeculativeResult(tokens=tokens, accepted=accepted, target_forwards=forwards, block_size=block)
+
+
+@torch.no_grad()
+def greedy_reference(
+    model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
+) -> list[int]:
+    """The target's own greedy decoding (transformers `generate`), truncated the way the loop truncates."""
+    from transformers import GenerationConfig
+
+    stop = sorted(int(t) for t in stop_ids)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop or None,
+        pad_token_id=stop[0] if stop else 0,
+    )
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    out = model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))
+    tokens = [int(t) for t in out[0, ids.shape[1] :].tolist()]
+    return _truncate(tokens, max_new_tokens, frozenset(stop))[0]

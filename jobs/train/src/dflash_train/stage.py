@@ -1,0 +1,263 @@
+"""The train stage: a tokenized manifest and a target model in, a trained drafter and its manifest out.
+
+Per rank (torchrun process): join the process group, copy the target to local scratch (one copy per
+node), refuse data made with another tokenizer or chat template, resolve the drafter config, plan the data,
+load the frozen target (whole, or FSDP-sharded), resume from the newest complete checkpoint, train, and
+on rank 0 write the drafter manifest LAST (the commit point). A rerun after the manifest exists does
+nothing; a rerun before it continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_shared.errors import ConfigError
+from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
+from dflash_shared.logs import setup_logging
+from dflash_shared.manifest_io import LoadedManifest, load_manifest, manifest_uri, write_manifest
+from dflash_shared.manifests import Accounting, DrafterSection, Kind, Manifest, Shard, TokenizedSection
+from dflash_shared.provenance import producer
+from dflash_shared.settings import public_dict
+from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_train.config import TrainConfig
+from dflash_train.drafter_config import DrafterConfig
+
+log = logging.getLogger(__name__)
+STAGE = "train"
+PACKAGES = ["dflash-train", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
+# What identity checks and the drafter config need; preflight copies only these.
+TARGET_SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                      "special_tokens_map.json", "generation_config.json")
+_DONE = ".dflash-complete"
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def fetch_target(store: ObjectStore, location: str, scratch: str, workers: int = 8, small_only: bool = False) -> str:
+    """A local directory with the target (copied from S3 in parallel, once: a marker says it is whole)."""
+    if not is_s3(location):
+        if not os.path.isdir(location):
+            raise ConfigError(f"target {location} is not a directory")
+        return location
+    name = hashlib.sha256(location.encode()).hexdigest()[:16] + ("-small" if small_only else "")
+    local = os.path.join(scratch, f"target-{name}")
+    if os.path.isfile(os.path.join(local, _DONE)):
+        return local
+    base = location.rstrip("/")
+    uris = [u for u in store.list(base) if not small_only or u.rsplit("/", 1)[-1] in TARGET_SMALL_FILES]
+    if not uris:
+        raise ConfigError(f"target {location} holds no files")
+
+    def copy(uri: str) -> None:
+        store.download_to(uri, os.path.join(local, uri[len(base) + 1:]))
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(copy, uris))
+    Path(local, _DONE).write_text(location + "\n", encoding="utf-8")
+    log.info("copied target %s (%d files) to %s", location, len(uris), local)
+    return local
+
+
+def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> LoadedManifest:
+    """The tokenized manifest, refused (ManifestError naming the field) unless made with this target's
+    tokenizer and chat template."""
+    return load_manifest(store, config.input, Kind.tokenized, expected={
+        "target.tokenizer_sha256": tokenizer_sha256(target_dir),
+        "target.chat_template_sha256": chat_template_sha256(target_dir),
+    }, verify=False)
+
+
+def resolve_drafter(config: TrainConfig, target_dir: str, section: TokenizedSection) -> DrafterConfig:
+    """The drafter config: given whole, or a preset with overrides; the mask id from config or data."""
+    if config.drafter is not None:
+        return config.drafter
+    overrides = dict(config.drafter_overrides)
+    mask = config.mask_token_id if config.mask_token_id is not None else section.target.special_tokens.mask
+    try:
+        if config.drafter_preset == "debug":
+            overrides.pop("num_target_features", None)
+            return DrafterConfig.debug(**overrides, **({"mask_token_id": mask} if mask is not None else {}))
+        if mask is None:
+            raise ConfigError("no mask token id: set --mask-token-id (an existing, unused row of the target "
+                              "embedding), or record one in the tokenized manifest")
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(target_dir)
+        hf_config = getattr(hf_config, "text_config", None) or hf_config
+        return DrafterConfig.from_target(hf_config, mask_token_id=mask, **overrides)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"invalid drafter config: {err}") from err
+
+
+def target_replica_bytes(target_dir: str, loaded_bytes_per_param: int) -> int:
+    """Estimated device bytes of the target's weights (file sizes rescaled to the dtype it is loaded in)."""
+    stored = 2
+    config_path = os.path.join(target_dir, "config.json")
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        stored = _BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"), 2)
+    files = sum(p.stat().st_size for p in Path(target_dir).glob("*") if p.suffix in (".safetensors", ".bin"))
+    return files * loaded_bytes_per_param // stored
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Everything decided before the first step."""
+
+    config: TrainConfig
+    source: LoadedManifest
+    target_dir: str
+    drafter: DrafterConfig
+    max_length: int
+    rows_per_step: int
+
+    @property
+    def section(self) -> TokenizedSection:
+        section = self.source.manifest.section
+        assert isinstance(section, TokenizedSection)
+        return section
+
+
+def resolve(config: TrainConfig, store: ObjectStore, target_dir: str) -> Resolved:
+    source = open_input(store, config, target_dir)
+    section = source.manifest.section
+    assert isinstance(section, TokenizedSection)
+    drafter = resolve_drafter(config, target_dir, section)
+    max_length = config.max_length or section.max_length
+    rows_per_step = config.batch_tokens // max_length
+    if rows_per_step < 1:
+        raise ConfigError(f"batch_tokens {config.batch_tokens} is less than one row of max_length {max_length}")
+    if rows_per_step * max_length != config.batch_tokens:
+        log.info("batch_tokens %d -> %d rows of %d tokens (%d tokens per step)", config.batch_tokens,
+                 rows_per_step, max_length, rows_per_step * max_length)
+    return Resolved(config, source, target_dir, drafter, max_length, rows_per_step)
+
+
+def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str, float],
+                   extra: dict[str, Any]) -> Manifest:
+    """The drafter manifest: final checkpoint, resolved config, target identity, lineage, final metrics."""
+    config, source, cfg = resolved.config, resolved.source, resolved.drafter
+    identity = resolved.section.target
+    identity = identity.model_copy(update={"special_tokens": identity.special_tokens.model_copy(
+        update={"mask": cfg.mask_token_id})})
+    records = source.manifest.total_records
+    resolved_config = {**public_dict(config), "resolved": {"drafter": cfg.model_dump(mode="json"),
+                                                           "max_length": resolved.max_length,
+                                                           "rows_per_step": resolved.rows_per_step, **extra}}
+    return Manifest(
+        kind=Kind.drafter,
+        run_id=config.run_id or source.manifest.run_id,
+        producer=producer(STAGE, resolved_config, PACKAGES),
+        inputs=[source.as_input()],
+        shards=[Shard(uri=join(checkpoint.uri, name), bytes=entry.bytes, sha256=entry.sha256, records=0)
+                for name, entry in sorted(checkpoint.marker.files.items())],
+        accounting=Accounting(input_records=records, succeeded=records, failed=0, skipped=0),
+        section=DrafterSection(
+            target=identity,
+            target_layer_ids=list(cfg.target_layer_ids),
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            checkpoint_uri=checkpoint.uri,
+            final_metrics=final_metrics,
+        ),
+    )
+
+
+def scratch_root(config: TrainConfig) -> str:
+    """Node-local scratch shared by the ranks of a node (the target copy and the shard cache live there)."""
+    base = config.scratch_dir or tempfile.gettempdir()
+    return os.path.join(base, "dflash-train-" + hashlib.sha256(config.output.encode()).hexdigest()[:12])
+
+
+def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
+    """Train (or resume); returns the drafter manifest URI on rank 0 once written, None elsewhere."""
+    from dflash_train import distributed
+
+    store = store or ObjectStore()
+    env = distributed.init_distributed(config.device)
+    setup_logging(STAGE, rank=env.rank)
+    try:
+        done = manifest_uri(config.output)
+        if store.exists(done):
+            log.info("%s exists: this run is complete, nothing to do", done)
+            return done if env.is_main else None
+        root = scratch_root(config)
+        os.makedirs(root, exist_ok=True)
+        if env.local_rank == 0:
+            fetch_target(store, config.target, root, config.copy_workers)
+        env.barrier()
+        target_dir = fetch_target(store, config.target, root, config.copy_workers)
+        resolved = resolve(config, store, target_dir)
+        return _train(resolved, store, env, root)
+    finally:
+        distributed.shutdown(env)
+
+
+def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str | None:
+    import torch
+
+    from dflash_train import checkpoint as ckpt
+    from dflash_train import data, distributed, optim
+    from dflash_train.metrics import MetricsSink
+    from dflash_train.model import DFlashDrafter
+    from dflash_train.target import FrozenTarget
+    from dflash_train.trainer import Trainer
+
+    config, cfg = resolved.config, resolved.drafter
+    scratch = os.path.join(root, f"rank-{env.rank}")
+    os.makedirs(scratch, exist_ok=True)
+    cache = data.ShardCache(store, os.path.join(root, "shards"), int(config.cache_gib * 2**30), config.verify_shards)
+    try:
+        plan = data.build_plan(store, join(config.output, "train", "plan.json"), resolved.source.manifest.shards,
+                               resolved.source.sha256, cache, resolved.max_length, config.seed, env.rank,
+                               env.world_size, env.all_gather_object)
+        steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
+        dtype = optim.target_dtype(config, env.device)
+        with torch.device("meta"):
+            drafter_params = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
+        parallelism = distributed.choose_parallelism(
+            config.parallelism, target_replica_bytes(resolved.target_dir, dtype.itemsize), drafter_params, env)
+        sharded = parallelism == "fsdp" and env.distributed
+        # A sharded target is read into host memory first; each rank then keeps its shard on the device.
+        target = FrozenTarget.from_pretrained(resolved.target_dir, cfg.target_layer_ids,
+                                              device="cpu" if sharded else env.device, dtype=dtype,
+                                              attn_implementation=config.target_attn_implementation,
+                                              packing=config.target_packing)
+        if sharded:
+            distributed.shard_target(target.model, target.model.get_decoder().layers, env)
+        log.info("drafter %.1fM parameters, %s, %d step(s), target %s on %s", drafter_params / 1e6, parallelism,
+                 steps, resolved.target_dir, env.device)
+        trainer = Trainer(config, cfg, target, plan, cache, env, store, scratch, parallelism, steps,
+                          resolved.rows_per_step)
+        ref = ckpt.find_resume(store, config.output, config.resume)
+        if ref is not None:
+            trainer.resume(ref)
+        sink = MetricsSink(env, os.path.join(scratch, "tensorboard"), config.tensorboard, f"from-step-{trainer.step}")
+        try:
+            result = trainer.train(sink)
+        finally:
+            sink.close(store, config.output)
+        if not env.is_main:
+            return None
+        final = ckpt.find_resume(store, config.output, result.checkpoint_uri)
+        assert final is not None
+        manifest = build_manifest(resolved, final, result.final_metrics,
+                                  {"world_size": env.world_size, "parallelism": parallelism, "total_steps": steps})
+        uri, _ = write_manifest(store, config.output, manifest)
+        log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
+                 result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))
+        return uri
+    finally:
+        cache.close()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,222 @@
+"""The training loop: micro-batches -> dflash_step -> AdamW, with checkpoints, metrics and preemption.
+
+One optimizer step consumes `rows_per_step` packed rows over all ranks (see `data`); rank r runs its
+micro-batches one after the other, gradients accumulate (reduced across ranks on the last one) and the
+loss of each is divided by their count, so the update is the mean over all micro-batches of the step
+whatever the world size. Anchor sampling and feature noise draw from a generator seeded by
+(seed, step, micro-batch), never from a global RNG: a resumed run, or one with another world size, draws
+exactly what the uninterrupted run would have.
+
+SIGTERM/SIGINT during the loop only set a flag; at the next step boundary all ranks agree (one
+all-reduce) to stop, save a checkpoint and raise `Preempted`, so the process exits 75 with nothing lost.
+A kill -9 loses the steps since the last periodic checkpoint and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflash_shared.errors import ConfigError, Preempted
+from dflash_shared.storage import ObjectStore
+from dflash_train import checkpoint as ckpt
+from dflash_train.config import TrainConfig
+from dflash_train.data import DataPlan, ShardCache, StepLoader
+from dflash_train.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
+from dflash_train.drafter_config import DrafterConfig
+from dflash_train.metrics import MetricsSink, MetricWindow
+from dflash_train.model import DFlashDrafter
+from dflash_train.optim import autocast, build_optimizer, build_scheduler, clip_gradients
+from dflash_train.step import dflash_step
+from dflash_train.target import FrozenTarget
+
+log = logging.getLogger(__name__)
+FINAL_METRIC_PREFIXES = ("loss", "tau", "accuracy", "acc_")
+
+
+def micro_seed(seed: int, step: int, micro: int) -> int:
+    """Seed of the anchor/noise generator of one micro-batch: independent of rank and world size."""
+    digest = hashlib.sha256(f"{seed}:{step}:{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def deferred_stop() -> Iterator[threading.Event]:
+    """SIGTERM/SIGINT set the returned event instead of interrupting a step (main thread only)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            log.warning("%s received: stopping after this step with a checkpoint", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced: the final checkpoint, its metrics and every logged window."""
+
+    checkpoint_uri: str
+    steps: int
+    final_metrics: dict[str, float]
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+
+def build_drafter(cfg: DrafterConfig, config: TrainConfig, device: torch.device) -> DFlashDrafter:
+    """A freshly initialised drafter (the same on every rank: the init is seeded)."""
+    torch.manual_seed(config.seed)
+    drafter = DFlashDrafter(cfg).to(device)
+    if config.activation_checkpointing:
+        drafter.set_gradient_checkpointing(True)
+    if config.compile:
+        for layer in drafter.layers:
+            layer.compile()
+    return drafter
+
+
+class Trainer:
+    """Owns the drafter, optimiser, scheduler, data loader and metrics of one run on one rank."""
+
+    def __init__(self, config: TrainConfig, drafter_cfg: DrafterConfig, target: FrozenTarget, plan: DataPlan,
+                 cache: ShardCache, env: DistEnv, store: ObjectStore, scratch: str, parallelism: Parallelism,
+                 total_steps: int, rows_per_step: int) -> None:
+        self.config, self.cfg, self.target, self.plan, self.cache = config, drafter_cfg, target, plan, cache
+        self.env, self.store, self.scratch = env, store, scratch
+        self.total_steps, self.rows_per_step = total_steps, rows_per_step
+        groups = rows_per_step // config.micro_batch_rows
+        if rows_per_step % config.micro_batch_rows or groups % env.world_size:
+            raise ConfigError(
+                f"batch_tokens gives {rows_per_step} rows per step, which must split into micro-batches of "
+                f"micro_batch_rows={config.micro_batch_rows} rows, the same number on each of {env.world_size} "
+                "rank(s): change batch_tokens or micro_batch_rows"
+            )
+        self.accumulation = groups // env.world_size
+        try:
+            target.check_drafter_config(drafter_cfg)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        self.drafter = build_drafter(drafter_cfg, config, env.device)
+        self.model: nn.Module = wrap_drafter(self.drafter, parallelism, env, bf16=config.precision == "bf16")
+        self.optimizer = build_optimizer(self.model.parameters(), config, env.device)
+        self.scheduler = build_scheduler(self.optimizer, config, total_steps)
+        self.step = 0
+        self.metrics: dict[str, float] = {}
+        self.history: list[tuple[int, dict[str, float]]] = []
+        self.last_checkpoint: str | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> ckpt.TrainState:
+        consumed = self.step * self.rows_per_step
+        return ckpt.TrainState(
+            step=self.step, total_steps=self.total_steps, rows_per_step=self.rows_per_step, consumed_rows=consumed,
+            data_position=self.plan.position(consumed), plan_fingerprint=self.plan.fingerprint,
+            scheduler=self.scheduler.state_dict(), world_size=self.env.world_size, metrics=self.metrics,
+        )
+
+    def save(self) -> str:
+        uri = ckpt.save_checkpoint(self.model, self.optimizer, self.state(), self.cfg.model_dump_json(indent=1),
+                                   self.store, self.config.output, self.env, self.scratch, self.config.keep_checkpoints)
+        self.last_checkpoint = uri
+        return uri
+
+    def resume(self, ref: ckpt.CheckpointRef) -> None:
+        saved = ckpt.read_config_json(self.store, ref)
+        if saved != self.cfg.model_dump(mode="json"):
+            raise ConfigError(f"checkpoint {ref.uri} was trained with another drafter config; start a new output "
+                              "prefix or set resume=never")
+        state = ckpt.load_checkpoint(ref, self.model, self.optimizer, self.store, self.env, self.scratch)
+        if state.plan_fingerprint != self.plan.fingerprint or state.rows_per_step != self.rows_per_step:
+            raise ConfigError(
+                f"checkpoint {ref.uri} continues another data order (plan {state.plan_fingerprint}, "
+                f"{state.rows_per_step} rows/step; now {self.plan.fingerprint}, {self.rows_per_step}): keep "
+                "input, max_length, seed and batch_tokens of the interrupted run"
+            )
+        if state.total_steps != self.total_steps:
+            log.warning("keeping the checkpoint's schedule of %d steps (the config now gives %d)",
+                        state.total_steps, self.total_steps)
+            self.total_steps = state.total_steps
+            self.scheduler = build_scheduler(self.optimizer, self.config, self.total_steps)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.step, self.metrics, self.last_checkpoint = state.step, dict(state.metrics), ref.uri
+
+    # ------------------------------------------------------------------ loop
+
+    def train(self, sink: MetricsSink) -> TrainResult:
+        env, config = self.env, self.config
+        loader = StepLoader(self.plan, self.cache, self.rows_per_step, config.micro_batch_rows, env.rank,
+                            env.world_size, self.step, self.total_steps, config.prefetch_steps,
+                            pin_memory=env.device.type == "cuda")
+        window = MetricWindow(self.cfg.block_size, env.device)
+        grad_norm = 0.0
+        log.info("training steps %d..%d of %d: %d rows of %d tokens per step, %d micro-batch(es) per rank",
+                 self.step + 1, self.total_steps, self.total_steps, self.rows_per_step, self.plan.max_length,
+                 self.accumulation)
+        try:
+            with deferred_stop() as stop:
+                for item in loader:
+                    if item.step != self.step:
+                        raise RuntimeError(f"data loader at step {item.step}, trainer at {self.step}")
+                    self.model.train()
+                    count = len(item.micro)
+                    for i, (micro_id, cpu_batch) in enumerate(zip(item.micro_ids, item.micro, strict=True)):
+                        batch = cpu_batch.to(env.device, non_blocking=True)
+                        gen = torch.Generator(device=env.device).manual_seed(
+                            micro_seed(config.seed, self.step, micro_id))
+                        with accumulate(self.model, sync=i == count - 1):
+                            with autocast(config, env.device):
+                                out = dflash_step(self.model, self.target, batch, self.cfg, gen,  # type: ignore[arg-type]
+                                                  noise=True, chunk_tokens=config.chunk_tokens)
+                            (out.loss / count).backward()
+                        window.add_micro(out, int((cpu_batch.document_ids >= 0).sum()))
+                    grad_norm = clip_gradients(self.model.parameters(), config.grad_clip)
+                    lr = self.scheduler.get_last_lr()[0]
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.step += 1
+                    window.steps += 1
+                    if self.step % config.log_every == 0 or self.step == self.total_steps:
+                        self.metrics = window.finish(env, lr, grad_norm)
+                        self.history.append((self.step, self.metrics))
+                        sink.write(self.step, self.total_steps, self.metrics)
+                    if self.step % config.checkpoint_every == 0 or self.step == self.total_steps:
+                        self.save()
+                        sink.upload(self.store, config.output)
+                    if env.any(stop.is_set()):
+                        self._stop_for_preemption(sink)
+        finally:
+            loader.close()
+        if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"step-{self.step:08d}"):
+            self.save()
+        assert self.last_checkpoint is not None
+        final = {k: v for k, v in self.metrics.items() if k.startswith(FINAL_METRIC_PREFIXES)}
+        return TrainResult(self.last_checkpoint, self.step, final, self.history)
+
+    def _stop_for_preemption(self, sink: MetricsSink) -> None:
+        started = time.perf_counter()
+        if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"step-{self.step:08d}"):
+            self.save()
+        if self.env.is_main:
+            sink.upload(self.store, self.config.output)
+        log.warning("stopped at step %d; checkpoint %s written in %.1f s", self.step, self.last_checkpoint,
+                    time.perf_counter() - started)
+        raise Preempted("SIGTERM")

@@ -1,0 +1,191 @@
+"""Fixtures of the evaluate tests: the tiny target's own answers and a drafter trained on them.
+
+- `chat_prompts`: real chat prompts rendered with the target's template (real Qwen3 vocabulary), one set
+  for training and a disjoint, differently worded set held out for evaluation;
+- `target_answers`: the tiny target's greedy answers to them (transformers `generate`), cached on disk;
+- `trained_drafter`: a drafter trained on those answers with the train stage's own step
+  (`dflash_step`, AdamW, a few hundred steps on CPU), cached on disk keyed by the training sources, so a
+  change to the model, loss or step code trains afresh.
+
+Caches live under `$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`) like the tiny target itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tests.support.qwen_assets import cache_root, qwen_special_ids
+
+if TYPE_CHECKING:
+    from dflash_train.drafter_config import DrafterConfig
+
+_VERSION = "1"
+TRAIN_TOPICS = ["prime numbers", "binary search", "rivers", "photosynthesis", "chess openings", "compilers",
+                "tides", "volcanoes", "glaciers", "hash tables", "orbits", "bread baking"]
+HELDOUT_TOPICS = ["lighthouses", "sorting networks", "coral reefs", "bicycles", "thunderstorms", "origami",
+                  "submarines", "the printing press"]
+NEW_TOKENS = 64
+SPECIAL = qwen_special_ids("qwen3")
+STOP_IDS = (SPECIAL["im_end"], SPECIAL["endoftext"])
+MASK_ID = SPECIAL["mask"]
+
+
+TRAIN_PROMPTS = 48
+
+
+def question(i: int) -> str:
+    """User prompt i; 0..TRAIN_PROMPTS-1 train the drafter, later ones are held out (same distribution)."""
+    return f"Question {i}: tell me about {TRAIN_TOPICS[i % len(TRAIN_TOPICS)]}, part {i // len(TRAIN_TOPICS)}."
+
+
+def train_texts() -> list[str]:
+    return [question(i) for i in range(TRAIN_PROMPTS)]
+
+
+def heldout_texts(count: int = 16) -> list[str]:
+    return [question(TRAIN_PROMPTS + i) for i in range(count)]
+
+
+def chat_prompts(target_dir: Path, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of single-turn user prompts rendered with the target's chat template (thinking off)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    out = []
+    for text in texts:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      enable_thinking=False, tokenize=True, return_dict=False)
+        out.append([int(i) for i in ids])
+    return out
+
+
+def _sources_digest(*extra: str) -> str:
+    import dflash_train
+
+    h = hashlib.sha256(_VERSION.encode())
+    root = Path(dflash_train.__file__).parent
+    for name in ("model.py", "step.py", "loss.py", "attention.py", "anchors.py", "batch.py", "target.py",
+                 "drafter_config.py"):
+        h.update((root / name).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    for item in extra:
+        h.update(item.encode())
+    return h.hexdigest()[:16]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def target_answers(target_dir: Path, prompts: Sequence[Sequence[int]], new_tokens: int = NEW_TOKENS,
+                   ) -> list[list[int]]:
+    """The target's greedy completions (stop token included when reached), cached per target and prompts.
+
+    Prompts are decoded in left-padded batches: training data only has to be what the target says, and
+    one batched pass per token is many times faster on CPU than one pass per prompt and token.
+    """
+    key = hashlib.sha256(json.dumps([target_dir.name, list(map(list, prompts)), new_tokens, STOP_IDS]).encode())
+    path = cache_root() / "evaluate-data" / f"answers-{key.hexdigest()[:16]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    pad = SPECIAL["endoftext"]
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=list(STOP_IDS),
+                              pad_token_id=pad)
+    answers: list[list[int]] = []
+    for start in range(0, len(prompts), 32):
+        chunk = [list(p) for p in prompts[start : start + 32]]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=attention, generation_config=config)
+        for row in out[:, width:].tolist():
+            stops = [i for i, t in enumerate(row) if t in STOP_IDS]
+            answers.append(row[: stops[0] + 1] if stops else row)
+    _atomic_write(path, json.dumps(answers).encode())
+    return answers
+
+
+def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]], block_size: int = 8,
+                  steps: int = 200, seed: int = 0, log: Callable[[str], None] | None = None) -> Path:
+    """A checkpoint-like folder of a drafter trained on `docs` ((prompt, answer) pairs), cached.
+
+    It holds what a training checkpoint holds for export: `model.safetensors` (float32, export names) and
+    `drafter_config.json`, plus `metrics.json` with the per-slot accuracies of the last steps
+    ('acc_1', ...), the keys training writes into the drafter manifest's final_metrics.
+    """
+    digest = _sources_digest(target_dir.name, json.dumps([list(map(list, d)) for d in docs]), str(block_size),
+                             str(steps), str(seed))
+    folder = cache_root() / "evaluate-data" / f"drafter-{digest}"
+    if (folder / "metrics.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_train.batch import PackedBatch, pack_documents
+    from dflash_train.loss import per_position_accuracy
+    from dflash_train.model import DFlashDrafter
+    from dflash_train.step import dflash_step
+    from dflash_train.target import FrozenTarget
+
+    cfg = drafter_config(block_size)
+    target = FrozenTarget.from_pretrained(target_dir, cfg.target_layer_ids, dtype=torch.float32)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).train()
+    packed = pack_documents([(p + a, [0] * len(p) + [1] * len(a)) for p, a in docs], max_length=384)
+    optim = torch.optim.AdamW(drafter.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    gen = torch.Generator().manual_seed(seed)
+    rows = packed.input_ids.shape[0]
+    correct = torch.zeros(block_size)
+    counted = torch.zeros(block_size)
+    for step in range(steps):
+        row = slice(step % rows, step % rows + 1)
+        batch = PackedBatch(packed.input_ids[row], packed.position_ids[row], packed.document_ids[row],
+                            packed.loss_mask[row])
+        out = dflash_step(drafter, target, batch, cfg, generator=gen)
+        optim.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        if step >= steps - rows:  # the last pass over the data: what training would report at the end
+            correct += out.correct.float()
+            counted += out.counted.float()
+        if log is not None and (step % 25 == 0 or step == steps - 1):
+            log(f"step {step} loss {out.loss.item():.3f}")
+    accuracies = per_position_accuracy(correct, counted)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+    (tmp / "drafter_config.json").write_text(cfg.model_dump_json(indent=1))
+    (tmp / "metrics.json").write_text(json.dumps({f"acc_{k}": a for k, a in enumerate(accuracies, start=1)}))
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process finished first: its folder is as good
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def drafter_config(block_size: int = 8) -> DrafterConfig:
+    """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer target."""
+    from dflash_train.drafter_config import DrafterConfig
+
+    return DrafterConfig.debug(block_size=block_size, num_anchors=2, mask_token_id=MASK_ID)

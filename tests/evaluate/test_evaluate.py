@@ -1,0 +1,115 @@
+"""`dflash-train evaluate`: offline acceptance on held-out prompts, the manifest it commits, and its gate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_shared.cli import run_stage_main
+from dflash_shared.manifest_io import load_manifest
+from dflash_shared.manifests import Kind
+from dflash_shared.storage import ObjectStore, join
+from dflash_train.evaluate import OfflineReport, evaluate_command, training_accuracies
+
+
+def _report(run: Any) -> OfflineReport:
+    loaded = load_manifest(run.store, run.evaluation, Kind.evaluation)  # re-hashes the report shard
+    (shard,) = loaded.manifest.shards
+    return OfflineReport.model_validate_json(run.store.read_bytes(shard.uri))
+
+
+def test_trained_drafter_clearly_beats_an_untrained_one(offline_run: Any) -> None:
+    report = _report(offline_run)
+    trained, untrained = report.trained, report.untrained
+    assert untrained is not None and untrained.prompts == 4 and trained.prompts == 16
+    assert untrained.tau < 1.2  # random drafts are (almost) never accepted
+    assert trained.tau > 2.5 and trained.tau > untrained.tau + 1.5
+    assert trained.tokens_per_target_forward > 2 * untrained.tokens_per_target_forward
+
+
+def test_manifest_holds_the_offline_numbers(offline_run: Any) -> None:
+    loaded = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation)
+    section = loaded.manifest.section
+    report = _report(offline_run)
+    assert section.engine_tau is None  # the serving check fills it
+    assert section.tau == report.trained.tau and section.tau_untrained == report.untrained.tau
+    assert section.acceptance_per_position == report.trained.acceptance_per_position
+    assert len(section.acceptance_per_position) == report.block_size - 1 == 7
+    assert section.tau_histogram == report.trained.tau_histogram
+    assert sum(section.tau_histogram.values()) == report.trained.steps
+    kinds = [i.kind for i in loaded.manifest.inputs]
+    assert kinds == [Kind.drafter, Kind.prompts]
+    assert loaded.manifest.accounting.succeeded == 16
+    assert loaded.manifest.run_id == "eval-test"
+
+
+def test_report_matches_its_per_prompt_results(offline_run: Any) -> None:
+    report = _report(offline_run)
+    assert report.dtype == "float32" and report.block_size == 7 + 1 and report.max_new_tokens == 64
+    assert report.lossless_checked == 2 and report.lossless_mismatches == []
+    steps = [n for r in report.results for n in r.accepted]
+    assert report.trained.tau == pytest.approx(1 + sum(steps) / len(steps))
+    for r in report.results:
+        # Held-out prompts are rendered by the target's chat template: they end with the assistant header.
+        assert r.prompt_token_ids[-3:] == [151644, 77091, 198]
+        assert 1 + sum(n + 1 for n in r.accepted) >= len(r.output_token_ids)
+
+
+def test_training_accuracies_are_reported_beside(offline_run: Any) -> None:
+    report = _report(offline_run)
+    logged = json.loads((offline_run.checkpoint / "metrics.json").read_text())
+    assert report.training_acceptance_per_position == [logged[f"acc_{k}"] for k in range(1, 8)]
+    assert report.training_expected_tau is not None and report.training_expected_tau > 1
+    assert training_accuracies({"acc_2": 0.5, "acc_1": 0.9, "loss": 3.0, "tau": 2.0}) == [0.9, 0.5]
+
+
+def test_rerun_is_a_no_op(offline_run: Any) -> None:
+    from dflash_train.evaluate import run
+    from dflash_train.evaluate_config import EvaluateConfig
+
+    before = offline_run.store.read_bytes(join(offline_run.evaluation, "manifest.json"))
+    # Nothing is loaded or decoded: the committed manifest short-circuits the run.
+    run(EvaluateConfig(drafter=offline_run.export, prompts=offline_run.prompts, target="/nonexistent",
+                       output=offline_run.evaluation), offline_run.store)
+    assert offline_run.store.read_bytes(join(offline_run.evaluation, "manifest.json")) == before
+
+
+def test_tau_below_the_gate_exits_65_with_the_numbers(offline_run: Any, tiny_target_dir: Path, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    out = str(tmp_path / "gated")
+    argv = ["--drafter", offline_run.export, "--prompts", offline_run.prompts, "--target", str(tiny_target_dir),
+            "--output", out, "--preset", "debug", "--num-prompts", "2", "--max-new-tokens", "16",
+            "--baseline-prompts", "0", "--lossless-prompts", "0", "--min-tau", "50"]
+    caplog.set_level(logging.ERROR)
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage_main("evaluate", lambda: evaluate_command(argv))
+    assert exit_info.value.code == 65
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "offline acceptance length tau" in message and "below min_tau 50.0" in message
+    assert "per position" in message and "training accuracies" in message
+    assert not (tmp_path / "gated" / "manifest.json").exists()  # nothing committed
+    assert json.loads((tmp_path / "gated" / "evaluation.json").read_text())["trained"]["prompts"] == 2
+
+
+def test_prompts_of_another_template_are_refused(offline_run: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
+    """Held-out data rendered with another chat template is refused before any model loads."""
+    from dflash_shared.manifest_io import ManifestError
+    from dflash_shared.manifests import Accounting, CompletionsSection, Manifest, Producer
+    from dflash_train.evaluate import run
+    from dflash_train.evaluate_config import EvaluateConfig
+    from tests.evaluate.conftest import target_identity
+
+    store = ObjectStore()
+    other = target_identity(tiny_target_dir).model_copy(update={"chat_template_sha256": "0" * 64})
+    prefix = str(tmp_path / "completions")
+    manifest = Manifest(kind=Kind.completions, run_id="x", producer=Producer(stage="generate"),
+                        accounting=Accounting(input_records=0, succeeded=0, failed=0, skipped=0),
+                        section=CompletionsSection(target=other, has_token_ids=True))
+    store.write_bytes(join(prefix, "manifest.json"), manifest.to_json())
+    with pytest.raises(ManifestError, match="chat_template_sha256"):
+        run(EvaluateConfig(drafter=offline_run.export, prompts=prefix, target=str(tiny_target_dir),
+                           output=str(tmp_path / "eval")), offline_run.store)

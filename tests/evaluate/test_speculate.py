@@ -1,0 +1,103 @@
+"""The offline speculative loop: lossless against the target's own greedy decoding, acceptance counted right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_train.evaluate import summarize
+from dflash_train.speculate import greedy_reference, propose, speculative_generate
+from tests.evaluate import eval_fixtures as ef
+
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def references(target_model: Any, heldout_prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy decoding of the first three held-out prompts."""
+    return [greedy_reference(target_model, p, NEW_TOKENS, ef.STOP_IDS) for p in heldout_prompts[:3]]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("which", ["trained", "untrained"])
+def test_output_is_the_targets_greedy_output(which: str, block_size: int, request: pytest.FixtureRequest,
+                                            hooked_target: Any, heldout_prompts: list[list[int]],
+                                            references: list[list[int]]) -> None:
+    drafter = request.getfixturevalue(f"{which}_drafter")
+    accepted = 0
+    for prompt, reference in zip(heldout_prompts[:3], references, strict=True):
+        result = speculative_generate(drafter, hooked_target, prompt, NEW_TOKENS, ef.STOP_IDS, block_size)
+        assert result.tokens == reference
+        assert all(0 <= n <= block_size - 1 for n in result.accepted)
+        accepted += sum(result.accepted)
+    if which == "trained":
+        assert accepted > 0  # drafts were accepted, so the comparison covers committed draft tokens
+    else:
+        assert accepted <= 2  # a random drafter almost never guesses right: the bonus path is covered
+
+
+def test_stop_token_inside_an_accepted_draft_ends_the_output(trained_drafter: Any, hooked_target: Any,
+                                                             target_model: Any, references: list[list[int]],
+                                                             heldout_prompts: list[list[int]]) -> None:
+    """A stop id reached in the middle of a block ends the output there, as plain greedy decoding does."""
+    reference = references[0]
+    stop = reference[len(reference) // 2]  # a token the target does produce
+    expected = greedy_reference(target_model, heldout_prompts[0], NEW_TOKENS, [stop])
+    result = speculative_generate(trained_drafter, hooked_target, heldout_prompts[0], NEW_TOKENS, [stop], 8)
+    assert result.tokens == expected
+    assert result.tokens[-1] == stop and stop not in result.tokens[:-1]
+
+
+def test_counts_add_up(trained_drafter: Any, hooked_target: Any, heldout_prompts: list[list[int]]) -> None:
+    """Every step commits accepted + 1 tokens after the prefill's one; tau is the pooled mean of them."""
+    results = [speculative_generate(trained_drafter, hooked_target, p, NEW_TOKENS, (), 8) for p in heldout_prompts[:4]]
+    for r in results:
+        assert r.target_forwards == 1 + len(r.accepted)
+        committed = 1 + sum(r.acceptance_lengths)
+        # The last step may commit past the budget; the output is cut there.
+        assert len(r.tokens) == NEW_TOKENS <= committed < NEW_TOKENS + 8
+    summary = summarize(results, 8)
+    lengths = [t for r in results for t in r.acceptance_lengths]
+    assert summary.tau == pytest.approx(sum(lengths) / len(lengths))
+    assert summary.steps == len(lengths) == sum(summary.tau_histogram.values())
+    assert summary.acceptance_per_position[0] == pytest.approx(sum(t >= 2 for t in lengths) / len(lengths))
+    assert summary.acceptance_per_position == sorted(summary.acceptance_per_position, reverse=True)
+    assert summary.tokens_per_target_forward == pytest.approx(4 * NEW_TOKENS / summary.target_forwards)
+
+
+def test_acceptance_recounted_from_the_output(trained_drafter: Any, hooked_target: Any,
+                                              heldout_prompts: list[list[int]]) -> None:
+    """Replay each step without the loop's cache: fresh target features of the committed prefix, one drafter
+    pass, and count how far the drafts match the final output. It must equal what the loop counted."""
+    block = 8
+    prompt = heldout_prompts[1]
+    result = speculative_generate(trained_drafter, hooked_target, prompt, NEW_TOKENS, (), block)
+    committed = 1  # tokens of the output committed before the step (the prefill's first token)
+    recount = []
+    for _ in result.accepted:
+        prefix = torch.tensor(prompt + result.tokens[: committed - 1])
+        _, features = hooked_target.forward(prefix, hooked_target.new_cache())
+        draft = propose(trained_drafter, hooked_target, features, result.tokens[committed - 1], block)
+        following = result.tokens[committed:]
+        n = 0
+        while n < len(draft) and n < len(following) and draft[n] == following[n]:
+            n += 1
+        recount.append(n)
+        committed += n + 1
+    # The final step's drafts can run past the cut output; compare where the output covers them.
+    assert recount[:-1] == result.accepted[:-1]
+    assert recount[-1] <= result.accepted[-1]
+    assert sum(result.accepted) > 0
+
+
+def test_refuses_a_drafter_for_other_layers(trained_drafter: Any, target_model: Any) -> None:
+    from dflash_train.speculate import HookedTarget
+
+    other = HookedTarget(target_model, [0, 1])
+    try:
+        with pytest.raises(ValueError, match=r"drafter reads target layers \[1, 2\], the target hooks \[0, 1\]"):
+            speculative_generate(trained_drafter, other, [1, 2, 3], 4)
+    finally:
+        other.close()
