@@ -1,11 +1,14 @@
-"""Fixtures of the evaluate tests: the tiny target's own answers and a drafter trained on them.
+"""Fixtures of the evaluate tests (and `bench/bench_eval.py`): the tiny target's answers, a drafter trained on them.
 
-- `chat_prompts`: real chat prompts rendered with the target's template (real Qwen3 vocabulary), one set
-  for training and a disjoint, differently worded set held out for evaluation;
+- `chat_prompts`: real chat prompts rendered with the target's template (real Qwen3 vocabulary); prompts
+  0..47 train the drafter, later ones of the same kind are held out for evaluation;
 - `target_answers`: the tiny target's greedy answers to them (transformers `generate`), cached on disk;
-- `trained_drafter`: a drafter trained on those answers with the train stage's own step
-  (`dflash_step`, AdamW, a few hundred steps on CPU), cached on disk keyed by the training sources, so a
-  change to the model, loss or step code trains afresh.
+- `train_drafter`: a drafter trained on those answers with the train stage's own step (`dflash_step`,
+  AdamW, 200 steps on CPU), cached on disk keyed by the training sources, so a change to the model, loss
+  or step code trains afresh. Its folder looks like a training checkpoint (model.safetensors,
+  drafter_config.json) plus the per-slot accuracies training would report (metrics.json);
+- `write_trained`, `write_prompts`: the drafter prefix and prompts prefix the export and evaluate stages
+  read, with their manifests.
 
 Caches live under `$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`) like the tiny target itself.
 """
@@ -20,6 +23,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
+from dflash_shared.manifests import (
+    Accounting,
+    DrafterSection,
+    Kind,
+    Manifest,
+    Producer,
+    PromptsSection,
+    Shard,
+    SpecialTokens,
+    TargetIdentity,
+)
+from dflash_shared.records import Message, PromptRecord, record_id
+from dflash_shared.storage import ObjectStore, join
 from tests.support.qwen_assets import cache_root, qwen_special_ids
 
 if TYPE_CHECKING:
@@ -189,3 +206,56 @@ def drafter_config(block_size: int = 8) -> DrafterConfig:
     from dflash_train.drafter_config import DrafterConfig
 
     return DrafterConfig.debug(block_size=block_size, num_anchors=2, mask_token_id=MASK_ID)
+
+
+# ----------------------------------------------------------------------------------- stage inputs
+
+
+def target_identity(target_dir: Path) -> TargetIdentity:
+    return TargetIdentity(
+        model_id="tiny-qwen3", tokenizer_sha256=tokenizer_sha256(target_dir),
+        chat_template_sha256=chat_template_sha256(target_dir), enable_thinking=False,
+        special_tokens=SpecialTokens(end_of_turn=SPECIAL["im_end"], mask=MASK_ID),
+    )
+
+
+def write_prompts(store: ObjectStore, prefix: str, texts: list[str]) -> str:
+    """A prompts manifest (one JSONL shard) of single-turn user prompts."""
+    lines = []
+    for text in texts:
+        messages = (Message(role="user", content=text),)
+        lines.append(PromptRecord(id=record_id(messages), messages=messages).model_dump_json(exclude_none=True))
+    data = ("\n".join(lines) + "\n").encode()
+    uri = join(prefix, "data", "part-00000.jsonl")
+    store.write_bytes(uri, data)
+    manifest = Manifest(
+        kind=Kind.prompts, run_id="eval-test", producer=Producer(stage="import"),
+        shards=[Shard(uri=uri, bytes=len(data), sha256=store.sha256(uri), records=len(lines))],
+        accounting=Accounting(input_records=len(lines), succeeded=len(lines), failed=0, skipped=0),
+        section=PromptsSection(sources=["tests"], duplicates=0),
+    )
+    store.write_bytes(join(prefix, "manifest.json"), manifest.to_json())
+    return prefix
+
+
+def write_trained(store: ObjectStore, prefix: str, checkpoint: Path, target_dir: Path) -> str:
+    """A drafter prefix as training leaves it: a checkpoint folder and the drafter manifest naming it."""
+    from dflash_train.drafter_config import DrafterConfig
+
+    cfg = DrafterConfig.model_validate_json((checkpoint / "drafter_config.json").read_text())
+    ckpt = join(prefix, "checkpoints", "step-00000200")
+    shards = []
+    for name in ("model.safetensors", "drafter_config.json"):
+        store.upload_from(str(checkpoint / name), join(ckpt, name))
+        shards.append(Shard(uri=join(ckpt, name), bytes=(checkpoint / name).stat().st_size,
+                            sha256=store.sha256(join(ckpt, name)), records=0))
+    metrics = json.loads((checkpoint / "metrics.json").read_text())
+    manifest = Manifest(
+        kind=Kind.drafter, run_id="eval-test", producer=Producer(stage="train"), shards=shards,
+        accounting=Accounting(input_records=48, succeeded=48, failed=0, skipped=0),
+        section=DrafterSection(target=target_identity(target_dir), target_layer_ids=list(cfg.target_layer_ids),
+                               block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, checkpoint_uri=ckpt,
+                               final_metrics=metrics),
+    )
+    store.write_bytes(join(prefix, "manifest.json"), manifest.to_json())
+    return prefix

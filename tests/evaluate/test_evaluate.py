@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from dflash_shared.cli import run_stage_main
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.evaluate import OfflineReport, evaluate_command, training_accuracies
+from dflash_train.__main__ import main as train_main
+from dflash_train.evaluate import OfflineReport, training_accuracies
 
 
 def _report(run: Any) -> OfflineReport:
@@ -25,7 +25,7 @@ def _report(run: Any) -> OfflineReport:
 def test_trained_drafter_clearly_beats_an_untrained_one(offline_run: Any) -> None:
     report = _report(offline_run)
     trained, untrained = report.trained, report.untrained
-    assert untrained is not None and untrained.prompts == 4 and trained.prompts == 16
+    assert untrained is not None and untrained.prompts == 2 and trained.prompts == 16
     assert untrained.tau < 1.2  # random drafts are (almost) never accepted
     assert trained.tau > 2.5 and trained.tau > untrained.tau + 1.5
     assert trained.tokens_per_target_forward > 2 * untrained.tokens_per_target_forward
@@ -47,16 +47,16 @@ def test_manifest_holds_the_offline_numbers(offline_run: Any) -> None:
     assert loaded.manifest.run_id == "eval-test"
 
 
-def test_report_matches_its_per_prompt_results(offline_run: Any) -> None:
+def test_report_matches_its_per_prompt_results(offline_run: Any, heldout_prompts: list[list[int]]) -> None:
     report = _report(offline_run)
     assert report.dtype == "float32" and report.block_size == 7 + 1 and report.max_new_tokens == 64
     assert report.lossless_checked == 2 and report.lossless_mismatches == []
     steps = [n for r in report.results for n in r.accepted]
     assert report.trained.tau == pytest.approx(1 + sum(steps) / len(steps))
+    # Prompt records are rendered with the target's chat template, thinking off, as the engine renders them.
+    assert [r.prompt_token_ids for r in report.results] == heldout_prompts
     for r in report.results:
-        # Held-out prompts are rendered by the target's chat template: they end with the assistant header.
-        assert r.prompt_token_ids[-3:] == [151644, 77091, 198]
-        assert 1 + sum(n + 1 for n in r.accepted) >= len(r.output_token_ids)
+        assert 1 + sum(n + 1 for n in r.accepted) >= len(r.output_token_ids) == 64
 
 
 def test_training_accuracies_are_reported_beside(offline_run: Any) -> None:
@@ -86,7 +86,7 @@ def test_tau_below_the_gate_exits_65_with_the_numbers(offline_run: Any, tiny_tar
             "--baseline-prompts", "0", "--lossless-prompts", "0", "--min-tau", "50"]
     caplog.set_level(logging.ERROR)
     with pytest.raises(SystemExit) as exit_info:
-        run_stage_main("evaluate", lambda: evaluate_command(argv))
+        train_main(["evaluate", *argv])  # the `dflash-train evaluate` entry point
     assert exit_info.value.code == 65
     message = " ".join(r.getMessage() for r in caplog.records)
     assert "offline acceptance length tau" in message and "below min_tau 50.0" in message
@@ -101,7 +101,7 @@ def test_prompts_of_another_template_are_refused(offline_run: Any, tiny_target_d
     from dflash_shared.manifests import Accounting, CompletionsSection, Manifest, Producer
     from dflash_train.evaluate import run
     from dflash_train.evaluate_config import EvaluateConfig
-    from tests.evaluate.conftest import target_identity
+    from tests.evaluate.eval_fixtures import target_identity
 
     store = ObjectStore()
     other = target_identity(tiny_target_dir).model_copy(update={"chat_template_sha256": "0" * 64})
@@ -113,3 +113,62 @@ def test_prompts_of_another_template_are_refused(offline_run: Any, tiny_target_d
     with pytest.raises(ManifestError, match="chat_template_sha256"):
         run(EvaluateConfig(drafter=offline_run.export, prompts=prefix, target=str(tiny_target_dir),
                            output=str(tmp_path / "eval")), offline_run.store)
+
+
+def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_target_dir: Path) -> None:
+    """Completions give their recorded prompt ids, tokenized rows everything before the first trained token;
+    skipped and refused records are accounted for by reason."""
+    import pyarrow as pa
+
+    from dflash_shared.manifest_io import load_manifest as load
+    from dflash_shared.manifests import (
+        Accounting,
+        CompletionsSection,
+        Manifest,
+        Producer,
+        Shard,
+        TokenizedSection,
+    )
+    from dflash_shared.records import CompletionRecord, Message
+    from dflash_train.evaluate import PromptSource, pick_prompts
+    from dflash_train.evaluate_config import EvaluateConfig
+    from tests.evaluate.eval_fixtures import target_identity
+
+    store = ObjectStore()
+    ident = target_identity(tiny_target_dir)
+    user, answer = Message(role="user", content="hi"), Message(role="assistant", content="ok")
+    records = [CompletionRecord(id=f"c{i}", messages=(user, answer), prompt_token_ids=tuple(range(1, 2 + i * 3)),
+                                completion_token_ids=(5, 6)) for i in range(4)]
+    comp = str(tmp_path / "completions")
+    data = "".join(r.model_dump_json() + "\n" for r in records).encode()
+    store.write_bytes(join(comp, "part-0.jsonl"), data)
+    shard = Shard(uri=join(comp, "part-0.jsonl"), bytes=len(data), sha256=store.sha256(join(comp, "part-0.jsonl")),
+                  records=4)
+    accounting = Accounting(input_records=4, succeeded=4, failed=0, skipped=0)
+    store.write_bytes(join(comp, "manifest.json"), Manifest(
+        kind=Kind.completions, run_id="r", producer=Producer(stage="generate"), shards=[shard], accounting=accounting,
+        section=CompletionsSection(target=ident, has_token_ids=True)).to_json())
+    config = EvaluateConfig(drafter="d", prompts=comp, target="t", output="o", skip_prompts=1, max_prompt_tokens=6,
+                            num_prompts=5)
+    source = PromptSource(store, load(store, comp, Kind.completions), str(tiny_target_dir), False)
+    picked, acc = pick_prompts(source, config)
+    assert picked == [("c1", [1, 2, 3, 4])]
+    assert acc.skips_by_reason == {"before_start": 1, "too_long": 2} and acc.examples["too_long"] == ["c2", "c3"]
+
+    tok = str(tmp_path / "tokenized")
+    batch = pa.RecordBatch.from_pydict({"id": ["t0", "t1"], "input_ids": [[7, 8, 9, 10], [11, 12]],
+                                        "loss_mask": [[0, 0, 1, 1], [1, 1]]})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    store.write_bytes(join(tok, "part-0.arrow"), sink.getvalue().to_pybytes())
+    shard = Shard(uri=join(tok, "part-0.arrow"), bytes=store.size(join(tok, "part-0.arrow")),
+                  sha256=store.sha256(join(tok, "part-0.arrow")), records=2)
+    store.write_bytes(join(tok, "manifest.json"), Manifest(
+        kind=Kind.tokenized, run_id="r", producer=Producer(stage="tokenize"), shards=[shard],
+        accounting=Accounting(input_records=2, succeeded=2, failed=0, skipped=0),
+        section=TokenizedSection(target=ident, mode="token_exact", mask_policy="final_turn", max_length=8,
+                                 total_tokens=6, loss_tokens=4)).to_json())
+    source = PromptSource(store, load(store, tok, Kind.tokenized), str(tiny_target_dir), False)
+    picked, acc = pick_prompts(source, EvaluateConfig(drafter="d", prompts=tok, target="t", output="o"))
+    assert picked == [("t0", [7, 8])] and acc.skips_by_reason == {"empty_prompt": 1}

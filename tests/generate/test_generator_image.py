@@ -114,8 +114,9 @@ def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Contai
 
 
 def run_container(engine: ContainerEngine, tag: str, args: list[str], env: dict[str, str],
-                  volumes: Sequence[str] = (), shm: str | None = "1g", timeout: float = 900) -> tuple[int, str]:
-    cmd = ["run", "--rm", "--network", "host"]
+                  volumes: Sequence[str] = (), shm: str | None = "1g", timeout: float = 900,
+                  flags: Sequence[str] = ()) -> tuple[int, str]:
+    cmd = ["run", "--rm", "--network", "host", *flags]
     if shm:
         cmd.append(f"--shm-size={shm}")
     for volume in volumes:
@@ -164,7 +165,9 @@ def test_generation_inside_the_container(generator: tuple[ContainerEngine, str],
     env = {f"DFLASH_GENERATE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
            for k, v in config.model_dump(mode="json").items() if v is not None}
     env.update(container_s3_env(moto_endpoint), VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    rc, log = run_container(engine, tag, [], env, [f"{tiny_target_dir}:/model:ro"])
+    # As the Kubernetes Job runs it: read-only root, writable scratch, /tmp and home.
+    read_only = ["--read-only", "--tmpfs", "/work/scratch", "--tmpfs", "/tmp", "--tmpfs", "/home/dflash"]
+    rc, log = run_container(engine, tag, [], env, [f"{tiny_target_dir}:/model:ro"], flags=read_only)
     assert rc == 0, log[-4000:]
     assert "preflight generate: all" in log and "wrote manifest" in log
     manifest = load_manifest(store, out, Kind.completions).manifest  # every shard re-hashed

@@ -8,8 +8,11 @@ that image gets there and nothing else from the test process:
 - what Kubernetes adds: JOB_COMPLETION_INDEX, HOSTNAME, KUBERNETES_SERVICE_*;
 - every emptyDir mount becomes a fresh directory of the pod, and a path under a mount path (in env values
   and arguments) is rewritten to that directory, since the processes share this machine's filesystem;
-- the image's virtualenv (/opt/venv) is this repository's .venv, where the stage packages are installed,
-  and a file the Dockerfile COPYs into the image (the entrypoint script) is run from the repository.
+- the image's virtualenv (/opt/venv) is this repository's .venv, where the stage packages are installed
+  (or another environment, e.g. .venv-train for the trainer image), and a file the Dockerfile COPYs into
+  the image (the entrypoint script) is run from the repository;
+- `$(VAR)` references in command and args are expanded from the container's environment, as the kubelet
+  does (`$$` escapes a `$`; a reference to an undefined variable stays as written).
 
 Anything this does not know how to emulate (a volume other than emptyDir, valueFrom env, a command
 that resolves nowhere) fails the test instead of being skipped.
@@ -39,6 +42,17 @@ class ContainerRun:
     argv: list[str]
     returncode: int
     output: str
+
+
+@dataclass(frozen=True)
+class ContainerProcess:
+    """One container of the pod, ready to start: the resolved argv, its environment and working directory."""
+
+    name: str
+    argv: list[str]  # as written in the manifest (references expanded)
+    command: list[str]  # what runs here: argv[0] resolved, container paths mapped to the pod's directories
+    env: dict[str, str]
+    cwd: Path
 
 
 def _dockerfile(image: str) -> Path:
@@ -91,11 +105,23 @@ def image_files(image: str) -> dict[str, Path]:
     return files
 
 
+def expand_references(value: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of command and args: $(NAME) from the environment, $$ -> $."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env[name] if name in env else match.group(0)
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", one, value)
+
+
 class PodPaths:
     """Container paths -> this pod's directories (emptyDir mounts, the image venv)."""
 
-    def __init__(self, mounts: dict[str, Path]) -> None:
-        self.table = sorted({**mounts, IMAGE_VENV: VENV}.items(), key=lambda kv: -len(kv[0]))
+    def __init__(self, mounts: dict[str, Path], venv: Path = VENV) -> None:
+        self.table = sorted({**mounts, IMAGE_VENV: venv}.items(), key=lambda kv: -len(kv[0]))
 
     def map(self, value: str) -> str:
         if ":" in value and "://" not in value and value.startswith("/"):  # PATH-like lists
@@ -140,9 +166,9 @@ def _resolve(argv0: str, env: dict[str, str], files: dict[str, Path], paths: Pod
     return found
 
 
-def run_pod(job: dict[str, Any], index: int, secrets: dict[str, dict[str, str]], pod_dir: Path,
-            timeout: float = 180.0) -> list[ContainerRun]:
-    """Run pod `index` of the Job: init containers in order (stopping at a failure), then the container."""
+def pod_containers(job: dict[str, Any], index: int, secrets: dict[str, dict[str, str]], pod_dir: Path,
+                   venv: Path = VENV) -> list[ContainerProcess]:
+    """The containers of pod `index` of the Job, init containers first, each ready to start here."""
     spec = job["spec"]["template"]["spec"]
     assert job["spec"]["completionMode"] == "Indexed" and 0 <= index < job["spec"]["completions"]
     volumes = {}
@@ -161,17 +187,28 @@ def run_pod(job: dict[str, Any], index: int, secrets: dict[str, dict[str, str]],
         "KUBERNETES_SERVICE_PORT": "443",
         "KUBERNETES_SERVICE_PORT_HTTPS": "443",
     }
-    runs = []
+    out = []
     for container in [*spec.get("initContainers", []), *spec["containers"]]:
         mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
-        paths = PodPaths(mounts)
-        env = {k: paths.map(v) for k, v in _env(container, injected, secrets).items()}
-        argv = [*container.get("command", []), *container.get("args", [])]
+        paths = PodPaths(mounts, venv)
+        written = _env(container, injected, secrets)
+        env = {k: paths.map(v) for k, v in written.items()}
+        argv = [expand_references(a, written) for a in [*container.get("command", []), *container.get("args", [])]]
         assert argv, f"container {container['name']} relies on the image's default command"
         resolved = _resolve(argv[0], env, image_files(container["image"]), paths)
-        proc = subprocess.run([resolved, *(paths.map(a) for a in argv[1:])], env=env, cwd=workdir,
-                              capture_output=True, text=True, timeout=timeout, check=False)
-        runs.append(ContainerRun(container["name"], argv, proc.returncode, proc.stdout + proc.stderr))
+        out.append(ContainerProcess(container["name"], argv, [resolved, *(paths.map(a) for a in argv[1:])],
+                                    env, workdir))
+    return out
+
+
+def run_pod(job: dict[str, Any], index: int, secrets: dict[str, dict[str, str]], pod_dir: Path,
+            timeout: float = 180.0, venv: Path = VENV) -> list[ContainerRun]:
+    """Run pod `index` of the Job: init containers in order (stopping at a failure), then the container."""
+    runs = []
+    for c in pod_containers(job, index, secrets, pod_dir, venv):
+        proc = subprocess.run(c.command, env=c.env, cwd=c.cwd, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+        runs.append(ContainerRun(c.name, c.argv, proc.returncode, proc.stdout + proc.stderr))
         if proc.returncode != 0:
             break
     return runs

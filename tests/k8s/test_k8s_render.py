@@ -25,6 +25,7 @@ from dflash_shared.pipeline.stages import (
     IMPORT_COMPLETIONS,
     IMPORT_PROMPTS,
     TOKENIZE,
+    TRAIN,
 )
 from dflash_shared.pipeline.yaml_out import dump_all
 from tests.k8s.k8s_support import (
@@ -93,7 +94,7 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 
 def test_optional_settings_reach_the_manifests() -> None:
     docs = render_documents(parse_run_config(everything_set()))
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Job", "Job", "Job"]
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Job", "Job", "Job", "Job"]
     (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
     assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"}
     generate = jobs(docs)["generate"]
@@ -114,14 +115,18 @@ def test_optional_settings_reach_the_manifests() -> None:
 
 
 def test_jobs_are_indexed_with_one_pod_per_shard(docs: list[dict[str, Any]]) -> None:
-    for job in jobs(docs).values():
+    for stage, job in jobs(docs).items():
         spec = job["spec"]
         shards = spec["completions"]
         assert spec["completionMode"] == "Indexed" and spec["parallelism"] == shards
         assert spec["backoffLimitPerIndex"] >= 1 and spec["ttlSecondsAfterFinished"] > 0
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         main = spec["template"]["spec"]["containers"][0]
-        assert env_of(main)["DFLASH_NUM_SHARDS"] == str(shards)
+        if stage == "train":
+            # One process group: a pod per node (test_k8s_train.py), never shards.
+            assert "DFLASH_NUM_SHARDS" not in env_of(main)
+        else:
+            assert env_of(main)["DFLASH_NUM_SHARDS"] == str(shards)
 
 
 def test_pod_failure_policy_follows_the_exit_codes(docs: list[dict[str, Any]]) -> None:
@@ -158,7 +163,7 @@ def test_gpu_stage_requests_gpus_and_is_placed_on_gpu_nodes(docs: list[dict[str,
         pod = job["spec"]["template"]["spec"]
         limits = pod["containers"][0]["resources"]["limits"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        if stage != "generate":
+        if stage not in ("generate", "train"):
             assert "nvidia.com/gpu" not in limits and "dshm" not in volumes and "nodeSelector" not in pod
             continue
         assert limits["nvidia.com/gpu"] >= 1
@@ -166,20 +171,29 @@ def test_gpu_stage_requests_gpus_and_is_placed_on_gpu_nodes(docs: list[dict[str,
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
-        env = env_of(pod["containers"][0])
-        assert env["DFLASH_GENERATE_TENSOR_PARALLEL_SIZE"] == str(limits["nvidia.com/gpu"])
+        main = pod["containers"][0]
+        env = env_of(main)
+        if stage == "generate":
+            assert env["DFLASH_GENERATE_TENSOR_PARALLEL_SIZE"] == str(limits["nvidia.com/gpu"])
+        else:
+            # One training process per GPU of the pod.
+            assert env["DFLASH_TRAIN_DEVICE"] == "cuda"
+            assert f"--nproc-per-node={limits['nvidia.com/gpu']}" in main.get("args", ["--nproc-per-node=1"])
 
 
 def test_prefixes_are_wired_stage_to_stage() -> None:
     by_stage = jobs(render_documents(load_run_config(EXAMPLE_RUN)))
     run_prefix = "s3://dflash-example-bucket/runs/example"
-    imp, gen, tok = (env_of(by_stage[s]["spec"]["template"]["spec"]["containers"][0])
-                     for s in ("import", "generate", "tokenize"))
+    imp, gen, tok, train = (env_of(by_stage[s]["spec"]["template"]["spec"]["containers"][0])
+                            for s in ("import", "generate", "tokenize", "train"))
     assert imp["DFLASH_IMPORT_OUTPUT"] == gen["DFLASH_GENERATE_INPUT"] == f"{run_prefix}/prompts"
     assert gen["DFLASH_GENERATE_OUTPUT"] == tok["DFLASH_TOKENIZE_INPUT"] == f"{run_prefix}/completions"
-    assert tok["DFLASH_TOKENIZE_OUTPUT"] == f"{run_prefix}/tokenized"
-    wait = by_stage["tokenize"]["spec"]["template"]["spec"]["initContainers"][0]
-    assert wait["command"][wait["command"].index("--manifest") + 1] == f"{run_prefix}/completions/manifest.json"
+    assert tok["DFLASH_TOKENIZE_OUTPUT"] == train["DFLASH_TRAIN_INPUT"] == f"{run_prefix}/tokenized"
+    assert train["DFLASH_TRAIN_OUTPUT"] == f"{run_prefix}/drafter"
+    assert train["DFLASH_TRAIN_TARGET"] == gen["DFLASH_GENERATE_MODEL"] == tok["DFLASH_TOKENIZE_TOKENIZER"]
+    for stage, upstream in (("tokenize", "completions"), ("train", "tokenized")):
+        wait = by_stage[stage]["spec"]["template"]["spec"]["initContainers"][0]
+        assert wait["command"][wait["command"].index("--manifest") + 1] == f"{run_prefix}/{upstream}/manifest.json"
     assert "initContainers" not in by_stage["import"]["spec"]["template"]["spec"]
     # The CPU request bounds the tokenizer's worker processes (a pod sees all of the node's cores).
     assert tok["DFLASH_TOKENIZE_WORKERS"] == "4"
@@ -202,6 +216,10 @@ def test_rendered_output_holds_no_credentials(docs: list[dict[str, Any]]) -> Non
     ("path", "value", "message"),
     [
         (("stages", "tokenize", "config", "max_lenght"), 1, "max_lenght not a field of dflash_tokenize"),
+        (("stages", "train", "config", "max_lenght"), 1, "max_lenght not a field of dflash_train"),
+        (("stages", "train", "config", "target"), "s3://x/y", "train.config.target is set by the pipeline"),
+        (("stages", "train", "shards"), 2, "one process group, not shards"),
+        (("stages", "generate", "nodes"), 2, "only a torchrun stage"),
         (("stages", "tokenize", "config", "input"), "s3://x/y", "tokenize.config.input is set by the pipeline"),
         (("stages", "import", "config", "num_shards"), 3, "shards come from stages.import.shards"),
         (("stages", "tokenize", "memory"), "16GB", "stages.tokenize.memory"),
@@ -210,7 +228,8 @@ def test_rendered_output_holds_no_credentials(docs: list[dict[str, Any]]) -> Non
         (("stages", "generate", "env", "DFLASH_GENERATE_MODEL"), "x", "through `config`"),
         (("stages", "tokenize", "memory_limit"), "1Gi", "below the memory request"),
         (("run_id",), "Example_Run", "run_id"),
-        (("root",), "/data/runs", "must be an s3://"),
+        (("root",), "/data/runs", "pods can only exchange data through s3://"),
+        (("root",), "data/runs", "must be an s3://"),
         (("storage", "credentials"), "workload_identity", "choose one"),
     ],
 )
@@ -249,7 +268,7 @@ def test_yaml_writer_round_trips_through_a_yaml_parser(docs: list[dict[str, Any]
     assert yaml.safe_load(dump_all([tricky])) == tricky
 
 
-STAGE_IMAGES = sorted({s.image for s in (IMPORT_COMPLETIONS, IMPORT_PROMPTS, GENERATE, TOKENIZE)
+STAGE_IMAGES = sorted({s.image for s in (IMPORT_COMPLETIONS, IMPORT_PROMPTS, GENERATE, TOKENIZE, TRAIN)
                        if (REPO_ROOT / "docker" / s.image / "Dockerfile").is_file()})
 
 
@@ -290,10 +309,10 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
     assert submitted.returncode == 0, submitted.stderr
     assert (tmp_path / "args").read_text().split() == ["apply", "-f", "-"]
     assert (tmp_path / "stdin").read_text() == rendered.stdout == dry.stdout
-    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == ["Namespace", "ServiceAccount"] + ["Job"] * 3
+    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == ["Namespace", "ServiceAccount"] + ["Job"] * 4
 
-    unknown = _cli("render", "--config", str(EXAMPLE_RUN), "--stage", "train")
-    assert unknown.returncode == ExitCode.USAGE and "unknown stage(s) train" in unknown.stderr
+    unknown = _cli("render", "--config", str(EXAMPLE_RUN), "--stage", "trian")
+    assert unknown.returncode == ExitCode.USAGE and "unknown stage(s) trian" in unknown.stderr
     with pytest.raises(ConfigError, match="cannot read run config .*nope.toml"):
         load_run_config(tmp_path / "nope.toml")
 

@@ -118,3 +118,12 @@ def test_expected_acceptance_length():
     assert per_position_accuracy([9, 3, 2, 0], [9, 4, 4, 0]) == [0.75, 0.5, 0.0]
     with pytest.raises(ValueError, match="not in"):
         expected_acceptance_length([1.5])
+
+
+def test_feature_noise_is_uniform_with_the_requested_std():
+    from dflash_train.step import uniform_noise_like
+
+    x = torch.zeros(200_000)
+    noise = uniform_noise_like(x, 0.05, torch.Generator().manual_seed(0))
+    assert abs(float(noise.std()) - 0.05) < 1e-3 and abs(float(noise.mean())) < 1e-3
+    assert float(noise.abs().max()) <= 0.05 * math.sqrt(3) + 1e-6

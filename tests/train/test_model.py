@@ -184,3 +184,34 @@ def test_config_presets_and_validation():
         DrafterConfig.debug(block_size=4)
     with pytest.raises(ValidationError, match="extra"):
         DrafterConfig.debug(unknown_field=1)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_bf16_autocast_runs_both_backends_close_to_float32(backend, monkeypatch):
+    import dflash_train.model as model_module
+
+    seen: list[tuple[torch.dtype, ...]] = []
+    real_attend = model_module.attend
+
+    def recording_attend(q, k, v, mask, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real_attend(q, k, v, mask, scale)
+
+    # Compiled flex kernels need one dtype for q, k and v (the norms alone would give float32 q/k).
+    monkeypatch.setattr(model_module, "attend", recording_attend)
+    cfg = _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    drafter = DFlashDrafter(cfg)
+    embeds, positions, feats, ctx_pos, _ = _step_inputs(cfg)
+    anchor_pos = torch.tensor([[2, 5, 14, 0], [1, 9, 16, 0]])
+    keep = torch.tensor([[True, True, True, False], [True, True, True, False]])
+    doc = torch.zeros(2, 20, dtype=torch.int32)
+    doc[0, 12:] = 1
+    mask = build_drafter_mask(anchor_pos, keep, doc, cfg.block_size, cfg.layer_types, cfg.sliding_window, backend)
+    with torch.no_grad():
+        ref = drafter(embeds, positions, feats, ctx_pos, mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = drafter(embeds.bfloat16(), positions, feats.bfloat16(), ctx_pos, mask)
+    assert torch.isfinite(low).all()
+    assert seen[-1] == (torch.bfloat16,) * 3 and all(len(set(d)) == 1 for d in seen), seen
+    rel = (low.float() - ref).norm() / ref.norm()
+    assert rel < 0.05, float(rel)

@@ -152,6 +152,10 @@ def test_step_leaves_the_target_frozen_and_its_embedding_unresized(tiny_target_d
     assert all(not p.requires_grad and p.grad is None for p in target.model.parameters())
     assert all(p.grad is not None for p in drafter.parameters())
     after = target.model.state_dict()
+    noisy_cfg = cfg.model_copy(update={"feature_noise_std": 0.05})
+    clean = dflash_step(drafter, target, batch, noisy_cfg, torch.Generator().manual_seed(0), noise=False)
+    noisy = dflash_step(drafter, target, batch, noisy_cfg, torch.Generator().manual_seed(0), noise=True)
+    assert float(clean.loss) != float(noisy.loss)
     assert target.embed_tokens.weight.shape == (qwen_embedding_rows("qwen3"), 128)
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name

@@ -226,7 +226,7 @@ def target_generated(store: ObjectStore, root: str, count: int = 64) -> str:
 
 # ---------------------------------------------------------------------------------------- resume runs
 
-RESUME_STEPS = 10
+RESUME_STEPS = 8
 
 
 @functools.cache
@@ -248,9 +248,10 @@ def resume_args(output: str, **flags: str) -> list[str]:
     """Command-line flags of the interruption tests' runs (the same for CLI and in-process runs)."""
     values = {"input": resume_data(), "output": output, "target": str(small_vocab_target()),
               "scratch-dir": join(session_root(), "scratch"), "max-steps": str(RESUME_STEPS), "max-length": "64",
-              "batch-tokens": "256", "checkpoint-every": "2", "mask-token-id": str(SMALL_MASK_ID),
+              "batch-tokens": "128", "checkpoint-every": "2", "mask-token-id": str(SMALL_MASK_ID),
               "drafter-overrides": '{"num_anchors": 2}', **flags}
-    return ["--preset", "debug", *(item for key, value in values.items() for item in (f"--{key}", value))]
+    # An empty value is a boolean flag given alone (`--compile`).
+    return ["--preset", "debug", *(item for key, value in values.items() for item in (f"--{key}", value) if item)]
 
 
 def resume_config(output: str, **flags: str) -> TrainConfig:

@@ -1,4 +1,5 @@
-"""dflash-generate: `import` conversations as prompts, `preflight` the node, `run` the stage."""
+"""dflash-generate: `import` conversations as prompts, `preflight` the node, `run` the stage, and
+`serve-check` an exported drafter in the engine (dflash_generate.serve_check)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import NoReturn
 
 from dflash_generate.checks import build_preflight
 from dflash_generate.config import GenerateConfig
+from dflash_generate.serve_check import serve_check_command
 from dflash_generate.stage import STAGE, run, worker_shard
 from dflash_shared.cli import run_stage_main
 from dflash_shared.importing import ImportConfig, run_import
@@ -17,7 +19,7 @@ from dflash_shared.runner import resolve_shard
 from dflash_shared.settings import parse_settings, public_dict
 from dflash_shared.storage import ObjectStore
 
-USAGE = "usage: dflash-generate {import|preflight|run} [--flag value ...]  (--help on each command)"
+USAGE = "usage: dflash-generate {import|preflight|run|serve-check} [--flag value ...]  (--help on each command)"
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         setup_logging(STAGE, shard=index)
         run(config)
 
-    commands = {"import": import_, "preflight": preflight, "run": run_}
+    commands = {"import": import_, "preflight": preflight, "run": run_,
+                "serve-check": lambda: serve_check_command(rest)}
     if command not in commands:
         print(USAGE, file=sys.stderr)
         sys.exit(64)

@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -170,7 +170,7 @@ class VllmEngine:
         enable_thinking: bool,
         sampling: SamplingConfig | None = None,
         max_inflight: int = 256,
-    ) -> Iterator[tuple[K, GenerationOutcome]]:
+    ) -> Generator[tuple[K, GenerationOutcome], None, None]:
         """(key, outcome) for every (key, record) of `requests`, in the order the outcomes are ready.
 
         `requests` is read lazily: only as many records are pulled as fit into `max_inflight`.
@@ -184,7 +184,7 @@ class VllmEngine:
         enable_thinking: bool,
         sampling: SamplingConfig | None = None,
         max_inflight: int = 256,
-    ) -> Iterator[tuple[K, GenerationOutcome]]:
+    ) -> Generator[tuple[K, GenerationOutcome], None, None]:
         """Like `stream`, for prompts rendered already; ready outcomes (failures) pass straight through."""
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError

@@ -64,7 +64,8 @@ def _strings(values: list[str]) -> pa.Array:
     encoded = [value.encode("utf-8") for value in values]
     offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
+    data = pa.py_buffer(b"".join(encoded))
+    return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets), data])
 
 
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int8(): np.int8}

@@ -45,6 +45,9 @@ class TokenizeConfig(StageSettings):
     allow_truncated: bool = Field(
         default=False, description="Keep completions the engine cut off (finish_reason 'length')."
     )
+    reject_repetitive: bool = Field(
+        default=True, description="Reject looping text; turn off only for targets that loop by design."
+    )
     max_bad_fraction: float = Field(
         default=0.05, ge=0, le=1, description="Fail the stage when more records than this are unusable."
     )
@@ -68,4 +71,5 @@ class TokenizeConfig(StageSettings):
             min_content_tokens=self.min_content_tokens,
             allow_truncated=self.allow_truncated,
             max_bad_fraction=self.max_bad_fraction,
+            reject_repetitive=self.reject_repetitive,
         )

@@ -9,6 +9,7 @@ writes the manifest.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import multiprocessing
@@ -204,8 +205,14 @@ def ordered_map(resolved: Resolved, workers: int, batches: Iterator[Any]) -> Ite
     with ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
                              initargs=(settings, True, chat)) as pool:
         # Start the workers before reading starts its download threads: a fork copies only the calling
-        # thread, and a lock another thread held at that instant would stay locked in the child.
-        pool.submit(int).result()
+        # thread, and a lock another thread held at that instant would stay locked in the child. The
+        # inherited objects are frozen for the fork so that the workers' garbage collections neither
+        # walk them nor copy their pages; the parent thaws its own at once.
+        gc.freeze()
+        try:
+            pool.submit(int).result()
+        finally:
+            gc.unfreeze()
         pending: deque[Future[worker.BatchResult]] = deque()
         for batch in batches:
             pending.append(pool.submit(worker.process_batch, batch))

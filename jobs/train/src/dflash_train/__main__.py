@@ -1,4 +1,8 @@
-"""dflash-train: `preflight` the node, `run` (or resume) the training. Launch with torchrun for several GPUs."""
+"""dflash-train: `preflight` the node, `run` (or resume) the training; `export` and `evaluate` a drafter.
+
+Launch `run` with torchrun for several GPUs. Each command imports only what it needs, so `--help` and
+configuration errors answer before torch loads.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from dflash_shared.cli import run_stage_main
 from dflash_shared.settings import parse_settings
 
 STAGE = "train"
-USAGE = "usage: dflash-train {preflight|run} [--flag value ...]  (--help on each command)"
+USAGE = "usage: dflash-train {preflight|run|export|evaluate} [--flag value ...]  (--help on each command)"
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -28,7 +32,17 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
         run(parse_settings(TrainConfig, rest, prog="dflash-train run"))
 
-    commands = {"preflight": preflight, "run": run_}
+    def export() -> None:
+        from dflash_train.export import export_command
+
+        export_command(rest)
+
+    def evaluate() -> None:
+        from dflash_train.evaluate import evaluate_command
+
+        evaluate_command(rest)
+
+    commands = {"preflight": preflight, "run": run_, "export": export, "evaluate": evaluate}
     if command not in commands:
         print(USAGE, file=sys.stderr)
         sys.exit(64)

@@ -25,8 +25,8 @@ import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -167,7 +167,7 @@ def publish(store: ObjectStore, local_dir: str, uri: str, step: int, world_size:
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         files = dict(pool.map(upload, names))
-    marker = CompleteMarker(step=step, files=files, world_size=world_size, created_at=datetime.now(timezone.utc))
+    marker = CompleteMarker(step=step, files=files, world_size=world_size, created_at=datetime.now(UTC))
     store.write_bytes(join(uri, COMPLETE), marker.model_dump_json(indent=1).encode())
 
 
@@ -204,7 +204,7 @@ def fetch(store: ObjectStore, ref: CheckpointRef, local_dir: str) -> dict[str, s
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -244,7 +244,7 @@ def save_checkpoint(
         shutil.rmtree(local, ignore_errors=True)
         os.makedirs(local)
         try:
-            save_file({k: v.contiguous() for k, v in model_sd.items()}, os.path.join(local, MODEL),
+            save_file({k: cast(torch.Tensor, v).contiguous() for k, v in model_sd.items()}, os.path.join(local, MODEL),
                       metadata={"format": "pt", "step": str(state.step)})
             torch.save(optim_sd, os.path.join(local, OPTIMIZER))
             torch.save(_rng_state(), os.path.join(local, RNG))

@@ -16,7 +16,7 @@ from dflash_shared.manifests import TokenizedSection
 from dflash_shared.preflight import CheckError, Preflight
 from dflash_shared.storage import ObjectStore, is_s3
 from dflash_train.config import TrainConfig
-from dflash_train.stage import STAGE, fetch_target, open_input, scratch_root
+from dflash_train.stage import STAGE, fetch_target, open_input
 
 REQUIRED = ["dflash_train", "dflash_shared", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
 
@@ -38,7 +38,9 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
     checks.disk(config.scratch_dir or tempfile.gettempdir(), int(config.disk_need_gib * 2**30))
 
     def input_manifest() -> str:
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(scratch_root(config)) or None) as scratch:
+        base = config.scratch_dir or tempfile.gettempdir()
+        os.makedirs(base, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=base) as scratch:
             try:
                 target_dir = fetch_target(store, config.target, scratch, small_only=True)
             except Exception as err:  # noqa: BLE001 - reported as this check's failure

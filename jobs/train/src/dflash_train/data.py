@@ -21,6 +21,7 @@ of the next steps while the current one trains.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -104,6 +105,7 @@ class ShardCache:
         self._pending: dict[str, tuple[Shard, Future[str]]] = {}
         self._pinned: set[str] = set()
         self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
 
     def local_path(self, shard: Shard) -> str:
         return os.path.join(self.directory, f"{shard.sha256[:32]}.arrow")
@@ -142,35 +144,56 @@ class ShardCache:
             future = self._pending[shard.uri][1]
         try:
             path = future.result()
-        finally:
+        except BaseException:
             with self._lock:
                 self._pending.pop(shard.uri, None)
+            raise
         with self._lock:
+            # Pinned before it stops being pending: no moment in which an eviction may take it.
             self._pinned.add(path)
+            self._pending.pop(shard.uri, None)
         return path
+
+    def read(self, shard: Shard) -> ShardTable:
+        """The shard's table (pinned until `release`). Another rank of the node evicting the file between
+        download and open costs one more download."""
+        for attempt in range(3):
+            path = self.get(shard)
+            try:
+                return ShardTable.read(path, shard.uri)
+            except FileNotFoundError:
+                self.release(shard)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def release(self, shard: Shard) -> None:
         with self._lock:
             self._pinned.discard(self.local_path(shard))
 
     def _evict(self, keep: str) -> None:
-        with self._lock:
-            # Prefetched files wait to be used: evicting them would only mean downloading them again.
-            pinned = self._pinned | {keep} | {self.local_path(s) for s, _ in self._pending.values()}
-        files = []
-        for name in os.listdir(self.directory):
-            path = os.path.join(self.directory, name)
-            if name.endswith(".arrow") and os.path.isfile(path):
-                stat = os.stat(path)
-                files.append((stat.st_mtime, stat.st_size, path))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.max_bytes:
-                break
-            if path not in pinned:
-                # An open memory map survives the unlink; only a later reader downloads again.
-                os.unlink(path)
-                total -= size
+        with self._evict_lock:
+            with self._lock:
+                # Prefetched files wait to be used: evicting them would only mean downloading them again.
+                pinned = self._pinned | {keep} | {self.local_path(s) for s, _ in self._pending.values()}
+            files = []
+            for name in os.listdir(self.directory):
+                path = os.path.join(self.directory, name)
+                try:
+                    stat = os.stat(path)
+                except FileNotFoundError:  # evicted meanwhile by another rank of the node
+                    continue
+                if name.endswith(".arrow"):
+                    files.append((stat.st_mtime, stat.st_size, path))
+            total = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files):
+                if total <= self.max_bytes:
+                    break
+                if path not in pinned:
+                    # An open memory map survives the unlink; only a later reader downloads again.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    total -= size
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -257,9 +280,9 @@ class DataPlan:
 
 def count_rows(cache: ShardCache, shard: Shard, max_length: int) -> int:
     """Packed rows of one shard (downloads it; the file stays in the cache for the first epoch)."""
-    path = cache.get(shard)
+    table = cache.read(shard)
     try:
-        return len(best_fit_rows(ShardTable.read(path, shard.uri).lengths, max_length))
+        return len(best_fit_rows(table.lengths, max_length))
     finally:
         cache.release(shard)
 
@@ -302,9 +325,7 @@ class StepLoader:
 
     def _table(self, shard_index: int) -> ShardTable:
         if shard_index not in self._tables:
-            shard = self.plan.shards[shard_index]
-            path = self.cache.get(shard)
-            self._tables[shard_index] = ShardTable.read(path, shard.uri)
+            self._tables[shard_index] = self.cache.read(self.plan.shards[shard_index])
             # A step's rows span at most a few shards; older tables are dropped (and unpinned).
             while len(self._tables) > 2:
                 old, _ = self._tables.popitem(last=False)
@@ -422,7 +443,8 @@ def build_plan(
     if store.exists(plan_uri):
         saved = json.loads(store.read_bytes(plan_uri))
         if saved.get("fingerprint") == fingerprint and len(saved.get("rows_per_shard", [])) == len(shards):
-            return DataPlan(tuple(shards), tuple(int(n) for n in saved["rows_per_shard"]), max_length, seed, fingerprint)
+            rows = tuple(int(n) for n in saved["rows_per_shard"])
+            return DataPlan(tuple(shards), rows, max_length, seed, fingerprint)
         log.warning("ignoring %s: made for other data or settings (fingerprint %s, now %s)", plan_uri,
                     saved.get("fingerprint"), fingerprint)
     mine = {i: count_rows(cache, shards[i], max_length) for i in range(rank, len(shards), world)}

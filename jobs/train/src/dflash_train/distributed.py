@@ -151,15 +151,24 @@ def _mesh(env: DistEnv) -> Any:
     return init_device_mesh(env.device.type, (env.world_size,))
 
 
-def shard_target(target_model: nn.Module, layers: nn.ModuleList, env: DistEnv) -> None:
-    """FSDP2-shard each decoder layer of the frozen target; the rest (embedding, head, norm) stays whole."""
+def shard_target(target_model: nn.Module, env: DistEnv) -> None:
+    """FSDP2-shard each decoder layer of the frozen target; the rest (embedding, head, norm) stays whole.
+
+    The model arrives in host memory. Everything but the layers moves to the device whole; then each
+    layer is sharded, which places only this rank's shard of it on the device.
+    """
     from torch.distributed.fsdp import fully_shard
 
+    decoder = target_model.get_decoder()  # type: ignore[operator]
+    layers = decoder.layers
+    decoder.layers = nn.ModuleList()
+    try:
+        target_model.to(env.device)
+    finally:
+        decoder.layers = layers
     mesh = _mesh(env)
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    # Unsharded leftovers (embedding, LM head, final norm, rotary buffers) move the ordinary way.
-    target_model.to(env.device)
 
 
 def wrap_drafter(drafter: nn.Module, parallelism: Parallelism, env: DistEnv, bf16: bool) -> nn.Module:

@@ -95,7 +95,7 @@ class EvaluateConfig(StageSettings):
 DEBUG_EVALUATE: dict[str, Any] = {
     "num_prompts": 16,
     "max_new_tokens": 64,
-    "baseline_prompts": 4,
+    "baseline_prompts": 2,
     "lossless_prompts": 2,
     "device": "cpu",
     "dtype": "float32",

@@ -82,22 +82,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 end = min(start + chunk, tokens)
                 h = hidden[start:end].to(weight.dtype)
                 logits = (h @ weight.t()).to(stats)
-                lse = torch.logsumexp(logits, dim=-1)
                 lab = labels[start:end]
                 tw = token_weight[start:end].to(stats)
-                total += (tw * (lse - logits.gather(1, lab.unsqueeze(1)).squeeze(1))).sum()
-                pred[start:end] = logits.argmax(dim=-1)
+                target_logit = logits.gather(1, lab.unsqueeze(1)).squeeze(1)
+                # One pass gives the max (for a stable softmax) and the prediction; the rest works in place
+                # on the logits buffer: exp(logits - max), its row sums, then the softmax gradient.
+                row_max, pred[start:end] = logits.max(dim=-1)
+                probs = logits.sub_(row_max.unsqueeze(1)).exp_()
+                row_sum = probs.sum(dim=-1)
+                lse = row_max + row_sum.log()
+                total += (tw * (lse - target_logit)).sum()
                 if need_h or need_w:
-                    # d/dlogits of w * CE = w * (softmax - onehot); built in place over the logits buffer.
-                    grad = logits.sub_(lse.unsqueeze(1)).exp_()
-                    grad[torch.arange(end - start, device=grad.device), lab] -= 1.0
-                    grad.mul_(tw.unsqueeze(1))
+                    # d/dlogits of w * CE = w * (softmax - onehot).
+                    grad = probs.mul_((tw / row_sum).unsqueeze(1))
+                    grad[torch.arange(end - start, device=grad.device), lab] -= tw
                     grad = grad.to(weight.dtype)
                     if grad_h is not None:
                         grad_h[start:end] = (grad @ weight).to(hidden.dtype)
                     if grad_w is not None:
                         grad_w += (grad.t() @ h).to(stats)
-                del logits
+                del logits, probs
         ctx.mark_non_differentiable(pred)
         ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
         ctx.has = (grad_h is not None, grad_w is not None)
@@ -175,7 +179,9 @@ def dflash_loss(
     return LossOutput(loss, correct, counted)
 
 
-def per_position_accuracy(correct: torch.Tensor | Sequence[float], counted: torch.Tensor | Sequence[float]) -> list[float]:
+def per_position_accuracy(
+    correct: torch.Tensor | Sequence[float], counted: torch.Tensor | Sequence[float]
+) -> list[float]:
     """Accuracy of slots 1..block-1 (slot 0 is the given anchor); 0 where nothing was counted."""
     corr = [float(c) for c in correct]
     cnt = [float(c) for c in counted]

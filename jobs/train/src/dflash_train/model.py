@@ -104,8 +104,10 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(k.view(rows, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = torch.cat((self.v_proj(context), self.v_proj(x)), dim=1)
         v = v.view(rows, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_kv)
+        # Under autocast the norms return float32 (float32 weights) while v stays bf16; flex attention
+        # needs one dtype, so q and k follow v.
+        q = apply_rope(q, *rope_q).to(v.dtype)
+        k = apply_rope(k, *rope_kv).to(v.dtype)
         out = attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, self.num_heads * self.head_dim))
 

@@ -3,11 +3,12 @@
 One sequence at a time:
 1. prefill: the target runs over the prompt (P tokens); its argmax at the last position is the first
    generated token, and the chosen layers' outputs at positions 0..P-1 become the drafter's context;
-2. each step, with L tokens committed and `last` the newest one (at position L - 1... the anchor):
-   block = [last, MASK x (B-1)] at positions anchor..anchor+B-1; ONE drafter pass (context strictly before
-   the anchor, exactly as in training) gives draft tokens d_1..d_{B-1} from slots 1..B-1;
+2. each step, with `last` the newest committed token at position p (the anchor; the target has not run
+   on it yet): block = [last, MASK x (B-1)] at positions p..p+B-1; ONE drafter pass (context: the target
+   features of positions < p, strictly, exactly as in training) gives drafts d_1..d_{B-1} from slots 1..B-1;
 3. ONE target pass verifies [last, d_1..d_{B-1}] on top of its KV cache; with a_k its argmax at slot k,
-   accepted n = cumprod(d[1:] == a[:-1]).sum(), and d_1..d_n plus the bonus token a_n are committed.
+   accepted n = the longest run of d_k == a_{k-1} from k = 1, and d_1..d_n plus the bonus token a_n are
+   committed.
    The target's cache is rolled back to the committed tokens, and the layer outputs of the committed
    positions join the drafter's context. Acceptance length of the step: tau = n + 1.
 

@@ -76,7 +76,8 @@ def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> Load
 
 
 def resolve_drafter(config: TrainConfig, target_dir: str, section: TokenizedSection) -> DrafterConfig:
-    """The drafter config: given whole, or a preset with overrides; the mask id from config or data."""
+    """The drafter config: given whole, or a preset with overrides; the mask id from the config, else the
+    data's manifest, else the first embedding row past the tokenizer."""
     if config.drafter is not None:
         return config.drafter
     overrides = dict(config.drafter_overrides)
@@ -85,18 +86,35 @@ def resolve_drafter(config: TrainConfig, target_dir: str, section: TokenizedSect
         if config.drafter_preset == "debug":
             overrides.pop("num_target_features", None)
             return DrafterConfig.debug(**overrides, **({"mask_token_id": mask} if mask is not None else {}))
-        if mask is None:
-            raise ConfigError("no mask token id: set --mask-token-id (an existing, unused row of the target "
-                              "embedding), or record one in the tokenized manifest")
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(target_dir)
         hf_config = getattr(hf_config, "text_config", None) or hf_config
+        if mask is None:
+            mask = first_unused_row(target_dir, int(hf_config.vocab_size))
         return DrafterConfig.from_target(hf_config, mask_token_id=mask, **overrides)
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid drafter config: {err}") from err
+
+
+def first_unused_row(target_dir: str, embedding_rows: int) -> int:
+    """The reference drafters' mask token: the first embedding row past the tokenizer (Qwen3: 151669).
+
+    Only where the embedding has such padding rows; otherwise no row is known to be unused.
+    """
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_file(os.path.join(target_dir, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    if tokens >= embedding_rows:
+        raise ConfigError(
+            f"no mask token id: the target's {embedding_rows} embedding rows are all tokenizer tokens; set "
+            "--mask-token-id (an existing token the data never uses), or record one in the tokenized manifest"
+        )
+    log.info("mask_token_id %d: the first of the target's embedding rows past its %d tokenizer tokens", tokens,
+             tokens)
+    return tokens
 
 
 def target_replica_bytes(target_dir: str, loaded_bytes_per_param: int) -> int:
@@ -235,7 +253,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
                                               attn_implementation=config.target_attn_implementation,
                                               packing=config.target_packing)
         if sharded:
-            distributed.shard_target(target.model, target.model.get_decoder().layers, env)
+            distributed.shard_target(target.model, env)
         log.info("drafter %.1fM parameters, %s, %d step(s), target %s on %s", drafter_params / 1e6, parallelism,
                  steps, resolved.target_dir, env.device)
         trainer = Trainer(config, cfg, target, plan, cache, env, store, scratch, parallelism, steps,

@@ -188,7 +188,7 @@ class Trainer:
                             (out.loss / count).backward()
                         window.add_micro(out, int((cpu_batch.document_ids >= 0).sum()))
                     grad_norm = clip_gradients(self.model.parameters(), config.grad_clip)
-                    lr = self.scheduler.get_last_lr()[0]
+                    lr = float(self.scheduler.get_last_lr()[0])
                     self.optimizer.step()
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)

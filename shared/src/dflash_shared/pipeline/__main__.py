@@ -3,11 +3,12 @@
     render --config run.toml [--stage tokenize] [--format yaml|json] [--out DIR]
     submit --config run.toml [--stage tokenize] [--dry-run] [--kubectl PATH]
     status --config run.toml [--json]
+    local  --config run.toml [--stage tokenize] [--repo DIR]
     wait   --manifest s3://.../manifest.json [--timeout-seconds N] [--poll-seconds S]
 
 `render` prints the run's objects as a multi-document stream (or writes a kustomize base with --out);
 `submit` pipes the same stream to `kubectl apply -f -`; `status` reads the run's prefixes; `wait` is the
-init container of downstream Jobs.
+init container of downstream Jobs; `local` runs the same stages on this machine (the demo).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--dry-run", action="store_true", help="print what would be applied, apply nothing")
     submit.add_argument("--kubectl", default="kubectl", help="kubectl executable")
     sub.choices["status"].add_argument("--json", action="store_true", help="machine-readable output")
+    local = sub.add_parser("local", help="run every stage on this machine, each in its own environment")
+    local.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
+    local.add_argument("--repo", type=Path, default=Path.cwd(), help="checkout holding .venv, .venv-generate, ...")
+    local.add_argument("--stage", action="append", help="only this stage (repeatable)")
     wait = sub.add_parser("wait", help="wait for an input manifest (init container)")
     wait.add_argument("--manifest", required=True, help="manifest URI to wait for")
     wait.add_argument("--timeout-seconds", type=float, default=2 * 86400, help="give up (exit 65) after this")
@@ -108,13 +113,19 @@ def _status(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _local(args: argparse.Namespace) -> int:
+    from dflash_shared.pipeline.local import run_local_and_report
+
+    return run_local_and_report(load_run_config(args.config), args.repo.resolve(), args.stage)
+
+
 def _wait(args: argparse.Namespace) -> int:
     return wait_for_manifest(ObjectStore(), args.manifest, args.timeout_seconds, args.poll_seconds)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = _parser().parse_args(argv)
-    commands = {"render": _render, "submit": _submit, "status": _status, "wait": _wait}
+    commands = {"render": _render, "submit": _submit, "status": _status, "local": _local, "wait": _wait}
     run_stage_main(f"pipeline {args.command}", lambda: commands[args.command](args))
 
 

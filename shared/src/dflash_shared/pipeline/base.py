@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_shared.pipeline.config import RunConfig
-from dflash_shared.pipeline.jobs import PART_OF, namespace, service_account, stage_jobs
+from dflash_shared.pipeline.jobs import PART_OF, namespace, service_account, stage_objects
 from dflash_shared.pipeline.stages import plan
 from dflash_shared.pipeline.yaml_out import dump_all
 
@@ -46,8 +46,9 @@ def base_files(run: RunConfig, config_name: str) -> dict[str, str]:
     header = _header(config_name)
     files = {"namespace.yaml": dump_all([namespace(run)], header)} if run.create_namespace else {}
     files["serviceaccount.yaml"] = dump_all([service_account(run)], header)
-    for stage, job in zip(plan(run), stage_jobs(run), strict=True):
-        files[f"job-{stage.name}.yaml"] = dump_all([job], header)
+    for stage in plan(run):
+        for doc in stage_objects(run, stage):
+            files[f"{doc['kind'].lower()}-{stage.name}.yaml"] = dump_all([doc], header)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",

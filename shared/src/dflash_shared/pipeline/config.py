@@ -101,6 +101,11 @@ class JobSettings(_Frozen):
         default=None, description="Memory-backed /dev/shm of this size (GPU stages); counts against memory."
     )
     gpus: int = Field(default=0, ge=0, le=64, description="GPUs per pod (0: a CPU stage).")
+    nodes: int = Field(
+        default=1, ge=1, le=1024,
+        description="Pods that run one stage process group together (train: one torchrun per pod, joined by a "
+        "c10d rendezvous). Only the train stage takes more than 1; the others scale with `shards`.",
+    )
     gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
     gpu_types: list[str] = Field(
         default_factory=list, description="Allowed GPU products (node affinity on gpu_type_label); empty: any."
@@ -163,6 +168,13 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
     "tokenize": {"cpu": "4", "memory": "8Gi", "scratch_size": "20Gi"},
+    # Scratch holds the target copy and the data shard cache (the stage's preflight wants 200 GiB free by
+    # default); the grace period covers finishing the step in flight and writing its checkpoint.
+    "train": {
+        "gpus": 1, "cpu": "16", "memory": "128Gi", "scratch_size": "300Gi", "home_size": "20Gi", "shm_size": "16Gi",
+        "termination_grace_seconds": 900,
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
 }
 
 
@@ -174,6 +186,7 @@ class StagesSettings(_Frozen):
     import_: JobSettings = Field(alias="import", description="Import of the source conversations (CPU).")
     generate: JobSettings = Field(description="Completion generation with the target model (GPU).")
     tokenize: JobSettings = Field(description="Tokenization and loss masking (CPU).")
+    train: JobSettings = Field(description="Drafter training against the frozen target (GPU; one or more nodes).")
 
     @model_validator(mode="before")
     @classmethod
@@ -293,8 +306,13 @@ class RunConfig(_Frozen):
                 f"run_id {self.run_id!r} must be lowercase letters, digits and '-', at most {MAX_RUN_ID} characters "
                 "(it names the Jobs)"
             )
-        if not self.root.startswith("s3://") or len(self.root.rstrip("/")) <= len("s3://"):
-            raise ValueError(f"root {self.root!r} must be an s3://bucket[/prefix] URI: pods exchange data through S3")
+        # A local directory serves `pipeline local` (the demo); rendered Jobs refuse it (see jobs.py).
+        is_local = self.root.startswith("/")
+        if not is_local and (not self.root.startswith("s3://") or len(self.root.rstrip("/")) <= len("s3://")):
+            raise ValueError(
+                f"root {self.root!r} must be an s3://bucket[/prefix] URI (pods exchange data through S3), or an "
+                "absolute directory for a local run"
+            )
         return self
 
 

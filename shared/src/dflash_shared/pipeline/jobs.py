@@ -9,6 +9,12 @@ counted as a failure, anything else is retried per index.
 
 Stages that read an upstream manifest get an init container that waits for it, so all Jobs of a run can
 be applied at once and start in order.
+
+The train stage is one process group rather than shards: a pod with several GPUs runs torchrun
+(`--standalone`), and a Job of several nodes is an Indexed Job with one pod per node (completions =
+parallelism = nodes) whose torchruns meet at a c10d rendezvous hosted by pod 0. Pod i of an Indexed Job
+is named <job>-i; with `subdomain` set to a headless Service of the Job's pods, <job>-0.<service> resolves
+to pod 0 as soon as it has an address.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.pipeline.config import JobSettings, RunConfig
 from dflash_shared.pipeline.layout import layout
-from dflash_shared.pipeline.stages import GENERATE, TOKENIZE, StageDef, plan, stage_config
+from dflash_shared.pipeline.stages import GENERATE, TOKENIZE, TRAIN, StageDef, plan, stage_config
 from dflash_shared.runner import COUNT_ENV
 
 PART_OF = "dflash-pipeline"
@@ -47,6 +53,9 @@ CONTAINER_SECURITY = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+RENDEZVOUS_PORT = 29500
+# How long the first torchrun waits for the others: pods of one Job can start minutes apart (image pulls).
+RENDEZVOUS_JOIN_TIMEOUT_S = 1800
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -65,6 +74,60 @@ def pod_failure_policy() -> dict[str, Any]:
 
 def job_name(run: RunConfig, stage: StageDef) -> str:
     return f"dflash-{run.run_id}-{stage.name}"
+
+
+def pods(stage: StageDef, settings: JobSettings) -> int:
+    """Pods of the stage's Indexed Job: one per shard, or one per node for a process-group stage."""
+    return settings.shards if stage.sharded else settings.nodes
+
+
+def _check_shape(stage: StageDef, settings: JobSettings) -> None:
+    where = f"stages.{stage.name}"
+    if settings.nodes > 1 and stage.rank_command is None:
+        raise ConfigError(f"{where}.nodes = {settings.nodes}: only a torchrun stage (train) spans nodes; "
+                          f"scale {stage.name} with `shards` instead")
+    if not stage.sharded and settings.shards != 1:
+        raise ConfigError(f"{where}.shards = {settings.shards}: {stage.name} is one process group, not shards; "
+                          "scale it with `nodes` and `gpus`")
+
+
+def launch_args(run: RunConfig, stage: StageDef, settings: JobSettings) -> list[str]:
+    """Arguments of the image entrypoint: none (one process), or torchrun over the pod's GPUs and the Job's nodes.
+
+    The entrypoint runs the preflight once per pod before torchrun. `$(JOB_COMPLETION_INDEX)` is expanded by
+    the kubelet from the variable the Job controller gives each pod of an Indexed Job.
+    """
+    if stage.rank_command is None or (settings.gpus <= 1 and settings.nodes == 1):
+        return []
+    per_node = f"--nproc-per-node={max(settings.gpus, 1)}"
+    if settings.nodes == 1:
+        return ["torchrun", "--standalone", per_node, *stage.rank_command]
+    name = job_name(run, stage)
+    return [
+        "torchrun", f"--nnodes={settings.nodes}", per_node, "--node-rank=$(JOB_COMPLETION_INDEX)",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={name}-0.{name}:{RENDEZVOUS_PORT}", f"--rdzv-id={run.run_id}",
+        f"--rdzv-conf=join_timeout={RENDEZVOUS_JOIN_TIMEOUT_S}", *stage.rank_command,
+    ]
+
+
+def rendezvous_service(run: RunConfig, stage: StageDef) -> dict[str, Any]:
+    """Headless Service giving each pod of a multi-node Job a DNS name (<job>-<index>.<service>)."""
+    name = job_name(run, stage)
+    settings = run.stages.for_stage(stage.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": run.namespace, "labels": labels(run, stage, settings)},
+        "spec": {
+            "clusterIP": "None",
+            # The Job controller labels every pod with its Job's name.
+            "selector": {"batch.kubernetes.io/job-name": name},
+            # Names must resolve before the pods are Ready: the rendezvous happens during start-up.
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT,
+                       "protocol": "TCP"}],
+        },
+    }
 
 
 def labels(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, str]:
@@ -172,9 +235,10 @@ def _wait_container(run: RunConfig, stage: StageDef, settings: JobSettings, imag
 def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     """The Indexed Job of one stage; every stage goes through here."""
     settings = run.stages.for_stage(stage.name)
+    _check_shape(stage, settings)
     image = run.images.ref(stage.image)
     config = stage_config(stage, run, settings)
-    env = [{"name": COUNT_ENV, "value": str(settings.shards)}]
+    env = [{"name": COUNT_ENV, "value": str(settings.shards)}] if stage.sharded else []
     env += [{"name": stage.env_name(key), "value": env_value(value)} for key, value in config.items()]
     env += [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR}]
     env += storage_env(run)
@@ -185,6 +249,7 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         "image": image,
         "imagePullPolicy": run.images.pull_policy,
         "command": list(stage.command),
+        **({"args": args} if (args := launch_args(run, stage, settings)) else {}),
         "env": env,
         "resources": _resources(settings),
         "securityContext": CONTAINER_SECURITY,
@@ -201,6 +266,8 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         "terminationGracePeriodSeconds": settings.termination_grace_seconds,
         "securityContext": POD_SECURITY,
     }
+    if settings.nodes > 1:
+        pod["subdomain"] = job_name(run, stage)
     if stage.input_kind is not None and settings.wait_for_input_seconds:
         pod["initContainers"] = [_wait_container(run, stage, settings, image)]
     pod["containers"] = [container]
@@ -215,8 +282,8 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     job_labels = labels(run, stage, settings)
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
-        "completions": settings.shards,
-        "parallelism": settings.shards,
+        "completions": pods(stage, settings),
+        "parallelism": pods(stage, settings),
         "backoffLimitPerIndex": settings.retries_per_shard,
     }
     if settings.max_failed_shards is not None:
@@ -252,6 +319,19 @@ def tokenize_job(run: RunConfig) -> dict[str, Any]:
     return build_job(run, TOKENIZE)
 
 
+def train_job(run: RunConfig) -> dict[str, Any]:
+    """Drafter training on the tokenized shards (GPU; torchrun over several GPUs or nodes)."""
+    return build_job(run, TRAIN)
+
+
+def stage_objects(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:
+    """The stage's Job, preceded by its headless Service when it spans several nodes."""
+    job = build_job(run, stage)
+    if run.stages.for_stage(stage.name).nodes > 1:
+        return [rendezvous_service(run, stage), job]
+    return [job]
+
+
 def namespace(run: RunConfig) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -272,17 +352,26 @@ def service_account(run: RunConfig) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata, "automountServiceAccountToken": False}
 
 
-def stage_jobs(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """The Jobs of the run, upstream first; `only` restricts them to the named stages."""
+def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[StageDef]:
+    """The stages of the run, upstream first; `only` restricts them to the named stages."""
     stages = plan(run)
     names = [s.name for s in stages]
     unknown = sorted(set(only or []) - set(names))
     if unknown:
         raise ConfigError(f"unknown stage(s) {', '.join(unknown)}; this run has {', '.join(names)}")
-    return [build_job(run, s) for s in stages if not only or s.name in only]
+    return [s for s in stages if not only or s.name in only]
+
+
+def stage_jobs(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """The Jobs of the run, upstream first; `only` restricts them to the named stages."""
+    return [build_job(run, s) for s in selected_stages(run, only)]
 
 
 def render_documents(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """Everything `submit` applies: the namespace, the ServiceAccount and the Jobs. Never a Secret."""
+    """Everything `submit` applies: the namespace, the ServiceAccount, the Jobs (and the Service of a
+    multi-node Job). Never a Secret."""
+    if not run.root.startswith("s3://"):
+        raise ConfigError(f"root {run.root!r} is a local directory: pods can only exchange data through s3://")
     head = [namespace(run)] if run.create_namespace else []
-    return [*head, service_account(run), *stage_jobs(run, only)]
+    objects = [doc for stage in selected_stages(run, only) for doc in stage_objects(run, stage)]
+    return [*head, service_account(run), *objects]

@@ -1,17 +1,25 @@
 """The stages a run is made of: image, command, config prefix, and how each is wired to the layout.
 
-A `StageDef` says everything the Job builder needs to know about one stage; adding the train or
-evaluate stage is one more `StageDef` (and a `JobSettings` field in `StagesSettings`). `wiring` returns
-the stage config fields the pipeline sets itself (input and output prefixes, target model, run id); run
-files cannot override those, so two stages can never disagree about where data is.
+A `StageDef` says everything the Job builder needs to know about one stage; adding a stage is one more
+`StageDef` (and a `JobSettings` field in `StagesSettings`). `wiring` returns the stage config fields the
+pipeline sets itself (input and output prefixes, target model, run id); run files cannot override those,
+so two stages can never disagree about where data is.
+
+Stage configs are checked at render time where their module can be imported: from the installed package,
+or else from the stage's source in this repository (jobs/<stage>/src), which lets a torch-free
+environment check the train stage's fields. The config modules import no heavy libraries for this reason.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dflash_shared.errors import ConfigError
@@ -23,6 +31,8 @@ from dflash_shared.pipeline.layout import RunLayout, layout
 IMAGE_ENTRYPOINT = "/opt/dflash/entrypoint.sh"
 # Settings every sharded command reads from the Job instead (JOB_COMPLETION_INDEX, DFLASH_NUM_SHARDS).
 SHARD_FIELDS = frozenset({"shard_index", "num_shards"})
+# Where the stage packages' sources are in a checkout of the repository (shared/src/dflash_shared/pipeline).
+_JOBS_DIR = Path(__file__).resolve().parents[4] / "jobs"
 
 Wiring = Callable[[RunConfig, RunLayout, JobSettings], dict[str, Any]]
 
@@ -45,18 +55,51 @@ class StageDef:
     wiring: Wiring
     # Config values derived from the Job's settings that a run file may still override.
     defaults: Callable[[JobSettings], dict[str, Any]] = _no_defaults
+    # False: one process group per Job instead of independent shards (no DFLASH_NUM_SHARDS, shards = 1).
+    sharded: bool = True
+    # What torchrun starts on every rank ("-m", "<package>", "<command>") when a pod has several GPUs or
+    # the Job several nodes; None: the stage is never launched with torchrun.
+    rank_command: tuple[str, ...] | None = None
 
     def config_fields(self) -> set[str] | None:
-        """Field names of the stage's config, or None when its package is not installed here."""
+        """Field names of the stage's config, or None when neither its package nor its source is here."""
         module_name, _, class_name = self.config_class.partition(":")
         try:
             module = importlib.import_module(module_name)
-        except ImportError:
-            return None
+        except ImportError as err:
+            if err.name != module_name.partition(".")[0]:
+                return None  # the package is installed, but its config needs a library missing here
+            return _fields_from_source(module_name, class_name)
         return set(getattr(module, class_name).model_fields)
 
     def env_name(self, field: str) -> str:
         return self.env_prefix + field.upper()
+
+
+@functools.cache
+def _fields_from_source(module_name: str, class_name: str) -> set[str] | None:
+    """Field names of a config class read from the stage's source in this checkout (jobs/<stage>/src).
+
+    Only the package's __init__ and the config module (with its own imports) are loaded, and the package is
+    dropped from sys.modules afterwards, so nothing later mistakes it for an installed one. A config module
+    that needs a library missing here (torch) counts as unavailable.
+    """
+    top = module_name.partition(".")[0]
+    init = next(iter(sorted(_JOBS_DIR.glob(f"*/src/{top}/__init__.py"))), None)
+    if init is None:
+        return None
+    spec = importlib.util.spec_from_file_location(top, init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        return None
+    sys.modules[top] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(sys.modules[top])
+        return set(getattr(importlib.import_module(module_name), class_name).model_fields)
+    except ImportError:
+        return None
+    finally:
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]
 
 
 def _import_wiring(kind: Kind) -> Wiring:
@@ -94,6 +137,15 @@ def _tokenize_defaults(settings: JobSettings) -> dict[str, Any]:
     return {"workers": max(1, math.floor(quantity_value(settings.cpu)))}
 
 
+def _train_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
+    return {"input": lay.tokenized, "output": lay.drafter, "target": run.target.uri, "run_id": run.run_id}
+
+
+def _train_defaults(settings: JobSettings) -> dict[str, Any]:
+    # A GPU pod that came up without its GPUs must fail its preflight, not train on the CPU for weeks.
+    return {"device": "cuda"} if settings.gpus else {}
+
+
 IMPORT_COMPLETIONS = StageDef(
     name="import", image="tokenizer", command=("dflash-tokenize", "import"), env_prefix="DFLASH_IMPORT_",
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.completions,
@@ -115,12 +167,20 @@ TOKENIZE = StageDef(
     wiring=_tokenize_wiring, defaults=_tokenize_defaults,
 )
 
+TRAIN = StageDef(
+    name="train", image="trainer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TRAIN_",
+    config_class="dflash_train.config:TrainConfig", input_kind=Kind.tokenized, output_kind=Kind.drafter,
+    wiring=_train_wiring, defaults=_train_defaults, sharded=False, rank_command=("-m", "dflash_train", "run"),
+)
+# The offline evaluation (`dflash-train evaluate`) reads an exported drafter, which `dflash-train export`
+# writes; it becomes a stage once both commands are part of the trainer image's command line.
+
 
 def plan(run: RunConfig) -> list[StageDef]:
     """The stages of the run, upstream first."""
     if run.source.kind == "prompts":
-        return [IMPORT_PROMPTS, GENERATE, TOKENIZE]
-    return [IMPORT_COMPLETIONS, TOKENIZE]
+        return [IMPORT_PROMPTS, GENERATE, TOKENIZE, TRAIN]
+    return [IMPORT_COMPLETIONS, TOKENIZE, TRAIN]
 
 
 def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict[str, Any]:

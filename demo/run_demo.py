@@ -1,0 +1,86 @@
+"""`make demo`: the whole pipeline on this machine, on CPU, with a tiny model and the prompts in this folder.
+
+It builds a tiny random Qwen3 target with the real Qwen vocabulary, writes a run file whose storage root is
+a local directory (an s3:// root works the same against any endpoint), and runs every stage with
+`python -m dflash_shared.pipeline local`: the same wiring and settings the Kubernetes Jobs get, each stage in
+its own environment. A rerun skips the stages that are complete. It ends with a summary read from the
+manifests: records and tokens per stage, the loss curve, acceptance before and after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_shared.storage import ObjectStore, join
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "demo"
+
+# The tiny target has random weights: greedy decoding makes it loop ("wb wb wb ..."), it never opens a
+# think block and never ends its turn. The quality gate rightly rejects all of that for a real model (the
+# first demo run did, with exit 65), so the demo says what it expects instead of lowering the bar to 100%:
+# thinking off, truncation at max_new_tokens allowed, loops allowed. What the drafter learns is then
+# exactly what this target says, which is the point of the pipeline.
+QUALITY = {"allow_truncated": True, "reject_repetitive": False}
+# Small enough for 2 CPU cores in a few minutes, large enough for the drafter to learn something.
+GENERATE = {"max_new_tokens": 96, "max_model_len": 512, "enforce_eager": True, "temperature": 0.0,
+            "dtype": "bfloat16", "chunk_records": 16, "gpu_memory_utilization": 0.3, **QUALITY}
+TOKENIZE = {"max_length": 512, "workers": 1, **QUALITY}
+
+
+def run_file(model: Path, root: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    stages: dict[str, Any] = {
+        "generate": {"gpus": 0, "tolerations": [], "config": {**GENERATE, **overrides.get("generate", {})}},
+        "tokenize": {"config": {**TOKENIZE, **overrides.get("tokenize", {})}},
+    }
+    for name in ("train", "evaluate"):
+        if overrides.get(name) is not None:
+            stages[name] = {"config": overrides[name]}
+    return {
+        "run_id": "demo",
+        "root": root,
+        "target": {"model_id": "tiny-qwen3-demo", "uri": str(model), "enable_thinking": False},
+        "source": {"kind": "prompts", "uri": f"{str(root).rstrip('/')}/sources"},
+        "stages": stages,
+    }
+
+
+def build_model(out: Path) -> Path:
+    model = out / "model"
+    if (model / "config.json").exists():
+        return model
+    subprocess.run([str(REPO / ".venv-generate" / "bin" / "python"), "-m", "tests.support.tiny_target", str(model)],
+                   cwd=REPO, check=True)
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "demo-output", help="Where the run and its model go.")
+    parser.add_argument("--root", default=None, help="Storage root (default: <out>/store; s3:// works too).")
+    parser.add_argument("--overrides", type=Path, default=None, help="JSON file of per-stage config overrides.")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    root = args.root or str(out / "store")
+    ObjectStore().upload_from(str(DEMO / "prompts.jsonl"), join(root, "sources", "prompts.jsonl"))
+    model = build_model(out)
+    overrides = json.loads(args.overrides.read_text()) if args.overrides else {}
+    config = run_file(model, root, overrides)
+    run_path = out / "run.json"
+    run_path.write_text(json.dumps(config, indent=2) + "\n")
+    python = sys.executable
+    code = subprocess.run([python, "-m", "dflash_shared.pipeline", "local", "--config", str(run_path)],
+                          cwd=REPO, check=False).returncode
+    if code != 0:
+        return code
+    return subprocess.run([python, str(DEMO / "summary.py"), str(run_path)], cwd=REPO, check=False).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

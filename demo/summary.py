@@ -1,0 +1,71 @@
+"""Print what a run produced, read from its manifests: records and tokens per stage, loss, acceptance."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dflash_shared.manifest_io import ManifestError, load_manifest
+from dflash_shared.manifests import (
+    CompletionsSection,
+    DrafterSection,
+    EvaluationSection,
+    Kind,
+    TokenizedSection,
+)
+from dflash_shared.pipeline.config import load_run_config
+from dflash_shared.pipeline.layout import layout
+from dflash_shared.storage import ObjectStore, join
+
+
+def loss_curve(store: ObjectStore, drafter_prefix: str, points: int = 8) -> str:
+    """A few (step, loss) points of the training log the trainer keeps beside its manifest."""
+    uri = join(drafter_prefix, "metrics.jsonl")
+    if not store.exists(uri):
+        return "(no metrics.jsonl)"
+    rows = [json.loads(line) for line in store.read_bytes(uri).decode().splitlines() if line.strip()]
+    rows = [r for r in rows if "loss" in r]
+    if not rows:
+        return "(no loss recorded)"
+    stride = max(1, len(rows) // points)
+    picked = rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
+    return "  ".join(f"{r['step']}:{r['loss']:.3f}" for r in picked)
+
+
+def main(run_file: str) -> int:
+    run = load_run_config(Path(run_file))
+    lay = layout(run.root, run.run_id)
+    store = ObjectStore()
+    print(f"\nrun {run.run_id} under {lay.run_prefix}")
+    for kind in (Kind.prompts, Kind.completions, Kind.tokenized, Kind.drafter, Kind.evaluation):
+        try:
+            m = load_manifest(store, lay.prefix(kind), kind, verify=False).manifest
+        except ManifestError:
+            print(f"  {kind.value:12s} not written")
+            continue
+        acc = m.accounting
+        line = f"  {kind.value:12s} {acc.succeeded:6d} ok, {acc.failed} failed, {acc.skipped} skipped"
+        section = m.section
+        if isinstance(section, CompletionsSection):
+            line += f"; {section.output_tokens:,} output tokens"
+        if isinstance(section, TokenizedSection):
+            line += f"; {section.total_tokens:,} tokens, {section.loss_tokens:,} trained"
+        if isinstance(section, DrafterSection):
+            metrics = ", ".join(f"{k} {v:.3f}" for k, v in sorted(section.final_metrics.items()))
+            line += f"; {metrics}"
+        if isinstance(section, EvaluationSection):
+            line += f"; tau {section.tau:.2f} trained vs {section.tau_untrained or 0:.2f} untrained"
+            if section.engine_tau is not None:
+                line += f", engine tau {section.engine_tau:.2f}"
+        print(line)
+        if acc.failures_by_reason:
+            print(f"  {'':12s} failures: {acc.failures_by_reason}")
+        print(f"  {'':12s} {lay.manifest(kind)}")
+        if kind is Kind.drafter:
+            print(f"  {'':12s} loss by step: {loss_curve(store, lay.prefix(kind))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

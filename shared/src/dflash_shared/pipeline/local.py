@@ -1,0 +1,117 @@
+"""Run a pipeline on this machine: every stage in order, with exactly the settings its Kubernetes Job gets.
+
+The same `RunConfig`, the same wiring (`stages.stage_config`) and the same environment variables as the
+rendered Jobs; only the process launcher differs. Each stage runs in the Python environment that holds its
+package (the images' contents, as virtual environments), preflight first, once per shard index with
+JOB_COMPLETION_INDEX set, like the pods of an Indexed Job. A stage whose manifest already exists is skipped,
+so rerunning a run resumes it; a stage killed midway resumes from its committed shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import describe
+from dflash_shared.pipeline.config import RunConfig
+from dflash_shared.pipeline.jobs import env_value, storage_env
+from dflash_shared.pipeline.layout import layout
+from dflash_shared.pipeline.stages import IMAGE_ENTRYPOINT, StageDef, plan, stage_config
+from dflash_shared.runner import COUNT_ENV, INDEX_ENV
+from dflash_shared.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+# Which Python module is the CLI of each image, and which local environment stands in for the image.
+IMAGE_MODULES = {"tokenizer": "dflash_tokenize", "generator": "dflash_generate", "trainer": "dflash_train"}
+IMAGE_ENVIRONMENTS = {"tokenizer": ".venv", "generator": ".venv-generate", "trainer": ".venv-train"}
+
+
+class StageFailedError(RuntimeError):
+    def __init__(self, stage: str, index: int, code: int) -> None:
+        super().__init__(f"stage {stage} shard {index} exited {describe(code)}")
+        self.stage, self.index, self.code = stage, index, code
+
+
+@dataclass(frozen=True)
+class StageRun:
+    stage: str
+    skipped: bool
+    seconds: float
+    manifest: str
+
+
+def local_commands(stage: StageDef, python: str) -> list[list[str]]:
+    """What the image would run, as local commands: its entrypoint is preflight, then the stage."""
+    module = IMAGE_MODULES[stage.image]
+    if stage.command == (IMAGE_ENTRYPOINT,):
+        return [[python, "-m", module, "preflight"], [python, "-m", module, "run"]]
+    return [[python, "-m", module, *stage.command[1:]]]
+
+
+def stage_environment(run: RunConfig, stage: StageDef) -> dict[str, str]:
+    """The environment variables the stage's Job sets (config, shard count, storage), minus pod plumbing."""
+    settings = run.stages.for_stage(stage.name)
+    env = {stage.env_name(key): env_value(value) for key, value in stage_config(stage, run, settings).items()}
+    env[COUNT_ENV] = str(settings.shards)
+    env.update({item["name"]: item["value"] for item in storage_env(run)})
+    env.update(settings.env)
+    return env
+
+
+def run_local(
+    run: RunConfig,
+    repo: Path,
+    environments: Mapping[str, str] | None = None,
+    only: Sequence[str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> list[StageRun]:
+    """Run (or resume) every stage of `run`; raises StageFailedError with the stage's exit code on failure."""
+    store = ObjectStore()
+    lay = layout(run.root, run.run_id)
+    envs = {**IMAGE_ENVIRONMENTS, **(environments or {})}
+    done: list[StageRun] = []
+    for stage in plan(run):
+        if only and stage.name not in only:
+            continue
+        manifest = lay.manifest(stage.output_kind)
+        if store.exists(manifest):
+            log.info("stage %s: complete (%s), skipped", stage.name, manifest)
+            done.append(StageRun(stage.name, True, 0.0, manifest))
+            continue
+        python = str(repo / envs[stage.image] / "bin" / "python")
+        if not os.path.exists(python):
+            raise ConfigError(f"stage {stage.name} needs the environment {envs[stage.image]} (make venv-*)")
+        env = {**os.environ, **stage_environment(run, stage), **(extra_env or {})}
+        shards = run.stages.for_stage(stage.name).shards
+        start = time.monotonic()
+        for index in range(shards):
+            env[INDEX_ENV] = str(index)
+            for command in local_commands(stage, python):
+                log.info("stage %s shard %d/%d: %s", stage.name, index, shards, " ".join(command[2:]))
+                code = subprocess.run(command, env=env, cwd=repo, check=False).returncode
+                if code != 0:
+                    raise StageFailedError(stage.name, index, code)
+        if not store.exists(manifest):
+            raise StageFailedError(stage.name, shards - 1, 1)
+        done.append(StageRun(stage.name, False, time.monotonic() - start, manifest))
+    return done
+
+
+def run_local_and_report(config: RunConfig, repo: Path, only: Sequence[str] | None = None) -> int:
+    try:
+        runs = run_local(config, repo, only=only)
+    except StageFailedError as err:
+        print(f"pipeline stopped: {err}; rerun the same command to resume", file=sys.stderr)
+        return err.code
+    for item in runs:
+        state = "skipped (complete)" if item.skipped else f"ran in {item.seconds:.0f} s"
+        print(f"{item.stage:10s} {state:22s} {item.manifest}")
+    return 0

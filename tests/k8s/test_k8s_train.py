@@ -1,0 +1,217 @@
+"""The train stage's Job: one pod per node, torchrun over its GPUs, the multi-node rendezvous wiring, and
+the rendered single-node Job run as written (two CPU ranks under torchrun, preempted, then resumed)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.manifest_io import load_manifest
+from dflash_shared.manifests import DrafterSection, Kind
+from dflash_shared.pipeline import parse_run_config, render_documents
+from dflash_shared.pipeline.base import base_files
+from dflash_shared.pipeline.config import read_run_file
+from dflash_shared.pipeline.jobs import RENDEZVOUS_PORT
+from dflash_shared.pipeline.stages import TRAIN
+from dflash_shared.storage import ObjectStore, join
+from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT, env_of, failure_action, jobs, schema_errors
+from tests.k8s.pod_emulation import ContainerProcess, pod_containers
+from tests.k8s.train_inputs import TRAIN_VENV, tiny_target_dir, tokenized_for, train_python, upload_dir
+
+
+def run_with_train(**train: Any) -> list[dict[str, Any]]:
+    """The example run's documents with [stages.train] updated."""
+    data = read_run_file(EXAMPLE_RUN)
+    data["stages"]["train"] = {**data["stages"]["train"], **train}
+    return render_documents(parse_run_config(data, "train variant"))
+
+
+def main_container(job: dict[str, Any]) -> dict[str, Any]:
+    return job["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_example_trains_on_one_node_with_torchrun_over_its_gpus() -> None:
+    job = jobs(run_with_train())["train"]
+    pod = job["spec"]["template"]["spec"]
+    main = main_container(job)
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 1
+    assert main["command"] == ["/opt/dflash/entrypoint.sh"]
+    assert main["args"] == ["torchrun", "--standalone", "--nproc-per-node=8", "-m", "dflash_train", "run"]
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = env_of(main)
+    # Training is one process group, not shards; a GPU pod must find its GPUs or fail its preflight.
+    assert "DFLASH_NUM_SHARDS" not in env and env["DFLASH_TRAIN_DEVICE"] == "cuda"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in main["volumeMounts"]
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    # Long enough to finish the step in flight and write the checkpoint (SIGTERM -> exit 75 -> Ignore).
+    assert pod["terminationGracePeriodSeconds"] >= 600
+    assert failure_action(job, int(ExitCode.PREEMPTED)) == "Ignore"
+    assert "subdomain" not in pod and not [d for d in run_with_train() if d["kind"] == "Service"]
+
+
+@pytest.mark.parametrize(("gpus", "device"), [(1, "cuda"), (0, None)])
+def test_one_gpu_or_none_runs_the_entrypoint_alone(gpus: int, device: str | None) -> None:
+    job = jobs(run_with_train(gpus=gpus))["train"]
+    main = main_container(job)
+    assert main["command"] == ["/opt/dflash/entrypoint.sh"] and "args" not in main
+    assert env_of(main).get("DFLASH_TRAIN_DEVICE") == device
+    assert ("nvidia.com/gpu" in main["resources"]["limits"]) == bool(gpus)
+    assert job["metadata"]["labels"]["dflash-pipeline/accelerator"] == ("gpu" if gpus else "cpu")
+
+
+def test_multi_node_is_an_indexed_job_behind_a_headless_service() -> None:
+    docs = run_with_train(nodes=4, gpus=8)
+    assert schema_errors(docs) == []
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    job = jobs(docs)["train"]
+    name = job["metadata"]["name"]
+    pod = job["spec"]["template"]["spec"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    # Pod i of an Indexed Job has hostname <job>-i; with subdomain = the Service, <job>-0.<service> is pod 0.
+    assert service["metadata"]["name"] == pod["subdomain"] == name
+    assert service["metadata"]["namespace"] == job["metadata"]["namespace"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    assert [p["port"] for p in service["spec"]["ports"]] == [RENDEZVOUS_PORT]
+    args = main_container(job)["args"]
+    assert args[0] == "torchrun" and args[-3:] == ["-m", "dflash_train", "run"] and "--standalone" not in args
+    flags = dict(a.split("=", 1) for a in args[1:-3])
+    assert flags["--nnodes"] == "4" and flags["--nproc-per-node"] == "8"
+    assert flags["--node-rank"] == "$(JOB_COMPLETION_INDEX)"
+    assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == f"{name}-0.{name}:{RENDEZVOUS_PORT}"
+    assert flags["--rdzv-id"] == "example"
+    # The base gets the Service as a file of its own, listed in the kustomization.
+    data = read_run_file(EXAMPLE_RUN)
+    data["stages"]["train"] = {**data["stages"]["train"], "nodes": 4}
+    files = base_files(parse_run_config(data), "multi-node.toml")
+    assert "service-train.yaml" in files and "- service-train.yaml" in files["kustomization.yaml"]
+
+
+def test_node_rank_is_expanded_from_the_pod_index_as_the_kubelet_does(tmp_path: Path) -> None:
+    job = jobs(run_with_train(nodes=2))["train"]
+    main = pod_containers(job, 1, {"dflash-s3": {}}, tmp_path, TRAIN_VENV)[-1]
+    assert "--node-rank=1" in main.argv and "--nnodes=2" in main.argv
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"shards": 2}, "stages.train.shards = 2: train is one process group"),
+        ({"config": {"max_lenght": 4096}}, "max_lenght not a field of dflash_train.config:TrainConfig"),
+        ({"config": {"output": "s3://elsewhere"}}, "train.config.output is set by the pipeline"),
+    ],
+)
+def test_bad_train_settings_are_refused(train: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        run_with_train(**train)
+
+
+def test_only_the_train_stage_spans_nodes() -> None:
+    data = read_run_file(EXAMPLE_RUN)
+    data["stages"]["tokenize"] = {**data["stages"]["tokenize"], "nodes": 2}
+    with pytest.raises(ConfigError, match="stages.tokenize.nodes = 2: only a torchrun stage"):
+        render_documents(parse_run_config(data))
+
+
+def test_train_config_is_checked_without_torch() -> None:
+    """The render-time field check reads dflash_train.config from the source tree in an environment without
+    the train package; that module must therefore not import torch."""
+    code = ("import sys; from dflash_shared.pipeline.stages import TRAIN; fields = TRAIN.config_fields(); "
+            "assert fields and {'input', 'max_length', 'device'} <= fields, fields; "
+            "assert 'torch' not in sys.modules, 'dflash_train.config imported torch'; "
+            "assert 'dflash_train' not in sys.modules, 'the source import was left behind'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert TRAIN.config_fields() is not None
+
+
+def test_the_entrypoint_exits_with_the_code_the_failure_policy_ignores() -> None:
+    script = (REPO_ROOT / "docker" / "trainer" / "entrypoint.sh").read_text()
+    assert f"PREEMPTED={int(ExitCode.PREEMPTED)}" in script
+    assert failure_action(jobs(run_with_train())["train"], int(ExitCode.PREEMPTED)) == "Ignore"
+
+
+# ------------------------------------------------------------------ the rendered Job, run as written
+def start(container: ContainerProcess, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as sink:
+        return subprocess.Popen(container.command, env=container.env, cwd=container.cwd, stdout=sink,
+                                stderr=subprocess.STDOUT)
+
+
+def checkpoint_steps(store: ObjectStore, output: str) -> list[int]:
+    """Steps of the complete checkpoints (folders step-NNNNNNNN holding their COMPLETE.json marker)."""
+    markers = store.list(join(output, "checkpoints"), suffix="/COMPLETE.json")
+    return sorted(int(u.rsplit("/", 2)[-2].removeprefix("step-")) for u in markers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_rank_job_is_preempted_then_resumed_by_a_new_pod(
+    s3_bucket: str, moto_endpoint: str, store: ObjectStore, tmp_path: Path
+) -> None:
+    train_python()
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = f"{s3_bucket}/runs"
+    data["target"] = {**data["target"], "uri": f"{s3_bucket}/models/tiny"}
+    data["storage"] = {**data["storage"], "endpoint_url": moto_endpoint, "region": "us-east-1"}
+    # Two ranks on the CPU: gloo instead of NCCL, otherwise the manifest as the cluster gets it.
+    data["stages"]["train"] = {**data["stages"]["train"], "gpus": 2, "config": {
+        "preset": "debug", "device": "cpu", "max_steps": 4, "checkpoint_every": 1, "batch_tokens": 512}}
+    run = parse_run_config(data, "two-rank run")
+    upload_dir(store, tiny_target_dir(), run.target.uri)
+    # The run's completions and tokenized prefixes, as its upstream Jobs would have left them.
+    tokenized_for(store, f"{s3_bucket}/runs/example", tiny_target_dir())
+    job = jobs(render_documents(run))["train"]
+    assert main_container(job)["args"][:3] == ["torchrun", "--standalone", "--nproc-per-node=2"]
+    output = env_of(main_container(job))["DFLASH_TRAIN_OUTPUT"]
+    secrets = {"dflash-s3": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}}
+
+    # First pod: the wait container, then preflight + torchrun; SIGTERM once a checkpoint exists.
+    first = pod_containers(job, 0, secrets, tmp_path / "pod-a", TRAIN_VENV)
+    assert [c.name for c in first] == ["wait-for-input", "train"]
+    wait = subprocess.run(first[0].command, env=first[0].env, cwd=first[0].cwd, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert wait.returncode == 0, wait.stdout + wait.stderr
+    log = tmp_path / "pod-a.log"
+    proc = start(first[1], log)
+    deadline = time.monotonic() + 600
+    try:
+        while not checkpoint_steps(store, output):
+            assert proc.poll() is None, f"the pod exited early:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no checkpoint within 600 s:\n{log.read_text()[-4000:]}"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "preflight train" in text and "exit 75 (PREEMPTED)" in text, text[-4000:]
+    assert proc.returncode == ExitCode.PREEMPTED, text[-4000:]
+    assert failure_action(job, proc.returncode) == "Ignore"
+    stopped = checkpoint_steps(store, output)[-1]
+    assert stopped < 4 and not store.exists(join(output, "manifest.json"))
+
+    # The replacement pod (fresh emptyDirs) resumes from the newest checkpoint and commits the drafter.
+    second = pod_containers(job, 0, secrets, tmp_path / "pod-b", TRAIN_VENV)[-1]
+    done = subprocess.run(second.command, env=second.env, cwd=second.cwd, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    loaded = load_manifest(store, output, Kind.drafter)
+    assert isinstance(loaded.manifest.section, DrafterSection)
+    assert loaded.manifest.run_id == "example"
+    assert loaded.manifest.producer.config["resolved"]["world_size"] == 2
+    assert f"(step {stopped}, saved by 2 rank(s)" in done.stdout + done.stderr
+    assert checkpoint_steps(store, output)[-1] == 4

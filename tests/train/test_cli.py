@@ -1,0 +1,60 @@
+"""`dflash-train` as a Job runs it: exit codes, one clear error line, preflight lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_shared.storage import ObjectStore, join
+from tests.train.test_stage import other_template_target
+from tests.train.train_fixtures import identity_of, synthetic_docs, tiny_target, write_tokenized
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("cli")
+    return write_tokenized(ObjectStore(), str(root / "tok"), synthetic_docs(10), identity_of(tiny_target()))
+
+
+def test_usage_help_and_bad_config() -> None:
+    missing = cli()
+    assert missing.returncode == 64 and "dflash-train {preflight|run|export|evaluate}" in missing.stderr
+    helped = cli("run", "--help")
+    assert helped.returncode == 0 and "--checkpoint-every" in helped.stdout and "DFLASH_TRAIN_RESUME" in helped.stdout
+    bad = cli("run", "--preset", "debug", "--input", "x", "--output", "y", "--target", "z", "--lr", "-1")
+    assert bad.returncode == 64, bad.stderr
+    assert "invalid TrainConfig: invalid lr (--lr / DFLASH_TRAIN_LR)" in bad.stderr
+    typo = cli("run", "--input", "x", env={"DFLASH_TRAIN_CHECKPOINT_EVRY": "5"})
+    assert typo.returncode == 64 and "DFLASH_TRAIN_CHECKPOINT_EVRY" in typo.stderr
+
+
+def test_preflight_passes_then_refuses_another_template(data: str, tmp_path: Path) -> None:
+    common = ["--input", data, "--output", str(tmp_path / "out"), "--scratch-dir", str(tmp_path / "scratch"),
+              "--disk-need-gib", "0.01"]
+    ok = cli("preflight", *common, "--target", str(tiny_target()))
+    assert ok.returncode == 0, ok.stderr
+    for check in ("imports", "gpus", "storage_write", "disk", "input_manifest"):
+        assert f"preflight train OK {check}" in ok.stderr
+    assert "tokenizer and chat template match the target" in ok.stderr
+    wrong = cli("preflight", *common, "--target", str(other_template_target(tmp_path)))
+    assert wrong.returncode == 65
+    assert "FAIL input_manifest" in wrong.stderr and "(field: target.chat_template_sha256)" in wrong.stderr
+    no_gpu = cli("preflight", *common, "--target", str(tiny_target()), "--device", "cuda")
+    assert no_gpu.returncode == 69 and "FAIL gpus" in no_gpu.stderr
+
+
+def test_run_refuses_incompatible_data_with_bad_input(data: str, tmp_path: Path) -> None:
+    result = cli("run", "--preset", "debug", "--input", data, "--output", str(tmp_path / "out"),
+                 "--target", str(other_template_target(tmp_path)), "--scratch-dir", str(tmp_path / "scratch"))
+    assert result.returncode == 65, result.stderr
+    error = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(error) == 1 and "target.chat_template_sha256" in error[0] and join(data, "manifest.json") in error[0]

@@ -1,0 +1,119 @@
+"""The train stage end to end on S3: compatibility refusal, config resolution, the drafter manifest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_shared.errors import ConfigError, exit_code_for
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.manifest_io import ManifestError, load_manifest
+from dflash_shared.manifests import DrafterSection, Kind, TokenizedSection
+from dflash_shared.settings import parse_settings
+from dflash_shared.storage import ObjectStore, join
+from dflash_train.config import TrainConfig, debug
+from dflash_train.stage import resolve_drafter, run
+from tests.train.train_fixtures import (
+    SMALL_MASK_ID,
+    identity_of,
+    small_vocab_target,
+    synthetic_docs,
+    tiny_target,
+    write_tokenized,
+)
+
+
+def other_template_target(tmp_path: Path) -> Path:
+    """The tiny target's tokenizer with a chat template that differs by one character."""
+    target = tmp_path / "other-target"
+    target.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copyfile(tiny_target() / name, target / name)
+    template = (tiny_target() / "tokenizer_config.json").read_text()
+    (target / "chat_template.jinja").write_text("{# v2 #}" + template[:100])
+    return target
+
+
+def test_data_made_with_another_template_is_refused_before_loading(tmp_path: Path) -> None:
+    store = ObjectStore()
+    data = write_tokenized(store, str(tmp_path / "tok"), synthetic_docs(10), identity_of(tiny_target()))
+    config = debug(data, str(tmp_path / "out"), str(other_template_target(tmp_path)),
+                   scratch_dir=str(tmp_path / "scratch"))
+    with pytest.raises(ManifestError) as caught:
+        run(config, store)
+    assert caught.value.field == "target.chat_template_sha256"
+    assert exit_code_for(caught.value) is ExitCode.BAD_INPUT
+    assert not store.list(str(tmp_path / "out"))
+
+
+def test_presets_and_drafter_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["--input", "in", "--output", "out", "--target", "t"]
+    plain = parse_settings(TrainConfig, args)
+    assert plain.lr == 6e-4 and plain.precision == "bf16" and plain.epochs == 6
+    monkeypatch.setenv("DFLASH_TRAIN_LR", "0.01")
+    tuned = parse_settings(TrainConfig, [*args, "--preset", "debug", "--max-steps", "3"])
+    # The preset fills what was not given; flags and environment variables win over it.
+    assert (tuned.device, tuned.max_length, tuned.max_steps, tuned.lr) == ("cpu", 256, 3, 0.01)
+    with pytest.raises(ConfigError, match="drafter_overrides has unknown key"):
+        parse_settings(TrainConfig, [*args, "--drafter-overrides", '{"num_layer": 3}'])
+
+    section = TokenizedSection(target=identity_of(tiny_target()), mode="render", mask_policy="final_turn",
+                               max_length=512, total_tokens=0, loss_tokens=0)
+    shaped = TrainConfig(input="in", output="out", target="t",
+                         drafter_overrides={"num_layers": 1, "target_layer_ids": [0, 2], "block_size": 8})
+    cfg = resolve_drafter(shaped, str(tiny_target()), section)
+    # The target's own layer shape (hidden 128, 2/1 heads of 64), the mask from the data's manifest.
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (128, 2, 1, 64)
+    assert (cfg.num_layers, cfg.target_layer_ids, cfg.block_size, cfg.loss_decay_gamma) == (1, [0, 2], 8, 4.0)
+    assert cfg.mask_token_id == section.target.special_tokens.mask
+    no_mask = section.model_copy(update={"target": section.target.model_copy(update={
+        "special_tokens": section.target.special_tokens.model_copy(update={"mask": None})})})
+    # Without one anywhere, the reference choice: the first embedding row past the tokenizer (Qwen3: 151669).
+    assert resolve_drafter(shaped, str(tiny_target()), no_mask).mask_token_id == 151669
+    with pytest.raises(ConfigError, match="repeats a layer"):
+        resolve_drafter(shaped.model_copy(update={"drafter_overrides": {"target_layer_ids": [1, 1]}}),
+                        str(tiny_target()), section)
+
+
+@pytest.mark.slow
+def test_stage_on_s3_writes_the_drafter_manifest_last(s3_bucket: str, store: ObjectStore, tmp_path: Path) -> None:
+    target = join(s3_bucket, "models", "tiny")
+    for path in small_vocab_target().iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            store.upload_from(str(path), join(target, path.name))
+    data = write_tokenized(store, join(s3_bucket, "tok"), synthetic_docs(40, max_len=60),
+                           identity_of(small_vocab_target()), shards=3)
+    out = join(s3_bucket, "drafter")
+    config = debug(data, out, target, scratch_dir=str(tmp_path / "scratch"), max_steps=3, max_length=64,
+                   batch_tokens=128, checkpoint_every=2, mask_token_id=SMALL_MASK_ID,
+                   drafter_overrides={"num_anchors": 2})
+    uri = run(config, store)
+    assert uri == join(out, "manifest.json")
+    loaded = load_manifest(store, out, Kind.drafter)  # re-hashes every listed checkpoint file
+    m, section = loaded.manifest, loaded.manifest.section
+    tokenized = load_manifest(store, data, Kind.tokenized)
+    assert isinstance(section, DrafterSection) and isinstance(tokenized.manifest.section, TokenizedSection)
+    assert [(i.uri, i.sha256, i.kind) for i in m.inputs] == [(tokenized.uri, tokenized.sha256, Kind.tokenized)]
+    assert section.target == tokenized.manifest.section.target.model_copy(update={
+        "special_tokens": tokenized.manifest.section.target.special_tokens.model_copy(update={"mask": SMALL_MASK_ID})})
+    assert (section.target_layer_ids, section.block_size, section.mask_token_id) == ([1, 2], 8, SMALL_MASK_ID)
+    assert section.checkpoint_uri == join(out, "checkpoints", "step-00000003")
+    assert {s.uri.rsplit("/", 1)[-1] for s in m.shards} == {
+        "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", "drafter_config.json"}
+    assert {"loss", "tau", "accuracy", "acc_1", "acc_7"} <= set(section.final_metrics)
+    resolved = m.producer.config["resolved"]
+    assert resolved["drafter"]["mask_token_id"] == SMALL_MASK_ID and resolved["total_steps"] == 3
+    assert m.producer.config["max_steps"] == 3 and m.accounting.input_records == 40
+    assert store.list(join(out, "tensorboard")) and store.exists(join(out, "train", "plan.json"))
+    # Only the newest checkpoints are kept (2 by default); the step-2 one stays beside the final one.
+    assert [u.rsplit("/", 2)[-2] for u in store.list(join(out, "checkpoints")) if u.endswith("COMPLETE.json")] == [
+        "step-00000002", "step-00000003"]
+
+    # Once the manifest exists a rerun does nothing; a resume with another data order is refused.
+    assert run(config, store) == uri
+    store.delete(uri)
+    store.delete(join(out, "checkpoints", "step-00000003", "COMPLETE.json"))
+    with pytest.raises(ConfigError, match="another data order"):
+        run(config.model_copy(update={"seed": 5}), store)
