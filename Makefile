@@ -31,12 +31,17 @@ venv-train: ## Create .venv-train (PyTorch on CPU) for the train stage
 image-tools: ## Install podman/buildah/debootstrap when missing
 	bash docker/build-images.sh --ensure-tools
 
+# ---------------------------------------------------------------- the pipeline
+demo: $(VENV_STAMP) venv-generate venv-train ## Run the whole pipeline on CPU with a tiny model (reruns resume)
+	$(PY) demo/run_demo.py
+
 # ---------------------------------------------------------------- tests and checks
 test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the whole test suite (what CI runs)
 	bash scripts/run-tests.sh $(PYTEST_ARGS)
 
 test-fast: $(VENV_STAMP) ## Unit tests only: no image builds, no vLLM, no long runs
-	$(PY) -m pytest -m "not slow and not image and not e2e" --ignore=tests/generate --ignore=tests/train $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not image and not e2e" --ignore=tests/generate --ignore=tests/train \
+		--ignore=tests/evaluate $(PYTEST_ARGS)
 
 test-images: $(VENV_STAMP) image-tools ## Build the images and run the image tests
 	$(PY) -m pytest -m image tests/images $(PYTEST_ARGS)
@@ -71,5 +76,12 @@ lock: ## Regenerate every stage's hash-pinned lock file
 bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer library's limit
 	$(PY) bench/bench_tokenize.py
 
-.PHONY: help venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
-	build-image base-image lock bench-tokenize
+bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU setting)
+	.venv-generate/bin/python bench/bench_eval.py
+
+bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, data loader rate
+	.venv-train/bin/python bench/bench_train_step.py
+	.venv-train/bin/python bench/bench_train_data.py
+
+.PHONY: help demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
+	build-image base-image lock bench-tokenize bench-train bench-eval

@@ -83,7 +83,8 @@ def loader_rate(work: Path, shards: list, digest: str, max_length: int, rows_per
     return done * rows_per_step * max_length / (time.perf_counter() - started)
 
 
-def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int, steps: int, device: str) -> float:
+def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int, steps: int, device: str,
+              num_anchors: int = 64) -> float:
     import torch
 
     from dflash_shared.storage import ObjectStore
@@ -101,7 +102,7 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     batches = [item.micro[0] for item in loader]
     loader.close()
     cache.close()
-    cfg = DrafterConfig.debug(num_anchors=64)
+    cfg = DrafterConfig.debug(num_anchors=num_anchors)
     target = FrozenTarget.from_pretrained(build_tiny_qwen3(), cfg.target_layer_ids, device=device)
     drafter = DFlashDrafter(cfg).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
@@ -125,11 +126,13 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
 
 
 def measure(work: Path, docs: int = 4000, max_length: int = 4096, shards: int = 4, rows_per_step: int = 8,
-            loader_steps: int = 50, step_rows: int = 1, train_steps: int = 3, device: str = "cpu") -> Rates:
+            loader_steps: int = 50, step_rows: int = 1, train_steps: int = 3, device: str = "cpu",
+            num_anchors: int = 64) -> Rates:
     shard_list, digest = make_shards(work, docs, max_length, shards)
     return Rates(
         loader_tokens_per_s=loader_rate(work, shard_list, digest, max_length, rows_per_step, loader_steps),
-        step_tokens_per_s=step_rate(work, shard_list, digest, max_length, step_rows, train_steps, device),
+        step_tokens_per_s=step_rate(work, shard_list, digest, max_length, step_rows, train_steps, device,
+                                    num_anchors),
     )
 
 

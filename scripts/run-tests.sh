@@ -2,7 +2,8 @@
 # Run every test suite, each in the environment of the code it tests, and fail if any failed.
 #
 # The torch-free suites (shared library, tokenize, k8s, images) run in .venv; the generate stage's in
-# .venv-generate (vLLM on CPU); the train stage's in .venv-train (PyTorch on CPU). Every suite runs even
+# .venv-generate (vLLM on CPU); the train stage's in .venv-train (PyTorch on CPU); evaluation, which needs
+# the drafter and vLLM together, in .venv-generate. Every suite runs even
 # after another failed, so one report shows everything that is broken.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,10 @@ run_suite() {
   "$python" -m pytest "$@" || { echo "=== ${name}: FAILED ==="; status=1; }
 }
 
-run_suite "shared, tokenize, k8s, images" .venv/bin/python --ignore=tests/generate --ignore=tests/train "$@"
+run_suite "shared, tokenize, k8s, images" .venv/bin/python --ignore=tests/generate --ignore=tests/train \
+  --ignore=tests/evaluate "$@"
 [ -d tests/generate ] && run_suite "generate" .venv-generate/bin/python tests/generate "$@"
 [ -d tests/train ] && run_suite "train" .venv-train/bin/python tests/train "$@"
+# Evaluation needs the trainer's drafter and vLLM together: .venv-generate holds both.
+[ -d tests/evaluate ] && run_suite "evaluate" .venv-generate/bin/python tests/evaluate "$@"
 exit $status

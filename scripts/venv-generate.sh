@@ -19,6 +19,7 @@ INPUTS=(
   "$ROOT/jobs/generate/test-requirements.in"
   "$ROOT/jobs/generate/pyproject.toml"
   "$ROOT/jobs/tokenize/pyproject.toml"
+  "$ROOT/jobs/train/pyproject.toml"
   "$ROOT/shared/pyproject.toml"
 )
 
@@ -45,7 +46,8 @@ extra=()
 # The PyPI builds of these are linked against CUDA torch and break `import vllm` on the CPU build
 # ("operator torchvision::nms does not exist"); the engine does not need them.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" install -q -e "$ROOT/shared" -e "$ROOT/jobs/generate" -e "$ROOT/jobs/tokenize" \
+# The train package too: the evaluation tests drive the trainer's drafter and vLLM in one environment.
+"${pip[@]}" install -q -e "$ROOT/shared" -e "$ROOT/jobs/generate" -e "$ROOT/jobs/tokenize" -e "$ROOT/jobs/train" \
   -r "$ROOT/jobs/generate/test-requirements.in"
 
 # Fail here, not in the first test, if the CPU engine cannot be imported.

@@ -196,6 +196,7 @@ def test_cache_is_bounded_on_s3_and_refuses_corrupt_shards(s3_bucket: str, store
 def test_loader_delivers_at_least_ten_times_what_a_step_consumes(tmp_path: Path) -> None:
     from bench.bench_train_data import REQUIRED_RATIO, measure
 
-    rates = measure(tmp_path, docs=300, max_length=512, rows_per_step=4, loader_steps=20, train_steps=1)
+    rates = measure(tmp_path, docs=300, max_length=256, rows_per_step=4, loader_steps=20, train_steps=1,
+                    num_anchors=8)
     assert rates.loader_tokens_per_s > 0 and rates.step_tokens_per_s > 0
     assert rates.ratio >= REQUIRED_RATIO, rates

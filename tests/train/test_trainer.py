@@ -21,6 +21,7 @@ from dflash_train.config import debug
 from dflash_train.drafter_config import DrafterConfig
 from dflash_train.metrics import read_scalars
 from dflash_train.model import DFlashDrafter
+from dflash_train.optim import warmup_cosine
 from dflash_train.stage import run
 from dflash_train.step import dflash_step
 from dflash_train.target import FrozenTarget
@@ -33,9 +34,6 @@ from tests.train.train_fixtures import (
     target_generated,
     tiny_target,
 )
-
-pytestmark = pytest.mark.slow
-
 
 def evaluate(drafter: DFlashDrafter, target: FrozenTarget, cfg: DrafterConfig) -> tuple[float, list[float]]:
     """(mean loss, per-slot accuracy) on fixed batches of the generated answers, fixed anchors."""
@@ -52,6 +50,7 @@ def evaluate(drafter: DFlashDrafter, target: FrozenTarget, cfg: DrafterConfig) -
     return sum(losses) / len(losses), (correct[1:] / counted[1:].clamp(min=1)).tolist()
 
 
+@pytest.mark.slow
 def test_training_on_target_generated_data_learns(tmp_path: Path) -> None:
     store = ObjectStore()
     data = target_generated(store, str(tmp_path))
@@ -101,6 +100,7 @@ def assert_same_curve(store: ObjectStore, output: str) -> None:
         assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), f"step {step}"
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_resume_continues_the_curve(tmp_path: Path) -> None:
     store = ObjectStore()
     resume_reference()
@@ -117,6 +117,7 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues_the_curve(tmp
     assert_same_curve(store, out)
 
 
+@pytest.mark.slow
 def test_kill_9_loses_only_the_steps_since_the_last_checkpoint(tmp_path: Path) -> None:
     store = ObjectStore()
     resume_reference()
@@ -135,6 +136,7 @@ def test_kill_9_loses_only_the_steps_since_the_last_checkpoint(tmp_path: Path) -
     assert final.section.checkpoint_uri.endswith(f"step-{RESUME_STEPS:08d}")
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_follows_the_same_curve(tmp_path: Path) -> None:
     """Recomputing the drafter layers in backward changes how the step runs, not what it computes."""
     store = ObjectStore()
@@ -145,3 +147,11 @@ def test_activation_checkpointing_follows_the_same_curve(tmp_path: Path) -> None
     assert sorted(losses) == [1, 2]
     for step in (1, 2):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def test_warmup_then_cosine_schedule() -> None:
+    lrs = [warmup_cosine(step, warmup_steps=4, total_steps=20, min_ratio=0.1) for step in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup, the peak reached at its last step
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))  # then only down
+    assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 15 / 16)))
+    assert warmup_cosine(20, 4, 20, 0.1) == pytest.approx(0.1)  # the floor, also past the end

@@ -151,6 +151,10 @@ class EvaluationSection(_Frozen):
     engine_tau: float | None = Field(default=None, description="Acceptance length measured by the engine.")
     acceptance_per_position: list[float] = Field(default_factory=list, description="Acceptance by slot.")
     tau_histogram: dict[str, int] = Field(default_factory=dict, description="Steps per acceptance length.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="Further figures: drafted tokens per target forward, tau gap, training accuracies, ...",
+    )
 
 
 Section = Annotated[

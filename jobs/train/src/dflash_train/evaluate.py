@@ -230,8 +230,8 @@ def resolve_device_dtype(config: EvaluateConfig) -> tuple[Any, Any]:
     """(torch device, torch dtype) from the config: auto = CUDA when present, bf16 on CUDA, fp32 on CPU."""
     import torch
 
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          config.device if config.device != "auto" else "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if config.device == "auto" else config.device)
     if config.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
@@ -327,7 +327,9 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
     identity = section.target  # type: ignore[union-attr]
     prompts_loaded = _load_prompts_manifest(store, config.prompts, identity)
     with tempfile.TemporaryDirectory(prefix="dflash-evaluate-", dir=config.scratch_dir) as scratch:
-        target_dir = local_dir(store, config.target, scratch, "target")
+        from dflash_train.stage import fetch_target
+
+        target_dir = fetch_target(store, config.target, scratch)
         check_target_files(target_dir, drafter)
         source = PromptSource(store, prompts_loaded, target_dir, identity.enable_thinking)
         picked, accounting = pick_prompts(source, config)
