@@ -31,16 +31,18 @@ QUALITY = {"allow_truncated": True, "reject_repetitive": False}
 GENERATE = {"max_new_tokens": 96, "max_model_len": 512, "enforce_eager": True, "temperature": 0.0,
             "dtype": "bfloat16", "chunk_records": 16, "gpu_memory_utilization": 0.3, **QUALITY}
 TOKENIZE = {"max_length": 512, "workers": 1, **QUALITY}
+# The debug presets: a small drafter, CPU, fp32; enough steps over the 48 completions to learn their loops.
+TRAIN = {"preset": "debug", "epochs": 8, "max_steps": 48, "checkpoint_every": 16}
+EVALUATE = {"preset": "debug", "num_prompts": 16, "max_new_tokens": 48, "device": "cpu"}
+# Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
+ON_CPU = {"gpus": 0, "tolerations": []}
 
 
 def run_file(model: Path, root: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    defaults = {"generate": GENERATE, "tokenize": TOKENIZE, "train": TRAIN, "export": {}, "evaluate": EVALUATE}
     stages: dict[str, Any] = {
-        "generate": {"gpus": 0, "tolerations": [], "config": {**GENERATE, **overrides.get("generate", {})}},
-        "tokenize": {"config": {**TOKENIZE, **overrides.get("tokenize", {})}},
+        name: {**ON_CPU, "config": {**config, **overrides.get(name, {})}} for name, config in defaults.items()
     }
-    for name in ("train", "evaluate"):
-        if overrides.get(name) is not None:
-            stages[name] = {"config": overrides[name]}
     return {
         "run_id": "demo",
         "root": root,

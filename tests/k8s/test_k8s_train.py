@@ -1,5 +1,6 @@
-"""The train stage's Job: one pod per node, torchrun over its GPUs, the multi-node rendezvous wiring, and
-the rendered single-node Job run as written (two CPU ranks under torchrun, preempted, then resumed)."""
+"""The train, export and evaluate Jobs: one pod per node, torchrun over its GPUs, the multi-node rendezvous
+wiring, and the rendered Jobs run as written (training on two CPU ranks under torchrun, preempted and
+resumed by a new pod, then the export and the offline evaluation of its drafter)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
-from dflash_shared.manifests import DrafterSection, Kind
+from dflash_shared.manifests import DrafterSection, EvaluationSection, Kind
 from dflash_shared.pipeline import parse_run_config, render_documents
 from dflash_shared.pipeline.base import base_files
 from dflash_shared.pipeline.config import read_run_file
@@ -137,6 +138,27 @@ def test_train_config_is_checked_without_torch() -> None:
     assert TRAIN.config_fields() is not None
 
 
+def test_export_and_evaluate_follow_training_in_the_trainer_image() -> None:
+    by_stage = jobs(run_with_train())
+    export, evaluate = by_stage["export"], by_stage["evaluate"]
+    for job, command in ((export, "export"), (evaluate, "evaluate")):
+        main = main_container(job)
+        assert main["image"] == main_container(by_stage["train"])["image"]
+        assert main["command"] == ["/opt/dflash/entrypoint.sh", command] and "args" not in main
+        assert job["spec"]["completions"] == 1 and "DFLASH_NUM_SHARDS" not in env_of(main)
+    waits = {s: by_stage[s]["spec"]["template"]["spec"]["initContainers"][0]["command"][-3] for s in by_stage
+             if s != "import"}
+    assert waits["export"].endswith("/example/drafter/manifest.json")
+    assert waits["evaluate"].endswith("/example/export/manifest.json")
+    assert "nvidia.com/gpu" not in main_container(export)["resources"]["limits"]
+    assert main_container(evaluate)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Without held-out prompts in the run file, evaluate reads the run's own tokenized data.
+    data = read_run_file(EXAMPLE_RUN)
+    data["stages"]["evaluate"] = {k: v for k, v in data["stages"]["evaluate"].items() if k != "config"}
+    plain = env_of(main_container(jobs(render_documents(parse_run_config(data)))["evaluate"]))
+    assert plain["DFLASH_EVALUATE_PROMPTS"].endswith("/example/tokenized")
+
+
 def test_the_entrypoint_exits_with_the_code_the_failure_policy_ignores() -> None:
     script = (REPO_ROOT / "docker" / "trainer" / "entrypoint.sh").read_text()
     assert f"PREEMPTED={int(ExitCode.PREEMPTED)}" in script
@@ -156,9 +178,18 @@ def checkpoint_steps(store: ObjectStore, output: str) -> list[int]:
     return sorted(int(u.rsplit("/", 2)[-2].removeprefix("step-")) for u in markers)
 
 
+def run_container(container: ContainerProcess, timeout: float = 600) -> str:
+    done = subprocess.run(container.command, env=container.env, cwd=container.cwd, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"container {container.name} {container.argv} exited {done.returncode}:\n" \
+        + output[-4000:]
+    return output
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_two_rank_job_is_preempted_then_resumed_by_a_new_pod(
+@pytest.mark.timeout(1200)
+def test_train_preempted_and_resumed_then_export_and_evaluate_run_as_rendered(
     s3_bucket: str, moto_endpoint: str, store: ObjectStore, tmp_path: Path
 ) -> None:
     train_python()
@@ -169,6 +200,10 @@ def test_two_rank_job_is_preempted_then_resumed_by_a_new_pod(
     # Two ranks on the CPU: gloo instead of NCCL, otherwise the manifest as the cluster gets it.
     data["stages"]["train"] = {**data["stages"]["train"], "gpus": 2, "config": {
         "preset": "debug", "device": "cpu", "max_steps": 4, "checkpoint_every": 1, "batch_tokens": 512}}
+    # A few prompts and tokens: the drafter of a 4-step run accepts little, so no acceptance gate.
+    data["stages"]["evaluate"] = {**data["stages"]["evaluate"], "config": {
+        "preset": "debug", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8, "baseline_prompts": 0, "lossless_prompts": 1,
+        "min_tau": 0}}
     run = parse_run_config(data, "two-rank run")
     upload_dir(store, tiny_target_dir(), run.target.uri)
     # The run's completions and tokenized prefixes, as its upstream Jobs would have left them.
@@ -205,13 +240,22 @@ def test_two_rank_job_is_preempted_then_resumed_by_a_new_pod(
     assert stopped < 4 and not store.exists(join(output, "manifest.json"))
 
     # The replacement pod (fresh emptyDirs) resumes from the newest checkpoint and commits the drafter.
-    second = pod_containers(job, 0, secrets, tmp_path / "pod-b", TRAIN_VENV)[-1]
-    done = subprocess.run(second.command, env=second.env, cwd=second.cwd, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    resumed = run_container(pod_containers(job, 0, secrets, tmp_path / "pod-b", TRAIN_VENV)[-1])
     loaded = load_manifest(store, output, Kind.drafter)
     assert isinstance(loaded.manifest.section, DrafterSection)
     assert loaded.manifest.run_id == "example"
     assert loaded.manifest.producer.config["resolved"]["world_size"] == 2
-    assert f"(step {stopped}, saved by 2 rank(s)" in done.stdout + done.stderr
+    assert f"(step {stopped}, saved by 2 rank(s)" in resumed
     assert checkpoint_steps(store, output)[-1] == 4
+
+    # Then the export and evaluate pods, each after its wait-for-input container.
+    by_stage = jobs(render_documents(run))
+    for stage in ("export", "evaluate"):
+        for container in pod_containers(by_stage[stage], 0, secrets, tmp_path / stage, TRAIN_VENV):
+            run_container(container)
+    exported = load_manifest(store, env_of(main_container(by_stage["export"]))["DFLASH_EXPORT_OUTPUT"], Kind.drafter)
+    assert isinstance(exported.manifest.section, DrafterSection) and exported.manifest.section.export_uri
+    evaluation = load_manifest(store, env_of(main_container(by_stage["evaluate"]))["DFLASH_EVALUATE_OUTPUT"],
+                               Kind.evaluation)
+    assert isinstance(evaluation.manifest.section, EvaluationSection)
+    assert evaluation.manifest.section.tau >= 1.0 and evaluation.manifest.run_id == "example"

@@ -194,3 +194,19 @@ def test_process_pool_output_is_identical(tmp_path: Path, store: ObjectStore, to
     files_one = sorted(u for u in store.list(one) if "/data/" in u)
     files_two = sorted(u for u in store.list(two) if "/data/" in u)
     assert [store.read_bytes(u) for u in files_one] == [store.read_bytes(u) for u in files_two]
+
+
+def test_mask_token_must_be_an_embedding_row(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    """Qwen3's DFlash mask token (151669) lies past the tokenizer's last id but inside the embedding."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tok_dir, model)
+    src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(3)])
+    with pytest.raises(BadInputError, match="mask_token_id 151669 is not a row of the target's 151669 embeddings"):
+        run(config(src, str(tmp_path / "t1"), model, mask_token_id=151669), store)
+    (model / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    run(config(src, str(tmp_path / "t2"), model, mask_token_id=151669), store)
+    manifest = load_manifest(store, str(tmp_path / "t2"), Kind.tokenized).manifest
+    assert manifest.section.target.special_tokens.mask == 151669  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from tests.train.train_fixtures import (
     target_generated,
     tiny_target,
 )
+
 
 def evaluate(drafter: DFlashDrafter, target: FrozenTarget, cfg: DrafterConfig) -> tuple[float, list[float]]:
     """(mean loss, per-slot accuracy) on fixed batches of the generated answers, fixed anchors."""
@@ -153,5 +155,5 @@ def test_warmup_then_cosine_schedule() -> None:
     lrs = [warmup_cosine(step, warmup_steps=4, total_steps=20, min_ratio=0.1) for step in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup, the peak reached at its last step
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))  # then only down
-    assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 15 / 16)))
+    assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
     assert warmup_cosine(20, 4, 20, 0.1) == pytest.approx(0.1)  # the floor, also past the end

@@ -86,6 +86,9 @@ class GenerateConfig(StageSettings):
         default=0.5, ge=0, le=1, description="Stop when more of that window than this is degenerate (1 disables)."
     )
     min_content_tokens: int = Field(default=4, ge=0, description="Shorter answers count as degenerate.")
+    reject_repetitive: bool = Field(
+        default=True, description="Count looping text as degenerate; turn off only for targets that loop by design."
+    )
     allow_truncated: bool = Field(
         default=False, description="Do not count length-cut completions as degenerate in the fail-fast check."
     )
@@ -136,4 +139,8 @@ class GenerateConfig(StageSettings):
         )
 
     def quality_policy(self) -> QualityPolicy:
-        return QualityPolicy(min_content_tokens=self.min_content_tokens, allow_truncated=self.allow_truncated)
+        return QualityPolicy(
+            min_content_tokens=self.min_content_tokens,
+            allow_truncated=self.allow_truncated,
+            reject_repetitive=self.reject_repetitive,
+        )

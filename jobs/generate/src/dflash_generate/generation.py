@@ -241,6 +241,21 @@ def generate_chunks(
     return committer.receipts
 
 
+def check_degenerate(index: int, totals: Counter[str], max_fraction: float) -> None:
+    """The whole worker's verdict: a pod with fewer prompts than the fail-fast window is judged here.
+
+    Computed from the committed chunks' receipts, so a rerun that adopts them reaches the same verdict.
+    """
+    completions = totals.get("completions", 0)
+    bad = {k.split(".", 1)[1]: n for k, n in totals.items() if k.startswith("degenerate.") and n}
+    if completions and sum(bad.values()) / completions > max_fraction:
+        raise BadInputError(
+            f"generate worker {index}: {sum(bad.values())} of {completions} completions are degenerate "
+            f"(limit {max_fraction:.0%}): {bad}",
+            counts=bad,
+        )
+
+
 def process_shard(
     ctx: ShardContext, plan: WorkerPlan, chunks_by_item: dict[str, Chunk], reader: PromptReader,
     engine_provider: EngineProvider,
@@ -259,6 +274,7 @@ def process_shard(
         totals.update(prompt_tokens=receipt.prompt_tokens, output_tokens=receipt.output_tokens,
                       completions=receipt.accounting.succeeded)
         totals.update({f"degenerate.{reason}": n for reason, n in receipt.degenerate.items()})
+    check_degenerate(ctx.index, totals, plan.fail_fast_max_bad_fraction)
     engine_seconds = sum(r.engine_seconds for r in ordered)
     return ShardOutcome(
         shard_index=ctx.index,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -50,7 +51,20 @@ log = logging.getLogger(__name__)
 STAGE = "tokenize"
 PACKAGES = ["dflash-tokenize", "tokenizers", "transformers", "pyarrow", "pydantic"]
 # Only the small files of a model directory: the weights are never downloaded by this stage.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "config.json")
+
+
+def embedding_rows(directory: str, chat: ChatFormat) -> int:
+    """Rows of the target's embedding: its config's vocab_size (often past the tokenizer's last id, as in
+    Qwen3, whose DFlash mask token 151669 is such a row), else the tokenizer's size."""
+    path = os.path.join(directory, "config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            vocab = json.load(handle).get("vocab_size")
+        if isinstance(vocab, int):
+            return vocab
+    return int(chat.tokenizer.get_vocab_size())
 
 
 @dataclass(frozen=True)
@@ -125,8 +139,9 @@ def resolve(config: TokenizeConfig, store: ObjectStore, scratch: str) -> Resolve
         mode = "token_exact" if section.has_token_ids else "render"
     if mode == "token_exact" and not section.has_token_ids:
         raise BadInputError(f"{source.uri} has no token ids (imported data?): use --mode render")
-    if config.mask_token_id is not None and config.mask_token_id >= chat.tokenizer.get_vocab_size():
-        raise BadInputError(f"mask_token_id {config.mask_token_id} is not in the vocabulary")
+    rows = embedding_rows(tokenizer_dir, chat)
+    if config.mask_token_id is not None and not 0 <= config.mask_token_id < rows:
+        raise BadInputError(f"mask_token_id {config.mask_token_id} is not a row of the target's {rows} embeddings")
     target = TargetIdentity(
         model_id=config.model_id or (generated.model_id if generated else config.tokenizer),
         revision=config.model_revision or (generated.revision if generated else None),

@@ -65,6 +65,8 @@ class ShardTable:
         try:
             with pa.ipc.open_stream(pa.memory_map(path)) as reader:
                 table = reader.read_all()
+        except FileNotFoundError:
+            raise  # the cache's concern (evicted meanwhile), not bad input
         except (pa.ArrowInvalid, OSError) as err:
             raise BadInputError(f"shard {uri} is not a readable Arrow IPC stream: {err}") from err
         missing = [name for name in _COLUMNS if name not in table.column_names]

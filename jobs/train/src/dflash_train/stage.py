@@ -271,7 +271,8 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
         final = ckpt.find_resume(store, config.output, result.checkpoint_uri)
         assert final is not None
         manifest = build_manifest(resolved, final, result.final_metrics,
-                                  {"world_size": env.world_size, "parallelism": parallelism, "total_steps": steps})
+                                  {"world_size": env.world_size, "parallelism": parallelism,
+                                   "total_steps": trainer.total_steps})
         uri, _ = write_manifest(store, config.output, manifest)
         log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
                  result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))

@@ -201,7 +201,7 @@ class Trainer:
                     if self.step % config.checkpoint_every == 0 or self.step == self.total_steps:
                         self.save()
                         sink.upload(self.store, config.output)
-                    if env.any(stop.is_set()):
+                    if self.step < self.total_steps and env.any(stop.is_set()):
                         self._stop_for_preemption(sink)
         finally:
             loader.close()

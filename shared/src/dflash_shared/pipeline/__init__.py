@@ -11,13 +11,24 @@ The command line is `python -m dflash_shared.pipeline {render,submit,status,wait
 """
 
 from dflash_shared.pipeline.config import RunConfig, load_run_config, parse_run_config
-from dflash_shared.pipeline.jobs import build_job, generate_job, import_job, render_documents, tokenize_job, train_job
+from dflash_shared.pipeline.jobs import (
+    build_job,
+    evaluate_job,
+    export_job,
+    generate_job,
+    import_job,
+    render_documents,
+    tokenize_job,
+    train_job,
+)
 from dflash_shared.pipeline.layout import RunLayout, layout
 
 __all__ = [
     "RunConfig",
     "RunLayout",
     "build_job",
+    "evaluate_job",
+    "export_job",
     "generate_job",
     "import_job",
     "layout",

@@ -175,6 +175,14 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
         "termination_grace_seconds": 900,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
+    # Reads the final checkpoint's weights on the CPU and writes the serving files.
+    "export": {"cpu": "4", "memory": "32Gi", "scratch_size": "50Gi", "home_size": "5Gi"},
+    # One process on one GPU: the target and two drafters (trained, untrained baseline) in memory.
+    "evaluate": {
+        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "8Gi",
+        "termination_grace_seconds": 60,
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
 }
 
 
@@ -187,6 +195,8 @@ class StagesSettings(_Frozen):
     generate: JobSettings = Field(description="Completion generation with the target model (GPU).")
     tokenize: JobSettings = Field(description="Tokenization and loss masking (CPU).")
     train: JobSettings = Field(description="Drafter training against the frozen target (GPU; one or more nodes).")
+    export: JobSettings = Field(description="Serving files of the trained drafter (CPU).")
+    evaluate: JobSettings = Field(description="Offline acceptance of the exported drafter (GPU).")
 
     @model_validator(mode="before")
     @classmethod

@@ -26,7 +26,7 @@ from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.pipeline.config import JobSettings, RunConfig
 from dflash_shared.pipeline.layout import layout
-from dflash_shared.pipeline.stages import GENERATE, TOKENIZE, TRAIN, StageDef, plan, stage_config
+from dflash_shared.pipeline.stages import EVALUATE, EXPORT, GENERATE, TOKENIZE, TRAIN, StageDef, plan, stage_config
 from dflash_shared.runner import COUNT_ENV
 
 PART_OF = "dflash-pipeline"
@@ -216,8 +216,8 @@ def _placement(settings: JobSettings) -> dict[str, Any]:
 
 
 def _wait_container(run: RunConfig, stage: StageDef, settings: JobSettings, image: str) -> dict[str, Any]:
-    assert stage.input_kind is not None
-    manifest = layout(run.root, run.run_id).manifest(stage.input_kind)
+    manifest = stage.input_manifest(layout(run.root, run.run_id))
+    assert manifest is not None
     return _with_credentials(run, {
         "name": "wait-for-input",
         "image": image,
@@ -276,9 +276,9 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     if run.images.pull_secrets:
         pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
     lay = layout(run.root, run.run_id)
-    annotations = {"dflash-pipeline/output": lay.prefix(stage.output_kind)}
-    if stage.input_kind is not None:
-        annotations["dflash-pipeline/input"] = lay.manifest(stage.input_kind)
+    annotations = {"dflash-pipeline/output": stage.output_prefix(lay)}
+    if (upstream := stage.input_manifest(lay)) is not None:
+        annotations["dflash-pipeline/input"] = upstream
     job_labels = labels(run, stage, settings)
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
@@ -322,6 +322,16 @@ def tokenize_job(run: RunConfig) -> dict[str, Any]:
 def train_job(run: RunConfig) -> dict[str, Any]:
     """Drafter training on the tokenized shards (GPU; torchrun over several GPUs or nodes)."""
     return build_job(run, TRAIN)
+
+
+def export_job(run: RunConfig) -> dict[str, Any]:
+    """The trained drafter's serving files (CPU)."""
+    return build_job(run, EXPORT)
+
+
+def evaluate_job(run: RunConfig) -> dict[str, Any]:
+    """Offline acceptance of the exported drafter (GPU)."""
+    return build_job(run, EVALUATE)
 
 
 def stage_objects(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:

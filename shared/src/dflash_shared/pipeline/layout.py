@@ -1,12 +1,14 @@
-"""Where a run keeps its data: one prefix per manifest kind under <root>/<run_id>/.
+"""Where a run keeps its data: one prefix per stage output under <root>/<run_id>/, named by its manifest kind.
 
     s3://bucket/runs/<run_id>/prompts/       import (prompts source)      -> generate
     s3://bucket/runs/<run_id>/completions/   generate, or import (completions source) -> tokenize
     s3://bucket/runs/<run_id>/tokenized/     tokenize                     -> train
-    s3://bucket/runs/<run_id>/drafter/       train                        -> evaluate
+    s3://bucket/runs/<run_id>/drafter/       train                        -> export
+    s3://bucket/runs/<run_id>/export/        export (a drafter manifest naming the serving files) -> evaluate
     s3://bucket/runs/<run_id>/evaluation/    evaluate
 
-Every prefix ends in a manifest.json written last; a stage's input is its upstream's manifest.
+Every prefix ends in a manifest.json written last; a stage's input is its upstream's manifest. The export
+writes a second drafter manifest, so its prefix is named after the stage rather than the kind.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 
 from dflash_shared.manifests import MANIFEST_NAME, Kind
 from dflash_shared.storage import join
+
+# The exported drafter: a drafter-kind manifest, beside the trained one under drafter/.
+EXPORT_FOLDER = "export"
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,10 @@ class RunLayout:
 
     def prefix(self, kind: Kind) -> str:
         return join(self.run_prefix, kind.value)
+
+    def folder(self, name: str) -> str:
+        """The prefix <run>/<name> (a kind's value, or `export`)."""
+        return join(self.run_prefix, name)
 
     def manifest(self, kind: Kind) -> str:
         return join(self.prefix(kind), MANIFEST_NAME)
@@ -44,6 +53,10 @@ class RunLayout:
     @property
     def drafter(self) -> str:
         return self.prefix(Kind.drafter)
+
+    @property
+    def export(self) -> str:
+        return self.folder(EXPORT_FOLDER)
 
     @property
     def evaluation(self) -> str:

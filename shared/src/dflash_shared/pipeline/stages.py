@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_shared.errors import ConfigError
-from dflash_shared.manifests import Kind
+from dflash_shared.manifests import MANIFEST_NAME, Kind
 from dflash_shared.pipeline.config import JobSettings, RunConfig, quantity_value
-from dflash_shared.pipeline.layout import RunLayout, layout
+from dflash_shared.pipeline.layout import EXPORT_FOLDER, RunLayout, layout
+from dflash_shared.storage import join
 
 # Entry point of every stage image: preflight, then the stage, both configured by environment variables.
 IMAGE_ENTRYPOINT = "/opt/dflash/entrypoint.sh"
@@ -37,7 +38,7 @@ _JOBS_DIR = Path(__file__).resolve().parents[4] / "jobs"
 Wiring = Callable[[RunConfig, RunLayout, JobSettings], dict[str, Any]]
 
 
-def _no_defaults(_: JobSettings) -> dict[str, Any]:
+def _no_defaults(run: RunConfig, lay: RunLayout, settings: JobSettings) -> dict[str, Any]:
     return {}
 
 
@@ -53,8 +54,11 @@ class StageDef:
     input_kind: Kind | None  # the upstream manifest kind (None: reads external data)
     output_kind: Kind
     wiring: Wiring
-    # Config values derived from the Job's settings that a run file may still override.
-    defaults: Callable[[JobSettings], dict[str, Any]] = _no_defaults
+    # Config values derived from the run and the Job's settings that a run file may still override.
+    defaults: Wiring = _no_defaults
+    # Run folders of the input and the output where they are not named by the manifest kind (export).
+    input_folder: str | None = None
+    output_folder: str | None = None
     # False: one process group per Job instead of independent shards (no DFLASH_NUM_SHARDS, shards = 1).
     sharded: bool = True
     # What torchrun starts on every rank ("-m", "<package>", "<command>") when a pod has several GPUs or
@@ -74,6 +78,18 @@ class StageDef:
 
     def env_name(self, field: str) -> str:
         return self.env_prefix + field.upper()
+
+    def output_prefix(self, lay: RunLayout) -> str:
+        return lay.folder(self.output_folder or self.output_kind.value)
+
+    def output_manifest(self, lay: RunLayout) -> str:
+        return join(self.output_prefix(lay), MANIFEST_NAME)
+
+    def input_manifest(self, lay: RunLayout) -> str | None:
+        """The upstream manifest this stage waits for (None: it reads external data)."""
+        if self.input_kind is None:
+            return None
+        return join(lay.folder(self.input_folder or self.input_kind.value), MANIFEST_NAME)
 
 
 @functools.cache
@@ -132,7 +148,7 @@ def _tokenize_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str
     }
 
 
-def _tokenize_defaults(settings: JobSettings) -> dict[str, Any]:
+def _tokenize_defaults(_: RunConfig, __: RunLayout, settings: JobSettings) -> dict[str, Any]:
     # Inside a pod the CPU affinity spans the whole node; the request is what the pod may really use.
     return {"workers": max(1, math.floor(quantity_value(settings.cpu)))}
 
@@ -141,9 +157,23 @@ def _train_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, A
     return {"input": lay.tokenized, "output": lay.drafter, "target": run.target.uri, "run_id": run.run_id}
 
 
-def _train_defaults(settings: JobSettings) -> dict[str, Any]:
-    # A GPU pod that came up without its GPUs must fail its preflight, not train on the CPU for weeks.
+def _on_gpus(_: RunConfig, __: RunLayout, settings: JobSettings) -> dict[str, Any]:
+    # A GPU pod that came up without its GPUs must fail, not run on the CPU for weeks.
     return {"device": "cuda"} if settings.gpus else {}
+
+
+def _export_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
+    return {"drafter": lay.drafter, "output": lay.export, "target": run.target.uri}
+
+
+def _evaluate_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
+    return {"drafter": lay.export, "output": lay.evaluation, "target": run.target.uri, "run_id": run.run_id}
+
+
+def _evaluate_defaults(run: RunConfig, lay: RunLayout, settings: JobSettings) -> dict[str, Any]:
+    # The run's own tokenized data: prompts of the training distribution, but seen in training, so the
+    # measured acceptance is optimistic; a run file points `prompts` at held-out data for a fair figure.
+    return {"prompts": lay.tokenized, **_on_gpus(run, lay, settings)}
 
 
 IMPORT_COMPLETIONS = StageDef(
@@ -170,17 +200,29 @@ TOKENIZE = StageDef(
 TRAIN = StageDef(
     name="train", image="trainer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TRAIN_",
     config_class="dflash_train.config:TrainConfig", input_kind=Kind.tokenized, output_kind=Kind.drafter,
-    wiring=_train_wiring, defaults=_train_defaults, sharded=False, rank_command=("-m", "dflash_train", "run"),
+    wiring=_train_wiring, defaults=_on_gpus, sharded=False, rank_command=("-m", "dflash_train", "run"),
 )
-# The offline evaluation (`dflash-train evaluate`) reads an exported drafter, which `dflash-train export`
-# writes; it becomes a stage once both commands are part of the trainer image's command line.
+# The serving files of the trained drafter (CPU): what engines load, and what evaluate measures.
+EXPORT = StageDef(
+    name="export", image="trainer", command=(IMAGE_ENTRYPOINT, "export"), env_prefix="DFLASH_EXPORT_",
+    config_class="dflash_train.evaluate_config:ExportConfig", input_kind=Kind.drafter, output_kind=Kind.drafter,
+    wiring=_export_wiring, sharded=False, output_folder=EXPORT_FOLDER,
+)
+# Acceptance of the exported drafter with the offline speculative loop (one GPU); below `min_tau` it exits
+# BAD_INPUT and the Job fails without retries.
+EVALUATE = StageDef(
+    name="evaluate", image="trainer", command=(IMAGE_ENTRYPOINT, "evaluate"), env_prefix="DFLASH_EVALUATE_",
+    config_class="dflash_train.evaluate_config:EvaluateConfig", input_kind=Kind.drafter,
+    output_kind=Kind.evaluation, wiring=_evaluate_wiring, defaults=_evaluate_defaults, sharded=False,
+    input_folder=EXPORT_FOLDER,
+)
 
 
 def plan(run: RunConfig) -> list[StageDef]:
     """The stages of the run, upstream first."""
     if run.source.kind == "prompts":
-        return [IMPORT_PROMPTS, GENERATE, TOKENIZE, TRAIN]
-    return [IMPORT_COMPLETIONS, TOKENIZE, TRAIN]
+        return [IMPORT_PROMPTS, GENERATE, TOKENIZE, TRAIN, EXPORT, EVALUATE]
+    return [IMPORT_COMPLETIONS, TOKENIZE, TRAIN, EXPORT, EVALUATE]
 
 
 def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict[str, Any]:
@@ -190,7 +232,8 @@ def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict
     every key must be one of its config's fields (the stage would refuse the variable at start anyway,
     but a render-time error names the run file instead of a pod log).
     """
-    wired = {k: v for k, v in stage.wiring(run, layout(run.root, run.run_id), settings).items() if v is not None}
+    lay = layout(run.root, run.run_id)
+    wired = {k: v for k, v in stage.wiring(run, lay, settings).items() if v is not None}
     where = f"stages.{stage.name}.config"
     for key in settings.config:
         top = key.split("__")[0]
@@ -198,7 +241,7 @@ def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict
             raise ConfigError(f"{where}.{key} is set by the pipeline ({stage.env_name(top)}={wired[top]}); remove it")
         if top in SHARD_FIELDS:
             raise ConfigError(f"{where}.{key}: shards come from stages.{stage.name}.shards and the Job's index")
-    chosen = {**stage.defaults(settings), **settings.config}
+    chosen = {**stage.defaults(run, lay, settings), **settings.config}
     fields = stage.config_fields()
     if fields is not None:
         unknown = sorted(k for k in [*wired, *chosen] if k.split("__")[0] not in fields)

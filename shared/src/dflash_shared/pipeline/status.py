@@ -114,9 +114,9 @@ def run_status(run: RunConfig, store: ObjectStore) -> list[StageStatus]:
     for stage in plan(run):
         shards = run.stages.for_stage(stage.name).shards
         try:
-            out.append(stage_status(store, stage.name, stage.output_kind, lay.prefix(stage.output_kind), shards))
+            out.append(stage_status(store, stage.name, stage.output_kind, stage.output_prefix(lay), shards))
         except StorageError as err:
-            out.append(StageStatus(stage.name, stage.output_kind.value, lay.prefix(stage.output_kind), "unknown",
+            out.append(StageStatus(stage.name, stage.output_kind.value, stage.output_prefix(lay), "unknown",
                                    shard_count=shards, detail=str(err)))
     return out
 
