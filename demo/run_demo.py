@@ -81,7 +81,9 @@ def main() -> int:
                           cwd=REPO, check=False).returncode
     if code != 0:
         return code
-    return subprocess.run([python, str(DEMO / "summary.py"), str(run_path)], cwd=REPO, check=False).returncode
+    # The trainer's environment: the summary reads the loss curve from its TensorBoard files.
+    trainer_python = str(REPO / ".venv-train" / "bin" / "python")
+    return subprocess.run([trainer_python, str(DEMO / "summary.py"), str(run_path)], cwd=REPO, check=False).returncode
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,21 +15,20 @@ from dflash_shared.manifests import (
 )
 from dflash_shared.pipeline.config import load_run_config
 from dflash_shared.pipeline.layout import layout
-from dflash_shared.storage import ObjectStore, join
+from dflash_shared.storage import ObjectStore
 
 
 def loss_curve(store: ObjectStore, drafter_prefix: str, points: int = 8) -> str:
-    """A few (step, loss) points of the training log the trainer keeps beside its manifest."""
-    uri = join(drafter_prefix, "metrics.jsonl")
-    if not store.exists(uri):
-        return "(no metrics.jsonl)"
-    rows = [json.loads(line) for line in store.read_bytes(uri).decode().splitlines() if line.strip()]
-    rows = [r for r in rows if "loss" in r]
-    if not rows:
+    """A few (step, loss) points from the TensorBoard scalars the trainer writes beside its manifest."""
+    from dflash_train.metrics import read_scalars  # the trainer's environment runs this summary
+
+    losses = read_scalars(store, drafter_prefix, "train/loss")
+    if not losses:
         return "(no loss recorded)"
-    stride = max(1, len(rows) // points)
-    picked = rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
-    return "  ".join(f"{r['step']}:{r['loss']:.3f}" for r in picked)
+    steps = sorted(losses)
+    stride = max(1, len(steps) // points)
+    picked = sorted(set(steps[::stride]) | {steps[-1]})
+    return "  ".join(f"{step}:{losses[step]:.3f}" for step in picked)
 
 
 def main(run_file: str) -> int:

@@ -202,8 +202,8 @@ def test_train_preempted_and_resumed_then_export_and_evaluate_run_as_rendered(
         "preset": "debug", "device": "cpu", "max_steps": 4, "checkpoint_every": 1, "batch_tokens": 512}}
     # A few prompts and tokens: the drafter of a 4-step run accepts little, so no acceptance gate.
     data["stages"]["evaluate"] = {**data["stages"]["evaluate"], "config": {
-        "preset": "debug", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8, "baseline_prompts": 0, "lossless_prompts": 1,
-        "min_tau": 0}}
+        "preset": "debug", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8, "baseline_prompts": 0,
+        "lossless_prompts": 1, "min_tau": 0}}
     run = parse_run_config(data, "two-rank run")
     upload_dir(store, tiny_target_dir(), run.target.uri)
     # The run's completions and tokenized prefixes, as its upstream Jobs would have left them.

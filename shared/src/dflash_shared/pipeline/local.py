@@ -60,7 +60,8 @@ def stage_environment(run: RunConfig, stage: StageDef) -> dict[str, str]:
     """The environment variables the stage's Job sets (config, shard count, storage), minus pod plumbing."""
     settings = run.stages.for_stage(stage.name)
     env = {stage.env_name(key): env_value(value) for key, value in stage_config(stage, run, settings).items()}
-    env[COUNT_ENV] = str(settings.shards)
+    if stage.sharded:
+        env[COUNT_ENV] = str(settings.shards)
     env.update({item["name"]: item["value"] for item in storage_env(run)})
     env.update(settings.env)
     return env
@@ -81,7 +82,7 @@ def run_local(
     for stage in plan(run):
         if only and stage.name not in only:
             continue
-        manifest = lay.manifest(stage.output_kind)
+        manifest = stage.output_manifest(lay)
         if store.exists(manifest):
             log.info("stage %s: complete (%s), skipped", stage.name, manifest)
             done.append(StageRun(stage.name, True, 0.0, manifest))
@@ -90,7 +91,7 @@ def run_local(
         if not os.path.exists(python):
             raise ConfigError(f"stage {stage.name} needs the environment {envs[stage.image]} (make venv-*)")
         env = {**os.environ, **stage_environment(run, stage), **(extra_env or {})}
-        shards = run.stages.for_stage(stage.name).shards
+        shards = run.stages.for_stage(stage.name).shards if stage.sharded else 1
         start = time.monotonic()
         for index in range(shards):
             env[INDEX_ENV] = str(index)
