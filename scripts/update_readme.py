@@ -22,6 +22,9 @@ CONFIGS = [
     ("generate (`dflash-generate run`)", "dflash_generate.config", "GenerateConfig"),
     ("tokenize (`dflash-tokenize run`)", "dflash_tokenize.config", "TokenizeConfig"),
     ("train (`dflash-train run`)", "dflash_train.config", "TrainConfig"),
+    ("export (`dflash-train export`)", "dflash_train.evaluate_config", "ExportConfig"),
+    ("evaluate (`dflash-train evaluate`)", "dflash_train.evaluate_config", "EvaluateConfig"),
+    ("serve check (`dflash-generate serve-check`)", "dflash_generate.serve_check", "ServeCheckConfig"),
 ]
 
 
