@@ -40,7 +40,8 @@ def reference() -> str:
         config = getattr(module, class_name, None)
         if config is None:
             continue
-        parts += [f"<details><summary>{heading}</summary>", "", settings_reference_markdown(config), "", "</details>", ""]
+        table = settings_reference_markdown(config)
+        parts += [f"<details><summary>{heading}</summary>", "", table, "", "</details>", ""]
     parts.append(END)
     return "\n".join(parts)
 

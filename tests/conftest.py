@@ -13,8 +13,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-from dflash_shared.storage import ObjectStore
 from moto.server import ThreadedMotoServer
+
+from dflash_shared.storage import ObjectStore
 
 # Variables that could redirect boto3 away from the test server or add real credentials.
 _AWS_ISOLATE = (

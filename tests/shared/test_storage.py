@@ -17,6 +17,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+
 from dflash_shared.storage import (
     ObjectNotFoundError,
     ObjectStore,

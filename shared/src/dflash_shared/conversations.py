@@ -41,7 +41,7 @@ def _message(raw: Any, index: int) -> Message:
     if not isinstance(raw, dict):
         raise RecordError(MALFORMED, f"message {index} is a {type(raw).__name__}, not an object")
     role = raw.get("role", raw.get("from"))
-    role = _ROLE_ALIASES.get(role, role)
+    role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
     content = raw.get("content", raw.get("value"))
     if isinstance(content, list):  # OpenAI content parts: keep the text parts, in order
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))

@@ -33,7 +33,7 @@ def iter_lines(store: ObjectStore, uri: str) -> Iterator[tuple[int, bytes]]:
         stream: BinaryIO = raw
         if codec:
             stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), codec)  # type: ignore[assignment]
-        buffered = io.BufferedReader(stream, buffer_size=1 << 20) if codec else stream  # type: ignore[arg-type]
+        buffered = io.BufferedReader(stream, buffer_size=1 << 20) if codec else stream  # type: ignore[arg-type,type-var]
         for number, line in enumerate(buffered, start=1):
             stripped = line.strip()
             if stripped:

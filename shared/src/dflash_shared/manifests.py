@@ -170,7 +170,7 @@ def utc_now() -> datetime:
 class Manifest(_Frozen):
     """The envelope written at `<prefix>/manifest.json` by every stage."""
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Manifest schema version.")
+    schema_version: Literal[1] = Field(default=1, description="Manifest schema version.")
     kind: Kind = Field(description="What the prefix holds; must equal section.kind.")
     run_id: str = Field(description="Pipeline run this output belongs to.")
     created_at: datetime = Field(default_factory=utc_now, description="When the manifest was written (UTC).")
