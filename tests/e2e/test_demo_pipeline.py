@@ -39,7 +39,7 @@ def test_demo_on_s3_with_lineage_and_resume(s3_bucket: str, store: ObjectStore, 
     for folder, kind in STAGES:
         loaded[folder] = load_manifest(store, join(run, folder), kind)  # re-hashes every shard
     # Lineage: each manifest names its input by URI and by the sha256 of that manifest's bytes.
-    for (upstream, _), (folder, _) in zip(STAGES, STAGES[1:], strict=True):
+    for (upstream, _), (folder, _) in zip(STAGES[:-1], STAGES[1:], strict=True):
         inputs = loaded[folder].manifest.inputs
         assert inputs, f"{folder} names no input"
         named = {ref.uri: ref.sha256 for ref in inputs}
