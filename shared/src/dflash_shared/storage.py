@@ -21,12 +21,11 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-import boto3
-import botocore.exceptions
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-
 if TYPE_CHECKING:
+    # boto3 and botocore are imported where S3 is first used: they cost a third of a second of start-up,
+    # which every local run and every short-lived worker would otherwise pay for nothing.
+    import boto3
+    from boto3.s3.transfer import TransferConfig
     from mypy_boto3_s3 import S3Client
 
 _S3_SCHEME = "s3://"
@@ -40,8 +39,6 @@ _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _EXISTS_CODES = frozenset(
     {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
 )
-_BOTO_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
-_PartialCreds = botocore.exceptions.PartialCredentialsError
 
 
 class StorageError(RuntimeError):
@@ -159,6 +156,9 @@ class ObjectStore:
         """The S3 client, created once on first use (clients are thread-safe, sessions not)."""
         with self._lock:
             if self._client is None:
+                import boto3
+                from botocore.config import Config
+
                 self._session = boto3.session.Session()
                 region = os.environ.get("AWS_REGION") or self._session.region_name
                 config = Config(
@@ -171,6 +171,8 @@ class ObjectStore:
         return self._client
 
     def _transfer_config(self) -> TransferConfig:
+        from boto3.s3.transfer import TransferConfig
+
         return TransferConfig(
             multipart_threshold=self.part_size,
             multipart_chunksize=self.part_size,
@@ -196,7 +198,9 @@ class ObjectStore:
         return text
 
     def _error(self, op: str, uri: str, exc: BaseException) -> StorageError:
-        if isinstance(exc, botocore.exceptions.NoCredentialsError | _PartialCreds):
+        import botocore.exceptions
+
+        if isinstance(exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
             return StorageError(
                 f"no S3 credentials found for {uri}: set AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY, a profile, or a workload identity",
@@ -222,10 +226,13 @@ class ObjectStore:
         except StorageError:
             raise
         except Exception as exc:
+            import botocore.exceptions
+
             # smart_open and boto3's transfer manager re-wrap botocore errors (OSError, ValueError,
             # S3UploadFailedError); find the original to report its code and keep the message clean.
+            boto_errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
             cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, _BOTO_ERRORS):
+            while cause is not None and not isinstance(cause, boto_errors):
                 cause = (
                     cause.__cause__
                     or getattr(cause, "backend_error", None)

@@ -14,6 +14,7 @@ does; `encode_plain_batch` matches none, for the pieces between the template's o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -25,11 +26,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Encoding, Tokenizer
 
 from dflash_shared import identity
 from dflash_shared.records import Message
+from dflash_tokenize.byte_spans import token_byte_lengths
 
 # The named special tokens transformers passes to every chat template (its `special_tokens_map`).
 TEMPLATE_TOKEN_NAMES = (
@@ -82,9 +85,45 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
+# What `getattr` finds on a plain dict instance: its class's attributes (instances have no __dict__).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with the same answers at a fraction of the cost per attribute access.
+
+    Rendering is most of this stage's work besides the tokenizer, and most of rendering is `message.role`
+    style lookups. The sandbox answers them by trying `getattr(dict, "role")`, catching the
+    AttributeError, then indexing; and it re-derives whether an attribute is safe on every access.
+    Both answers depend only on the object's type and the attribute's name, so:
+    - on a plain dict, a name that is not a dict attribute goes straight to the item lookup, which is
+      what the sandbox would reach after its AttributeError;
+    - the safety verdict is kept per (type, attribute name).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._safe_attributes: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._safe_attributes.get(key)
+        if safe is None:
+            safe = self._safe_attributes[key] = super().is_safe_attribute(obj, attr, value)
+        return safe
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in an environment configured like transformers' one."""
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -152,7 +191,7 @@ class ChatFormat:
         self._template = compile_chat_template(chat_template)
 
         # Parsed once by the tokenizers library (a Python JSON round trip costs seconds on a 250k vocab).
-        self.tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+        self.tokenizer = Tokenizer.from_buffer(tokenizer_json)
         added = self.tokenizer.get_added_tokens_decoder()
         self.added_tokens: dict[str, int] = {str(t.content): int(i) for i, t in added.items()}
         self.special_tokens = frozenset(str(t.content) for t in added.values() if t.special)
@@ -266,6 +305,24 @@ class ChatFormat:
         """Encode texts as an engine does: every added-token string becomes that token."""
         with self._lock:
             return self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+
+    def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids only, like `encode_batch` without the cost of tracking offsets (see byte_spans.py)."""
+        with self._lock:
+            return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    @functools.cached_property
+    def token_byte_lengths(self) -> np.ndarray | None:
+        """Bytes of text per id for byte-level tokenizers (None otherwise); built on first use."""
+        return token_byte_lengths(self.tokenizer)
+
+    def byte_lengths_for(self, records: int) -> np.ndarray | None:
+        """The byte-length table when encoding this many records pays for building it, else None."""
+        # Building it costs about what tracking offsets costs on a hundred records; token-exact
+        # mode's spot checks encode a handful per batch and never need it.
+        if records >= 64 or "token_byte_lengths" in self.__dict__:
+            return self.token_byte_lengths
+        return None
 
     def encode_plain_batch(self, texts: Sequence[str]) -> list[Encoding]:
         """Encode texts as plain text: added-token strings are split into ordinary BPE tokens."""

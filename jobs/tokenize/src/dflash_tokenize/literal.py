@@ -17,11 +17,13 @@ came from the template. The text between those is encoded with no added-token ma
 from __future__ import annotations
 
 import bisect
-import json
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 if TYPE_CHECKING:
     from dflash_tokenize.chat import ChatFormat
@@ -46,12 +48,21 @@ def _pattern_for(chat: ChatFormat, message: dict[str, Any]) -> re.Pattern[str]:
     return chat.special_token_pattern if message.get("role") == "assistant" else chat.added_token_pattern
 
 
-def _joined(objs: Sequence[Any], json_safe: bool) -> str:
+@functools.lru_cache(maxsize=8)
+def _bytes_pattern(pattern: re.Pattern[str]) -> re.Pattern[bytes]:
+    return re.compile(pattern.pattern.encode("utf-8"))
+
+
+def _holds(pattern: re.Pattern[str], objs: Sequence[Any], json_safe: bool) -> bool:
+    """Whether a string anywhere in `objs` contains a match of `pattern`."""
     if json_safe:
-        # C-speed serialisation; JSON leaves these token strings intact and adds no text that could
-        # complete one (they hold no quote, backslash or control character).
-        return json.dumps(objs, ensure_ascii=False)
-    return "\0".join(_strings(list(objs)))
+        # One C-speed serialisation, searched as UTF-8: JSON leaves these token strings intact and adds
+        # no text that could complete one (they hold no quote, backslash or control character).
+        try:
+            return _bytes_pattern(pattern).search(orjson.dumps(objs)) is not None
+        except TypeError:
+            pass  # a value orjson does not take (a non-string key, a huge int): search string by string
+    return pattern.search("\0".join(_strings(list(objs)))) is not None
 
 
 def has_literal_specials(
@@ -62,10 +73,7 @@ def has_literal_specials(
     assistant = [m for m in messages if m.get("role") == "assistant"]
     other: list[Any] = [m for m in messages if m.get("role") != "assistant"]
     other.extend(tools or [])
-    return bool(
-        chat.added_token_pattern.search(_joined(other, safe))
-        or chat.special_token_pattern.search(_joined(assistant, safe))
-    )
+    return _holds(chat.added_token_pattern, other, safe) or _holds(chat.special_token_pattern, assistant, safe)
 
 
 def _neutralize(obj: Any, pattern: re.Pattern[str], mark: str) -> Any:

@@ -14,7 +14,8 @@ silently half-masked.
 
 User, system and tool text that contains a control-token string ("<|im_end|>" typed by a user) is
 encoded as plain text (see `literal.py`); for everything else the whole text is encoded in one batch
-call, which keeps the stage near the tokenizer's raw speed.
+call, which keeps the stage near the tokenizer's raw speed; with a byte-level tokenizer the call skips
+offset tracking and token positions come from the ids' byte lengths (see `byte_spans.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from tokenizers import Encoding
 
 from dflash_shared.records import CompletionRecord
+from dflash_tokenize.byte_spans import BytePositions, text_is_as_encoded
 from dflash_tokenize.chat import ChatFormat, message_dict
 from dflash_tokenize.literal import (
     LiteralEncoding,
@@ -229,6 +232,49 @@ def _finish_fast(item: _Rendered, enc: Encoding, chat: ChatFormat, policy: MaskP
     return _assemble(item, ids, token_spans, chat)
 
 
+def _finish_by_bytes(
+    item: _Rendered, ids: list[int], lengths: np.ndarray, chat: ChatFormat, policy: MaskPolicy
+) -> Tokenized | None:
+    """`_finish_fast` from ids alone; None when the byte positions cannot vouch for every boundary."""
+    positions = BytePositions(item.text, np.asarray(ids, dtype=np.int64), lengths)
+    if not positions.valid:
+        return None
+    token_spans = []
+    for a, b in _char_spans(item, item.text, chat, policy):
+        start, end = positions.token_at(a), positions.token_at(b)
+        if start is None or end is None:
+            return None  # a straddling token: the offsets path names it
+        token_spans.append((start, end))
+    return _assemble(item, ids, token_spans, chat)
+
+
+def _encode_fast_records(
+    fast: list[tuple[int, _Rendered]], chat: ChatFormat, policy: MaskPolicy, results: list[Any]
+) -> None:
+    """Encode and mask the records without control-token look-alikes, into `results` by position."""
+    lengths = chat.byte_lengths_for(len(fast))
+    by_offsets = fast
+    if lengths is not None:
+        by_offsets = []
+        for (i, item), ids in zip(fast, chat.encode_batch_ids([item.text for _, item in fast]), strict=True):
+            done: Tokenized | MaskingError | None = None
+            if text_is_as_encoded(chat.tokenizer, item.text):
+                try:
+                    done = _finish_by_bytes(item, ids, lengths, chat, policy)
+                except MaskingError as err:
+                    done = err
+            if done is None:
+                by_offsets.append((i, item))  # encoded again, with offsets
+            else:
+                results[i] = done
+    encodings = chat.encode_batch([item.text for _, item in by_offsets]) if by_offsets else []
+    for (i, item), enc in zip(by_offsets, encodings, strict=True):
+        try:
+            results[i] = _finish_fast(item, enc, chat, policy)
+        except MaskingError as err:
+            results[i] = err
+
+
 def _finish_literal(item: _Rendered, lit: LiteralEncoding, chat: ChatFormat, policy: MaskPolicy) -> Tokenized:
     spans = _char_spans(item, lit.scan_text, chat, policy)
 
@@ -266,12 +312,8 @@ def try_render_batch(
             continue
         (literal if item.literal else fast).append((i, item))
 
-    encodings = chat.encode_batch([item.text for _, item in fast]) if fast else []
-    for (i, item), enc in zip(fast, encodings, strict=True):
-        try:
-            results[i] = _finish_fast(item, enc, chat, mask_policy)
-        except MaskingError as err:
-            results[i] = err
+    if fast:
+        _encode_fast_records(fast, chat, mask_policy, results)
 
     if literal:
         lit_encodings = encode_literal_batch(chat, [(it.dicts, it.tools, it.thinking, it.text) for _, it in literal])
