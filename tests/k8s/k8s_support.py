@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import yaml
 from kubernetes_validate.utils import ValidationError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +30,21 @@ def schema_errors(docs: list[dict[str, Any]], versions: list[str] = VERSIONS) ->
                 where = ".".join(str(p) for p in err.path) or "(document)"
                 errors.append(f"{version} {doc['kind']}/{doc['metadata']['name']}: {where}: {err.message}")
     return errors
+
+
+def kustomize_build(directory: Path) -> list[dict[str, Any]]:
+    """The documents `kubectl apply -k DIRECTORY` would send: kubectl's own kustomize builds them."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed for the overlay tests (its built-in kustomize builds them): install kubectl"
+    proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    if proc.returncode != 0:
+        raise KustomizeError(proc.stderr.strip())
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+class KustomizeError(RuntimeError):
+    """kustomize refused to build a directory; the message is its own."""
 
 
 def jobs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -1,17 +1,26 @@
-"""The kustomize overlays, built with a small JSON 6902 applier (kustomize_lite, a test aid) and validated.
+"""The kustomize overlays, built by kubectl's own kustomize exactly as `kubectl apply -k` builds them.
 
-What is proven: each overlay only uses the supported subset (resources, images, JSON 6902 patches with a
-target), every patch matches and applies to the generated base (its `test` operations included), and
-the result passes strict schema validation for Kubernetes 1.31-1.37 and has the intended effect. What
-is not: kustomize's own behaviour beyond that subset; `kubectl apply -k` on a cluster remains the proof.
+Every patch must match and apply to the generated base (its JSON 6902 `test` operations included), and the
+result must pass strict schema validation for Kubernetes 1.31-1.37 and have the intended effect.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
-from tests.k8s.k8s_support import BASE_DIR, OVERLAYS, containers, env_of, jobs, schema_errors
-from tests.k8s.kustomize_lite import KustomizeLiteError, apply_json6902, build
+from tests.k8s.k8s_support import (
+    BASE_DIR,
+    OVERLAYS,
+    KustomizeError,
+    containers,
+    env_of,
+    jobs,
+    schema_errors,
+)
+from tests.k8s.k8s_support import kustomize_build as build
 
 
 @pytest.mark.parametrize("overlay", sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()))
@@ -64,15 +73,22 @@ def test_gpu_cluster_overlay_pins_gpu_nodes_and_uses_the_registry_placeholder() 
     assert "nodeSelector" not in docs["tokenize"]["spec"]["template"]["spec"]
 
 
-def test_the_applier_fails_loudly() -> None:
-    doc = {"spec": {"volumes": [{"name": "tmp"}]}}
-    with pytest.raises(KustomizeLiteError, match="test failed"):
-        apply_json6902(doc, [{"op": "test", "path": "/spec/volumes/0/name", "value": "dshm"}])
-    with pytest.raises(KustomizeLiteError, match="nothing at"):
-        apply_json6902(doc, [{"op": "remove", "path": "/spec/nodeSelector"}])
-    with pytest.raises(KustomizeLiteError, match="not implemented"):
-        apply_json6902(doc, [{"op": "move", "from": "/spec", "path": "/x"}])
-    patched = apply_json6902(doc, [{"op": "add", "path": "/spec/volumes/-", "value": {"name": "a~b/c"}},
-                                   {"op": "replace", "path": "/spec/volumes/0/name", "value": "scratch"}])
-    assert patched == {"spec": {"volumes": [{"name": "scratch"}, {"name": "a~b/c"}]}} and doc["spec"]["volumes"] == [
-        {"name": "tmp"}]
+def test_a_patch_that_no_longer_fits_the_base_fails_the_build(tmp_path: Path) -> None:
+    # The overlays guard their patches with `test` operations; a base that changed under them must stop
+    # the build rather than patch the wrong container or volume.
+    shutil.copytree(OVERLAYS.parent, tmp_path / "k8s")
+    broken = tmp_path / "k8s" / "overlays" / "broken"
+    broken.mkdir()
+    (broken / "kustomization.yaml").write_text("""\
+resources:
+  - ../local-cpu
+patches:
+  - target: {kind: Job, name: dflash-example-tokenize}
+    patch: |-
+      - op: test
+        path: /spec/template/spec/containers/0/name
+        value: not-the-tokenize-container
+""")
+    with pytest.raises(KustomizeError, match="test failed"):
+        build(broken)
+    assert build(broken.parent / "local-cpu")  # the same copy without the broken patch builds
