@@ -46,9 +46,10 @@ class BytePositions:
 
     def __init__(self, text: str, ids: np.ndarray, lengths: np.ndarray) -> None:
         self.text = text
-        self.ends = np.cumsum(lengths[ids])
-        self.valid = bool(self.ends.size == 0 or (lengths[ids].min() >= 0 and
-                                                  int(self.ends[-1]) == len(text.encode("utf-8"))))
+        per_token = lengths[ids]
+        self.ends = np.cumsum(per_token)
+        total = int(self.ends[-1]) if per_token.size else 0
+        self.valid = bool((per_token.size == 0 or per_token.min() >= 0) and total == len(text.encode("utf-8")))
 
     def token_at(self, char: int) -> int | None:
         """Index of the token that starts exactly at character `char` (the count at the end); else None."""

@@ -21,7 +21,7 @@ offset tracking and token positions come from the ids' byte lengths (see `byte_s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -74,6 +74,8 @@ class Tokenized:
     num_loss_tokens: int
     mode: Literal["token_exact", "render"]
     literal_path: bool = False  # True when control-token look-alikes were encoded as plain text
+    # The same ids as int32 where the byte path already made that array (saves converting them twice).
+    ids_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 def token_exact(record: CompletionRecord) -> Tokenized:
@@ -202,6 +204,7 @@ def _assemble(
     ids: list[int],
     token_spans: list[tuple[int, int]],
     chat: ChatFormat,
+    ids_array: np.ndarray | None = None,
 ) -> Tokenized:
     prompt_len, end = token_spans[-1]
     _check_prompt(item, ids, prompt_len, chat)
@@ -221,6 +224,7 @@ def _assemble(
         num_loss_tokens=trained,
         mode="render",
         literal_path=item.literal,
+        ids_array=None if ids_array is None else ids_array[:end],
     )
 
 
@@ -236,7 +240,8 @@ def _finish_by_bytes(
     item: _Rendered, ids: list[int], lengths: np.ndarray, chat: ChatFormat, policy: MaskPolicy
 ) -> Tokenized | None:
     """`_finish_fast` from ids alone; None when the byte positions cannot vouch for every boundary."""
-    positions = BytePositions(item.text, np.asarray(ids, dtype=np.int64), lengths)
+    array = np.asarray(ids, dtype=np.int32)
+    positions = BytePositions(item.text, array, lengths)
     if not positions.valid:
         return None
     token_spans = []
@@ -245,7 +250,7 @@ def _finish_by_bytes(
         if start is None or end is None:
             return None  # a straddling token: the offsets path names it
         token_spans.append((start, end))
-    return _assemble(item, ids, token_spans, chat)
+    return _assemble(item, ids, token_spans, chat, array)
 
 
 def _encode_fast_records(

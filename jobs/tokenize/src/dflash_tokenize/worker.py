@@ -84,7 +84,7 @@ def _arrays(result: ExactIds | Tokenized) -> tuple[np.ndarray, np.ndarray, np.nd
         ids = np.concatenate((result.prompt, result.completion))
         split = result.prompt.size
     else:
-        ids = np.asarray(result.input_ids, dtype=np.int32)
+        ids = result.ids_array if result.ids_array is not None else np.asarray(result.input_ids, dtype=np.int32)
         split = result.prompt_len
         if result.num_loss_tokens != ids.size - split:
             # Several trained spans (all_turns): the mask as masking built it.
