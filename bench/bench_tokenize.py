@@ -150,7 +150,6 @@ class Child:
 
     wall_s: float
     cpu_s: float
-    max_rss_mib: float
     stdout: str
     load_before: float
     load_after: float
@@ -172,11 +171,14 @@ def run_child(cmd: list[str], cores: str) -> Child:
         stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
     if proc.returncode != 0:
         raise SystemExit(f"benchmark step failed ({' '.join(cmd[:4])}...):\n{stderr[-3000:]}")
-    return Child(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, stdout, load_before,
+    return Child(wall, usage.ru_utime + usage.ru_stime, stdout, load_before,
                  os.getloadavg()[0])
 
 
-# Prints: total tokens, then the CPU seconds of the main process and of its (pool) children.
+# Prints: total tokens, the CPU seconds of the main process and of its (pool) children, then the main
+# process's peak RSS in kB. That peak is VmHWM, the high-water mark of this program's own memory: the
+# kernel's ru_maxrss would also count the image of the benchmark process that forked it, which can be
+# larger than the stage itself.
 STAGE_CODE = """
 import json, resource, sys
 from dflash_tokenize.config import TokenizeConfig
@@ -187,6 +189,7 @@ print(json.load(open(out + "/manifest.json"))["section"]["total_tokens"])
 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
     usage = resource.getrusage(who)
     print(usage.ru_utime + usage.ru_stime)
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
 
 
@@ -196,14 +199,15 @@ class StageRun:
     tokens: int
     main_cpu_s: float
     pool_cpu_s: float
+    peak_rss_mib: float  # the main process's own high-water mark (its pool, if any, not included)
 
 
 def stage_run(prefix: str, out: Path, tok_dir: Path, cores: str, workers: int) -> StageRun:
     shutil.rmtree(out, ignore_errors=True)
     child = run_child([sys.executable, "-c", STAGE_CODE, prefix, str(out), str(tok_dir), str(workers)], cores)
-    tokens, main_cpu, pool_cpu = child.stdout.split()
+    tokens, main_cpu, pool_cpu, peak_kb = child.stdout.split()
     shutil.rmtree(out, ignore_errors=True)
-    return StageRun(child, int(tokens), float(main_cpu), float(pool_cpu))
+    return StageRun(child, int(tokens), float(main_cpu), float(pool_cpu), int(peak_kb) / 1024)
 
 
 # Prints: encode-loop CPU seconds, encode-loop wall seconds, tokens.
@@ -375,7 +379,7 @@ def main() -> None:
               f"(load {pair.child.load_before:.1f} before, {pair.child.load_after:.1f} after)")
         summary["two_process"] = {"cpu_bound_speedup": speedup, "wall_ratio": wall_ratio}
     if "rss" in only:
-        rss_one, rss_two = runs["c"].child.max_rss_mib, runs["c2"].child.max_rss_mib
+        rss_one, rss_two = runs["c"].peak_rss_mib, runs["c2"].peak_rss_mib
         ratio = rss_two / rss_one
         checks.append(("peak RSS 2x input / 1x", ratio, "< 1.2", ratio < 1.2))
         print(f"peak RSS: {rss_one:.0f} MiB for {one['bytes'] / 1e6:.0f} MB, {rss_two:.0f} MiB for "
