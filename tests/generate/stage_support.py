@@ -6,19 +6,17 @@ twice for a duplicate), so a test can put exactly the bad input it wants in fron
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from dflash_generate.config import GenerateConfig
-from dflash_shared.jsonl import encode_line, iter_lines
+from dflash_shared.jsonl import iter_lines
 from dflash_shared.manifest_io import load_manifest
-from dflash_shared.manifests import Accounting, Kind, Manifest, Producer, PromptsSection, Shard
+from dflash_shared.manifests import Kind, PromptsSection
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, ToolCall, ToolCallFunction, record_id
-from dflash_shared.storage import ObjectStore, join
+from dflash_shared.storage import ObjectStore
+from tests.support.jsonl_manifests import write_jsonl_manifest
 
 TOPICS = ["prime numbers", "binary search", "la Révolution française", "photosynthesis", "熱力学", "emoji 🎉"]
 WEATHER_TOOL = {
@@ -76,36 +74,10 @@ def varied_prompts(n: int) -> list[PromptRecord]:
     return out
 
 
-def zst(lines: Sequence[bytes]) -> bytes:
-    sink = pa.BufferOutputStream()
-    stream = pa.CompressedOutputStream(sink, "zstd")
-    for line in lines:
-        stream.write(line)
-    stream.close()
-    return sink.getvalue().to_pybytes()
-
-
 def write_prompts(store: ObjectStore, prefix: str, records: Sequence[PromptRecord | bytes], shards: int = 1) -> str:
     """A prompts manifest over `shards` JSONL.zst files (records dealt round-robin); returns the prefix."""
-    lines = [r + b"\n" if isinstance(r, bytes) else encode_line(r.model_dump(mode="json", exclude_none=True))
-             for r in records]
-    written = []
-    for index in range(shards):
-        part = lines[index::shards]
-        data = zst(part)
-        uri = join(prefix, "data", f"part-{index:05d}-0000.jsonl.zst")
-        store.write_bytes(uri, data)
-        written.append(Shard(uri=uri, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), records=len(part)))
-    manifest = Manifest(
-        kind=Kind.prompts,
-        run_id="test-run",
-        producer=Producer(stage="import"),
-        shards=written,
-        accounting=Accounting(input_records=len(lines), succeeded=len(lines), failed=0, skipped=0),
-        section=PromptsSection(sources=["test"], duplicates=0),
-    )
-    store.write_bytes(join(prefix, "manifest.json"), manifest.to_json())
-    return prefix
+    return write_jsonl_manifest(store, prefix, records, kind=Kind.prompts, producer="import",
+                               section=PromptsSection(sources=["test"], duplicates=0), shards=shards)
 
 
 def in_shard_order(records: Sequence[PromptRecord | bytes], shards: int) -> list[PromptRecord | bytes]:

@@ -27,7 +27,8 @@ from dflash_shared.quality import MALFORMED
 from dflash_shared.records import PromptRecord
 from dflash_shared.runner import ShardingError
 from dflash_shared.storage import ObjectStore, join
-from tests.generate.stage_support import varied_prompts, write_prompts, zst
+from tests.generate.stage_support import varied_prompts, write_prompts
+from tests.support.jsonl_manifests import zst
 
 
 def shard(uri: str, records: int) -> Shard:

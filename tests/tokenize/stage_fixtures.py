@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
-from dflash_shared.jsonl import encode_line
 from dflash_shared.manifests import (
-    Accounting,
     CompletionsSection,
     Kind,
-    Manifest,
-    Producer,
-    Shard,
     SpecialTokens,
     TargetIdentity,
 )
 from dflash_shared.records import CompletionRecord, Message, record_id
-from dflash_shared.storage import ObjectStore, join
+from dflash_shared.storage import ObjectStore
 from dflash_tokenize.chat import ChatFormat
+from tests.support.jsonl_manifests import write_jsonl_manifest
 
 TOPICS = ["prime numbers", "binary search", "the French revolution", "photosynthesis", "熱力学", "emoji 🎉 parsing"]
 
@@ -64,39 +57,14 @@ def engine_like(chat: ChatFormat, messages: list[Message], thinking: bool = True
     )
 
 
-def zst_lines(lines: Sequence[bytes]) -> bytes:
-    sink = pa.BufferOutputStream()
-    stream = pa.CompressedOutputStream(sink, "zstd")
-    for line in lines:
-        stream.write(line)
-    stream.close()
-    return sink.getvalue().to_pybytes()
-
-
 def write_completions(
     store: ObjectStore, prefix: str, records: Sequence[CompletionRecord | bytes], shards: int = 1,
     target: TargetIdentity | None = None,
 ) -> str:
     """A completions manifest with `shards` JSONL.zst shards; raw bytes entries are written as bad lines."""
-    lines = [r + b"\n" if isinstance(r, bytes) else encode_line(r.model_dump(mode="json", exclude_none=True))
-             for r in records]
-    written = []
-    for index in range(shards):
-        part = lines[index::shards]
-        data = zst_lines(part)
-        uri = join(prefix, "data", f"part-{index:05d}-0000.jsonl.zst")
-        store.write_bytes(uri, data)
-        written.append(Shard(uri=uri, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), records=len(part)))
-    manifest = Manifest(
-        kind=Kind.completions,
-        run_id="test-run",
-        producer=Producer(stage="generate"),
-        shards=written,
-        accounting=Accounting(input_records=len(lines), succeeded=len(lines), failed=0, skipped=0),
-        section=CompletionsSection(target=target, has_token_ids=target is not None),
-    )
-    store.write_bytes(join(prefix, "manifest.json"), manifest.to_json())
-    return prefix
+    section = CompletionsSection(target=target, has_token_ids=target is not None)
+    return write_jsonl_manifest(store, prefix, records, kind=Kind.completions, producer="generate", section=section,
+                               shards=shards)
 
 
 def target_for(chat: ChatFormat, thinking: bool = True) -> TargetIdentity:
