@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import boto3
 import pytest
@@ -32,7 +30,7 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import CompletionsSection, Kind
 from dflash_shared.storage import ObjectStore, join
 from tests.generate.stage_support import completions, stage_config, varied_prompts, write_prompts
-from tests.images.image_support import ContainerEngine, build_image, container_s3_env
+from tests.images.image_support import ContainerEngine, build_image, container_s3_env, in_image, lock_pins
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "generator" / "Dockerfile"
@@ -40,28 +38,8 @@ LOCKS = {"cuda": REPO / "jobs" / "generate" / "requirements.lock",
          "cpu": REPO / "jobs" / "generate" / "requirements-cpu.lock"}
 PYPROJECTS = (REPO / "shared" / "pyproject.toml", REPO / "jobs" / "generate" / "pyproject.toml")
 WHEELS = Path("/opt/wheels")
-F = TypeVar("F", bound=Callable[..., Any])
 NON_ROOT_UID = 10001
 GIB = 2**30
-
-
-def in_image(test: F) -> F:
-    """Marks of a test that builds or runs the image (the build alone takes minutes)."""
-    return pytest.mark.image(pytest.mark.slow(pytest.mark.timeout(1800)(test)))
-
-
-def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
-    """Package -> (pinned version, number of hashes) of a hashed lock file."""
-    pins: dict[str, tuple[str, int]] = {}
-    current = ""
-    for line in path.read_text().splitlines():
-        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s\\;]+)", line)
-        if match:
-            current = canonicalize_name(match.group(1))
-            pins[current] = (match.group(2), 0)
-        elif "--hash=sha256:" in line and current:
-            pins[current] = (pins[current][0], pins[current][1] + 1)
-    return pins
 
 
 @pytest.mark.parametrize("flavour", ["cuda", "cpu"])

@@ -15,19 +15,49 @@ Helpers for later tests (preflight, tokenisation against moto):
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+from packaging.utils import canonicalize_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "docker" / "build-images.sh"
 # An uncached build downloads ~500 MB of wheels; a cached one takes seconds.
 BUILD_TIMEOUT_S = 900
 RUN_TIMEOUT_S = 300
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_image(test: F) -> F:
+    """Marks of a test that builds or runs an image (an uncached build takes minutes)."""
+    return pytest.mark.image(pytest.mark.slow(pytest.mark.timeout(1800)(test)))
+
+
+def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
+    """Package -> (pinned version, number of hashes) of a hashed pip/uv lock file."""
+    pins: dict[str, tuple[str, int]] = {}
+    current = ""
+    for line in path.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s\\;]+)", line)
+        if match:
+            current = canonicalize_name(match.group(1))
+            pins[current] = (match.group(2), 0)
+        elif "--hash=sha256:" in line and current:
+            pins[current] = (pins[current][0], pins[current][1] + 1)
+    return pins
+
+
+def git_revision() -> str:
+    """The checkout's HEAD, which the build script writes into the image's revision label."""
+    done = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ containers from it. The lint and lock checks need no engine and run everywhere.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from image_support import REPO_ROOT, ContainerEngine, RunInImage, container_s3_env
+from image_support import REPO_ROOT, ContainerEngine, RunInImage, container_s3_env, git_revision, lock_pins
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -28,35 +27,9 @@ PROJECT_PACKAGES = {"dflash-shared", "dflash-tokenize"}
 NON_ROOT_UID = 10001
 
 
-def _lock_pins(path: Path) -> dict[str, str]:
-    """Package name -> pinned version, from a hashed pip/uv lock file."""
-    pins: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        match = re.match(
-            r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s\\;]+)", line
-        )
-        if match:
-            pins[canonicalize_name(match.group(1))] = match.group(2)
-    return pins
-
-
-def _git_revision() -> str:
-    proc = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return (
-        proc.stdout.strip()
-        if proc.returncode == 0 and proc.stdout.strip()
-        else "unknown"
-    )
-
-
 # --- no engine needed -------------------------------------------------------------------------
 def test_lock_is_torch_free() -> None:
-    pins = _lock_pins(LOCK)
+    pins = {name: pin for name, (pin, _) in lock_pins(LOCK).items()}
     assert "transformers" in pins and "tokenizers" in pins, (
         f"{LOCK} lacks the tokenizer stack"
     )
@@ -71,7 +44,7 @@ def test_lock_is_torch_free() -> None:
 def test_lock_covers_every_project_dependency() -> None:
     # The image installs the project packages with --no-deps: a dependency missing from the lock
     # would only show up as an ImportError inside a running job.
-    pins = _lock_pins(LOCK)
+    pins = {name: pin for name, (pin, _) in lock_pins(LOCK).items()}
     problems = []
     for pyproject in PYPROJECTS:
         for spec in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
@@ -150,7 +123,7 @@ def test_stage_packages_import_at_locked_versions(
     }
     mismatched = {
         name: (version, installed.get(name))
-        for name, version in _lock_pins(LOCK).items()
+        for name, (version, _) in lock_pins(LOCK).items()
         if installed.get(name) != version
     }
     assert not mismatched, (
@@ -199,7 +172,7 @@ def test_labels_and_default_command(
     assert proc.returncode == 0, proc.stderr
     config = json.loads(proc.stdout)[0]["Config"]
     labels = config["Labels"]
-    revision = _git_revision()
+    revision = git_revision()
     assert labels["org.opencontainers.image.revision"] == revision
     # Provenance of the manifests the stage writes comes from these two variables.
     assert f"DFLASH_GIT_REVISION={revision}" in config["Env"]

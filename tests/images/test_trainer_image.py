@@ -19,9 +19,8 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 from packaging.requirements import Requirement
@@ -30,7 +29,16 @@ from packaging.utils import canonicalize_name
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, Kind
 from dflash_shared.storage import ObjectStore, join
-from tests.images.image_support import REPO_ROOT, ContainerEngine, build_image, container_s3_env, make_runner
+from tests.images.image_support import (
+    REPO_ROOT,
+    ContainerEngine,
+    build_image,
+    container_s3_env,
+    git_revision,
+    in_image,
+    lock_pins,
+    make_runner,
+)
 from tests.k8s.train_inputs import tiny_target_dir, tokenized_for, upload_dir
 
 DOCKERFILE = REPO_ROOT / "docker" / "trainer" / "Dockerfile"
@@ -40,7 +48,6 @@ PYPROJECTS = (REPO_ROOT / "shared" / "pyproject.toml", REPO_ROOT / "jobs" / "tra
 TORCH = "2.14.1"
 NON_ROOT_UID = 10001
 GB = 10**9
-F = TypeVar("F", bound=Callable[..., Any])
 
 # Runs inside the image: the CUDA build of torch without a GPU, then triton's own C build path (gcc and
 # Python.h), which GPU kernels (flex attention, torch.compile) go through on first use.
@@ -55,26 +62,6 @@ so = _build("stub", src, d, [], [], [], [])
 print(json.dumps({"uid": os.getuid(), "torch": torch.__version__, "cuda": torch.version.cuda,
                   "available": torch.cuda.is_available(), "triton_build": os.path.isfile(so)}))
 """
-
-
-def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
-    """Package -> (pinned version, number of hashes) of a hashed lock file."""
-    pins: dict[str, tuple[str, int]] = {}
-    current = ""
-    for line in path.read_text().splitlines():
-        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s\\;]+)", line)
-        if match:
-            current = canonicalize_name(match.group(1))
-            pins[current] = (match.group(2), 0)
-        elif "--hash=sha256:" in line and current:
-            pins[current] = (pins[current][0], pins[current][1] + 1)
-    return pins
-
-
-def git_revision() -> str:
-    done = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", "HEAD"],
-                          capture_output=True, text=True, check=False)
-    return done.stdout.strip() or "unknown"
 
 
 def local_wheel_indexes() -> list[Path]:
@@ -141,11 +128,6 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Containe
         yield engine, tag, build_dir
     finally:
         mp.undo()
-
-
-def in_image(test: F) -> F:
-    """Marks of a test that builds or runs the image (an uncached build takes minutes)."""
-    return pytest.mark.image(pytest.mark.slow(pytest.mark.timeout(1800)(test)))
 
 
 @in_image
