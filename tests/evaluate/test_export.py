@@ -17,6 +17,7 @@ from dflash_shared.manifests import Kind
 from dflash_train.drafter_config import QWEN3_MASK_TOKEN_ID, DrafterConfig
 from dflash_train.export import (
     ExportError,
+    config_from_export,
     drafter_hf_config,
     export_speculators_config,
     load_export,
@@ -63,6 +64,37 @@ def test_config_has_every_field_of_the_native_format() -> None:
         5, 4096, 32, 8, 128, 12288)
     assert config["vocab_size"] == 151936 and config["tie_word_embeddings"] is False
     assert config["rope_parameters"]["rope_theta"] == config["rope_theta"] == 1_000_000.0
+
+
+# A Qwen3.6-like target: RoPE over a quarter of each head, its base in rope_parameters (transformers 5).
+QWEN3_6_LIKE = SimpleNamespace(**{**vars(QWEN3_8B), "rope_theta": None, "partial_rotary_factor": 0.25,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                      "partial_rotary_factor": 0.25}})
+
+
+def test_rotary_fraction_is_stated_and_equals_training_for_a_partial_rotary_target() -> None:
+    # Pitfall: the target's partial_rotary_factor leaking into the drafter on one side only.
+    cfg = DrafterConfig.from_target(QWEN3_6_LIKE, mask_token_id=QWEN3_MASK_TOKEN_ID, num_target_features=5)
+    config = drafter_hf_config(cfg, QWEN3_6_LIKE)
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10_000_000.0
+    assert config["partial_rotary_factor"] == config["rope_parameters"]["partial_rotary_factor"] == 1.0
+    # Training rotates every dimension of the head, as the export says.
+    rotary = DFlashDrafter(DrafterConfig.debug()).rotary
+    cos, sin = rotary(torch.tensor([[5]]))
+    assert cos.shape[-1] == DrafterConfig.debug().head_dim and bool((sin[0, 0] != 0).all())
+    assert config_from_export(config).rope_theta == 10_000_000.0
+
+
+@pytest.mark.parametrize("rope", [{"partial_rotary_factor": 0.25}, {"rope_parameters": {
+    "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}, {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0}}])
+def test_an_export_with_another_rope_is_refused(rope: dict[str, Any]) -> None:
+    cfg = DrafterConfig.from_target(QWEN3_8B, mask_token_id=QWEN3_MASK_TOKEN_ID)
+    config = {**drafter_hf_config(cfg, QWEN3_8B), "partial_rotary_factor": 1.0, **rope}
+    if "rope_parameters" not in rope:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    with pytest.raises(ExportError, match="RoPE .* not what this drafter trains with"):
+        config_from_export(config, "export/config.json")
 
 
 def test_sliding_window_drafter_config() -> None:

@@ -37,6 +37,8 @@ from dflash_train.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
+# The drafter rotates every dimension of each head (see model.RotaryEmbedding).
+FULL_ROTARY = 1.0
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -97,7 +99,12 @@ def drafter_hf_config(
         "attention_dropout": 0.0,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # Stated, not left to defaults: Qwen3.5/3.6 targets rotate a quarter of each head
+        # (partial_rotary_factor 0.25), and an engine that filled the drafter's missing value from the
+        # target's config would rotate differently from training, which always rotates the whole head.
+        "partial_rotary_factor": FULL_ROTARY,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": FULL_ROTARY},
         "max_position_embeddings": cfg.max_position,
         "vocab_size": _vocab_rows(target_config),
         "tie_word_embeddings": False,
@@ -183,6 +190,12 @@ def config_from_export(config: Mapping[str, Any], where: str = "config.json") ->
     hidden = int(config["hidden_size"])
     params = config.get("rope_parameters") or {}
     theta = params.get("rope_theta", config.get("rope_theta", 1_000_000.0))
+    rotary = params.get("partial_rotary_factor", config.get("partial_rotary_factor", FULL_ROTARY))
+    rope_type = params.get("rope_type", "default")
+    if float(rotary) != FULL_ROTARY or rope_type != "default":
+        raise ExportError(f"{where}: RoPE type {rope_type!r} with partial_rotary_factor {rotary} is not what this "
+                          f"drafter trains with (type 'default' over the whole head, partial_rotary_factor "
+                          f"{FULL_ROTARY}); serving it would not match training")
     layer_types = list(config.get("layer_types") or [])
     # The window only matters (and DrafterConfig only accepts one) when some layer slides.
     sliding = config.get("sliding_window") if "sliding_attention" in layer_types else None
