@@ -4,7 +4,8 @@ It builds a tiny random Qwen3 target with the real Qwen vocabulary, writes a run
 a local directory (an s3:// root works the same against any endpoint), and runs every stage with
 `python -m dflash_shared.pipeline local`: the same wiring and settings the Kubernetes Jobs get, each stage in
 its own environment. A rerun skips the stages that are complete. It ends with a summary read from the
-manifests: records and tokens per stage, the loss curve, acceptance before and after training.
+manifests: records and tokens per stage, the loss curve, acceptance before and after training, and the
+acceptance the serving engine (vLLM with the exported drafter) counted on the same prompts.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ TOKENIZE = {"max_length": 512, "workers": 1, **QUALITY}
 # The debug presets: a small drafter, CPU, fp32; enough steps over the 48 completions to learn their loops.
 TRAIN = {"preset": "debug", "epochs": 8, "max_steps": 48, "checkpoint_every": 16}
 EVALUATE = {"preset": "debug", "num_prompts": 16, "max_new_tokens": 48, "device": "cpu"}
+# vLLM on the CPU, replaying the evaluation's prompts with the exported drafter and without it.
+SERVE_CHECK = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
 # Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
 ON_CPU = {"gpus": 0, "tolerations": []}
 
 
 def run_file(model: Path, root: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    defaults = {"generate": GENERATE, "tokenize": TOKENIZE, "train": TRAIN, "export": {}, "evaluate": EVALUATE}
+    defaults = {"generate": GENERATE, "tokenize": TOKENIZE, "train": TRAIN, "export": {}, "evaluate": EVALUATE,
+                "serve-check": SERVE_CHECK}
     stages: dict[str, Any] = {
         name: {**ON_CPU, "config": {**config, **overrides.get(name, {})}} for name, config in defaults.items()
     }

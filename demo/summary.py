@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import (
+    MANIFEST_NAME,
     CompletionsSection,
     DrafterSection,
     EvaluationSection,
@@ -15,7 +16,7 @@ from dflash_shared.manifests import (
 )
 from dflash_shared.pipeline.config import load_run_config
 from dflash_shared.pipeline.layout import layout
-from dflash_shared.storage import ObjectStore
+from dflash_shared.storage import ObjectStore, join
 
 
 def loss_curve(store: ObjectStore, drafter_prefix: str, points: int = 8) -> str:
@@ -36,14 +37,18 @@ def main(run_file: str) -> int:
     lay = layout(run.root, run.run_id)
     store = ObjectStore()
     print(f"\nrun {run.run_id} under {lay.run_prefix}")
-    for kind in (Kind.prompts, Kind.completions, Kind.tokenized, Kind.drafter, Kind.evaluation):
+    # The serving check writes a second evaluation: the offline figures with the engine's tau beside them.
+    outputs = [(kind.value, lay.prefix(kind), kind) for kind in
+               (Kind.prompts, Kind.completions, Kind.tokenized, Kind.drafter, Kind.evaluation)]
+    outputs.append(("serving", lay.serving, Kind.evaluation))
+    for name, prefix, kind in outputs:
         try:
-            m = load_manifest(store, lay.prefix(kind), kind, verify=False).manifest
+            m = load_manifest(store, prefix, kind, verify=False).manifest
         except ManifestError:
-            print(f"  {kind.value:12s} not written")
+            print(f"  {name:12s} not written")
             continue
         acc = m.accounting
-        line = f"  {kind.value:12s} {acc.succeeded:6d} ok, {acc.failed} failed, {acc.skipped} skipped"
+        line = f"  {name:12s} {acc.succeeded:6d} ok, {acc.failed} failed, {acc.skipped} skipped"
         section = m.section
         if isinstance(section, CompletionsSection):
             line += f"; {section.output_tokens:,} output tokens"
@@ -59,9 +64,9 @@ def main(run_file: str) -> int:
         print(line)
         if acc.failures_by_reason:
             print(f"  {'':12s} failures: {acc.failures_by_reason}")
-        print(f"  {'':12s} {lay.manifest(kind)}")
+        print(f"  {'':12s} {join(prefix, MANIFEST_NAME)}")
         if kind is Kind.drafter:
-            print(f"  {'':12s} loss by step: {loss_curve(store, lay.prefix(kind))}")
+            print(f"  {'':12s} loss by step: {loss_curve(store, prefix)}")
     return 0
 
 

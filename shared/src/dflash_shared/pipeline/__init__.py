@@ -18,6 +18,7 @@ from dflash_shared.pipeline.jobs import (
     generate_job,
     import_job,
     render_documents,
+    serve_check_job,
     tokenize_job,
     train_job,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "load_run_config",
     "parse_run_config",
     "render_documents",
+    "serve_check_job",
     "tokenize_job",
     "train_job",
 ]

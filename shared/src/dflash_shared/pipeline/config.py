@@ -183,6 +183,12 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
         "termination_grace_seconds": 60,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
+    # vLLM on the target with the exported drafter, then without it: like a generate pod, one engine.
+    "serve-check": {
+        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "16Gi",
+        "termination_grace_seconds": 60,
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
 }
 
 
@@ -197,13 +203,17 @@ class StagesSettings(_Frozen):
     train: JobSettings = Field(description="Drafter training against the frozen target (GPU; one or more nodes).")
     export: JobSettings = Field(description="Serving files of the trained drafter (CPU).")
     evaluate: JobSettings = Field(description="Offline acceptance of the exported drafter (GPU).")
+    serve_check: JobSettings = Field(
+        alias="serve-check", description="The exported drafter in vLLM: engine tau against offline tau (GPU)."
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _merge_defaults(cls, data: Any) -> Any:
         data = dict(data or {})
-        if "import_" in data and "import" not in data:
-            data["import"] = data.pop("import_")
+        for field, alias in (("import_", "import"), ("serve_check", "serve-check")):
+            if field in data and alias not in data:
+                data[alias] = data.pop(field)
         for stage, defaults in STAGE_DEFAULTS.items():
             given = data.get(stage, {})
             if isinstance(given, BaseModel):
@@ -212,7 +222,7 @@ class StagesSettings(_Frozen):
         return data
 
     def for_stage(self, name: str) -> JobSettings:
-        settings = getattr(self, "import_" if name == "import" else name, None)
+        settings = getattr(self, "import_" if name == "import" else name.replace("-", "_"), None)
         if not isinstance(settings, JobSettings):
             raise ConfigError(f"no settings for stage {name!r}")
         return settings

@@ -26,7 +26,17 @@ from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.pipeline.config import JobSettings, RunConfig
 from dflash_shared.pipeline.layout import layout
-from dflash_shared.pipeline.stages import EVALUATE, EXPORT, GENERATE, TOKENIZE, TRAIN, StageDef, plan, stage_config
+from dflash_shared.pipeline.stages import (
+    EVALUATE,
+    EXPORT,
+    GENERATE,
+    SERVE_CHECK,
+    TOKENIZE,
+    TRAIN,
+    StageDef,
+    plan,
+    stage_config,
+)
 from dflash_shared.runner import COUNT_ENV
 
 PART_OF = "dflash-pipeline"
@@ -332,6 +342,11 @@ def export_job(run: RunConfig) -> dict[str, Any]:
 def evaluate_job(run: RunConfig) -> dict[str, Any]:
     """Offline acceptance of the exported drafter (GPU)."""
     return build_job(run, EVALUATE)
+
+
+def serve_check_job(run: RunConfig) -> dict[str, Any]:
+    """The exported drafter in vLLM, engine tau against offline tau (GPU)."""
+    return build_job(run, SERVE_CHECK)
 
 
 def stage_objects(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:

@@ -5,10 +5,12 @@
     s3://bucket/runs/<run_id>/tokenized/     tokenize                     -> train
     s3://bucket/runs/<run_id>/drafter/       train                        -> export
     s3://bucket/runs/<run_id>/export/        export (a drafter manifest naming the serving files) -> evaluate
-    s3://bucket/runs/<run_id>/evaluation/    evaluate
+    s3://bucket/runs/<run_id>/evaluation/    evaluate                     -> serve-check
+    s3://bucket/runs/<run_id>/serving/       serve-check (the evaluation with the engine's own tau)
 
 Every prefix ends in a manifest.json written last; a stage's input is its upstream's manifest. The export
-writes a second drafter manifest, so its prefix is named after the stage rather than the kind.
+writes a second drafter manifest and the serving check a second evaluation manifest, so their prefixes are
+named after the stage rather than the kind.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dflash_shared.storage import join
 
 # The exported drafter: a drafter-kind manifest, beside the trained one under drafter/.
 EXPORT_FOLDER = "export"
+# The serving check's evaluation (offline figures plus the engine's), beside the offline one.
+SERVING_FOLDER = "serving"
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class RunLayout:
     @property
     def evaluation(self) -> str:
         return self.prefix(Kind.evaluation)
+
+    @property
+    def serving(self) -> str:
+        return self.folder(SERVING_FOLDER)
 
 
 def layout(root: str, run_id: str) -> RunLayout:

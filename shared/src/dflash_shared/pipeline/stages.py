@@ -25,7 +25,7 @@ from typing import Any
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifests import MANIFEST_NAME, Kind
 from dflash_shared.pipeline.config import JobSettings, RunConfig, quantity_value
-from dflash_shared.pipeline.layout import EXPORT_FOLDER, RunLayout, layout
+from dflash_shared.pipeline.layout import EXPORT_FOLDER, SERVING_FOLDER, RunLayout, layout
 from dflash_shared.storage import join
 
 # Entry point of every stage image: preflight, then the stage, both configured by environment variables.
@@ -176,6 +176,12 @@ def _evaluate_defaults(run: RunConfig, lay: RunLayout, settings: JobSettings) ->
     return {"prompts": lay.tokenized, **_on_gpus(run, lay, settings)}
 
 
+def _serve_check_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -> dict[str, Any]:
+    return {"evaluation": lay.evaluation, "output": lay.serving, "target": run.target.uri, "run_id": run.run_id,
+            # One engine per pod spanning all of its GPUs, like generate.
+            "tensor_parallel_size": settings.gpus or None}
+
+
 IMPORT_COMPLETIONS = StageDef(
     name="import", image="tokenizer", command=("dflash-tokenize", "import"), env_prefix="DFLASH_IMPORT_",
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.completions,
@@ -217,12 +223,22 @@ EVALUATE = StageDef(
     input_folder=EXPORT_FOLDER,
 )
 
+# The exported drafter in the real engine (generator image, one GPU): engine tau from vLLM's own counters
+# against the offline tau, and output with speculation against output without; a disagreement exits
+# BAD_INPUT (training and serving differ) and the Job fails without retries.
+SERVE_CHECK = StageDef(
+    name="serve-check", image="generator", command=(IMAGE_ENTRYPOINT, "serve-check"),
+    env_prefix="DFLASH_SERVE_CHECK_", config_class="dflash_generate.serve_check:ServeCheckConfig",
+    input_kind=Kind.evaluation, output_kind=Kind.evaluation, wiring=_serve_check_wiring, sharded=False,
+    output_folder=SERVING_FOLDER,
+)
+
 
 def plan(run: RunConfig) -> list[StageDef]:
     """The stages of the run, upstream first."""
     if run.source.kind == "prompts":
-        return [IMPORT_PROMPTS, GENERATE, TOKENIZE, TRAIN, EXPORT, EVALUATE]
-    return [IMPORT_COMPLETIONS, TOKENIZE, TRAIN, EXPORT, EVALUATE]
+        return [IMPORT_PROMPTS, GENERATE, TOKENIZE, TRAIN, EXPORT, EVALUATE, SERVE_CHECK]
+    return [IMPORT_COMPLETIONS, TOKENIZE, TRAIN, EXPORT, EVALUATE, SERVE_CHECK]
 
 
 def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict[str, Any]:
