@@ -114,5 +114,5 @@ def run_local_and_report(config: RunConfig, repo: Path, only: Sequence[str] | No
         return err.code
     for item in runs:
         state = "skipped (complete)" if item.skipped else f"ran in {item.seconds:.0f} s"
-        print(f"{item.stage:10s} {state:22s} {item.manifest}")
+        print(f"{item.stage:12s} {state:22s} {item.manifest}")
     return 0
