@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +53,27 @@ def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
         elif "--hash=sha256:" in line and current:
             pins[current] = (pins[current][0], pins[current][1] + 1)
     return pins
+
+
+def unlocked_dependencies(lock: Path, pyprojects: Sequence[Path]) -> list[str]:
+    """What the lock misses of the projects' dependencies (other dflash packages aside), one line each.
+
+    The images install the project packages with --no-deps: a dependency missing from the lock would only
+    show up as an ImportError inside a running job.
+    """
+    pins = lock_pins(lock)
+    problems = []
+    for pyproject in pyprojects:
+        for spec in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+            req = Requirement(spec)
+            name = canonicalize_name(req.name)
+            if name.startswith("dflash-"):
+                continue
+            if name not in pins:
+                problems.append(f"{lock.name} lacks {name} (required by {pyproject.relative_to(REPO_ROOT)})")
+            elif not req.specifier.contains(pins[name][0], prereleases=True):
+                problems.append(f"{lock.name} pins {name}=={pins[name][0]}, outside {spec!r} ({pyproject.name})")
+    return problems
 
 
 def git_revision() -> str:

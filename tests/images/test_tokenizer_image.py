@@ -10,12 +10,18 @@ import json
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
-from image_support import REPO_ROOT, ContainerEngine, RunInImage, container_s3_env, git_revision, lock_pins
-from packaging.requirements import Requirement
+from image_support import (
+    REPO_ROOT,
+    ContainerEngine,
+    RunInImage,
+    container_s3_env,
+    git_revision,
+    lock_pins,
+    unlocked_dependencies,
+)
 from packaging.utils import canonicalize_name
 
 LOCK = REPO_ROOT / "jobs" / "tokenize" / "requirements.lock"
@@ -42,25 +48,7 @@ def test_lock_is_torch_free() -> None:
 
 
 def test_lock_covers_every_project_dependency() -> None:
-    # The image installs the project packages with --no-deps: a dependency missing from the lock
-    # would only show up as an ImportError inside a running job.
-    pins = {name: pin for name, (pin, _) in lock_pins(LOCK).items()}
-    problems = []
-    for pyproject in PYPROJECTS:
-        for spec in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
-            req = Requirement(spec)
-            name = canonicalize_name(req.name)
-            if name in PROJECT_PACKAGES:
-                continue
-            if name not in pins:
-                problems.append(
-                    f"{req.name} ({pyproject.relative_to(REPO_ROOT)}) is not in the lock"
-                )
-            elif not req.specifier.contains(pins[name], prereleases=True):
-                problems.append(
-                    f"{req.name}=={pins[name]} does not satisfy '{spec}' ({pyproject.name})"
-                )
-    assert not problems, f"{LOCK.relative_to(REPO_ROOT)}: " + "; ".join(problems)
+    assert unlocked_dependencies(LOCK, PYPROJECTS) == []
 
 
 def test_dockerfiles_pass_hadolint() -> None:
