@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -165,6 +166,15 @@ def test_plan_is_saved_and_reused(tmp_path: Path, dataset) -> None:
     fresh.close()
 
 
+def cached_bytes(cache_dir: Path) -> int:
+    """Bytes of the shards in the cache now; the prefetch thread may evict one between listing and stat."""
+    total = 0
+    for f in cache_dir.glob("*.arrow"):
+        with contextlib.suppress(FileNotFoundError):
+            total += f.stat().st_size
+    return total
+
+
 def test_cache_is_bounded_on_s3_and_refuses_corrupt_shards(s3_bucket: str, store: ObjectStore, tmp_path: Path) -> None:
     docs = unique_docs(200, seed=3)
     prefix = write_tokenized(store, join(s3_bucket, "tok"), docs, identity_of(tiny_target()), shards=8)
@@ -177,7 +187,7 @@ def test_cache_is_bounded_on_s3_and_refuses_corrupt_shards(s3_bucket: str, store
     peak = 0
     try:
         for _ in loader:
-            peak = max(peak, sum(f.stat().st_size for f in cache_dir.glob("*.arrow")))
+            peak = max(peak, cached_bytes(cache_dir))
     finally:
         loader.close()
     # Budget plus the shards pinned while in use (current, next prefetched, one being read).
