@@ -199,8 +199,10 @@ class Trainer:
                         self.history.append((self.step, self.metrics))
                         sink.write(self.step, self.total_steps, self.metrics)
                     if self.step % config.checkpoint_every == 0 or self.step == self.total_steps:
-                        self.save()
+                        # Metrics first: once a checkpoint is complete, the loss curve up to it is stored too,
+                        # so a kill -9 right after the checkpoint loses no logged step.
                         sink.upload(self.store, config.output)
+                        self.save()
                     if self.step < self.total_steps and env.any(stop.is_set()):
                         self._stop_for_preemption(sink)
         finally:
