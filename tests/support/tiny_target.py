@@ -1,15 +1,22 @@
-"""A tiny random-weight Qwen3 target with the real Qwen vocabulary, for engine tests on CPU.
+"""Tiny random-weight targets with the real Qwen vocabularies, for engine and trainer tests on CPU.
 
-The model is a `Qwen3ForCausalLM` with a few small layers and random (seeded) weights, saved as bf16
-safetensors next to the tokenizer directory from `tests.support.qwen_assets`. Its output is noise, which
-is all the generate tests need: real token ids, a real chat template, a real engine. vLLM's CPU backend
-accepts head_dim 64 (not 16), so heads stay that wide while the hidden size stays small.
+Two architectures, the ones the pipeline supports (`TARGET_ARCHS`):
+- "qwen3": a dense `Qwen3ForCausalLM` (tied embeddings, Qwen3 vocabulary and template);
+- "qwen3_6": the Qwen3.6-27B layout at toy width: a `Qwen3_5ForConditionalGeneration` checkpoint
+  (model_type `qwen3_5`, nested `text_config`), layers in the real 3 x Gated DeltaNet + 1 x gated full
+  attention pattern, full attention with partial rotary 0.25 and interleaved mRoPE, an untied LM head over
+  the padded 248,320-row Qwen3.6 vocabulary, a tiny vision tower and MTP weights, saved under the real key
+  prefixes (`model.language_model.*`, `model.visual.*`, `mtp.*`, `lm_head.weight`).
+Weights are random (seeded) bf16 safetensors next to the tokenizer directory from `tests.support.qwen_assets`.
+The output is noise, which is all the tests need: real token ids, a real chat template, a real engine.
+vLLM's CPU backend accepts attention head_dim 64 (not 16) and its Gated DeltaNet kernel linear-attention
+head dim 128 (not 32), so those stay that wide while the hidden size stays small.
 
 Builds are cached under `$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`), keyed by the parameters
 and the sources that shape the result, so a test session builds each variant once.
 Needs torch and transformers (the generate environment has both).
 
-CLI: `python -m tests.support.tiny_target OUT_DIR [--vocab qwen3|qwen3_6] [--seed N]`.
+CLI: `python -m tests.support.tiny_target OUT_DIR [--arch qwen3|qwen3_6] [--seed N]`.
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Literal
 
 from tests.support import qwen_assets
 from tests.support.qwen_assets import Vocab, build_tokenizer_dir, qwen_embedding_rows, qwen_special_ids
 
+TargetArch = Literal["qwen3", "qwen3_6"]
+TARGET_ARCHS: tuple[TargetArch, ...] = ("qwen3", "qwen3_6")
+
 # Bump when the way the model is built changes, so stale caches are not reused.
-_BUILD_VERSION = "1"
+_BUILD_VERSION = "2"
 _DONE = ".complete"
 
 
@@ -38,7 +49,7 @@ def _cache_key(params: dict[str, object]) -> str:
     h.update(json.dumps(params, sort_keys=True).encode())
     # The random init and file layout depend on these versions; the tokenizer on qwen_assets' sources.
     h.update(f"{_BUILD_VERSION}|{torch.__version__}|{transformers.__version__}".encode())
-    for source in (Path(qwen_assets.__file__), qwen_assets.CHAT_TEMPLATE_PATH):
+    for source in (Path(qwen_assets.__file__), *qwen_assets.CHAT_TEMPLATE_PATHS.values()):
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
@@ -84,6 +95,117 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) 
         path.chmod(0o644)
 
 
+def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    build_tokenizer_dir(out_dir, "qwen3_6")
+    ids = qwen_special_ids("qwen3_6")
+    hidden = shape["hidden"]
+    head_dim = shape["head_dim"]
+    rotary_half = int(head_dim * 0.25) // 2
+    # The real split is [11, 11, 10] of 32 rotary frequencies (temporal, height, width); same proportions.
+    base, extra = divmod(rotary_half, 3)
+    mrope = [base + (1 if axis < extra else 0) for axis in range(3)]
+    text_config = {
+        "vocab_size": qwen_embedding_rows("qwen3_6"),
+        "hidden_size": hidden,
+        "intermediate_size": shape["intermediate"],
+        "num_hidden_layers": shape["num_layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": shape["linear_head_dim"],
+        "linear_value_head_dim": shape["linear_head_dim"],
+        "linear_num_key_heads": shape["linear_k_heads"],
+        "linear_num_value_heads": shape["linear_v_heads"],
+        "full_attention_interval": 4,
+        "max_position_embeddings": shape["max_position"],
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": mrope,
+        },
+        "attn_output_gate": True,
+        "mtp_num_hidden_layers": 1,
+        "eos_token_id": ids["im_end"],
+        "bos_token_id": ids["endoftext"],
+        "pad_token_id": ids["endoftext"],
+        "dtype": "bfloat16",
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": hidden,
+        "num_position_embeddings": 64,
+    }
+    config = Qwen3_5Config(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+    # transformers builds no MTP module; the checkpoint has one (one full-attention decoder layer that reads
+    # [norm(embedding); norm(hidden)] through `fc`), and loaders must skip it. Add it under its real names.
+    text = config.text_config
+    full_layer = text.layer_types.index("full_attention")
+    mtp: dict[str, torch.Tensor] = {}
+    for name, tensor in Qwen3_5DecoderLayer(text, full_layer).state_dict().items():
+        mtp[f"mtp.layers.0.{name}"] = tensor
+    mtp["mtp.fc.weight"] = torch.nn.Linear(2 * hidden, hidden, bias=False).weight.detach()
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = Qwen3_5RMSNorm(hidden).weight.detach()
+    weights_path = out_dir / "model.safetensors"
+    weights = load_file(str(weights_path))
+    weights.update({k: v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
+    save_file(weights, str(weights_path), metadata={"format": "pt"})
+    GenerationConfig(
+        bos_token_id=ids["endoftext"],
+        eos_token_id=[ids["im_end"], ids["endoftext"]],
+        pad_token_id=ids["endoftext"],
+    ).save_pretrained(out_dir)
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
+
+
+def _cached_build(family: str, params: dict[str, Any], write: Any, out_dir: Path | None) -> Path:
+    """Build with `write(tmp_dir)` once per parameter set in the cache; copy into `out_dir` when given."""
+    key = _cache_key({"family": family, **params})
+    cached = qwen_assets.cache_root() / f"tiny-{family}" / f"s{params['seed']}-{key}"
+    if not (cached / _DONE).is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the cache entry and rename: concurrent builders never see a half-written model.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        try:
+            write(tmp)
+            (tmp / _DONE).write_text(key + "\n", encoding="utf-8")
+            os.chmod(tmp, 0o755)
+            try:
+                os.rename(tmp, cached)
+            except OSError:
+                if not (cached / _DONE).is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if out_dir is None:
+        return cached
+    out_dir = Path(out_dir)
+    shutil.copytree(cached, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_DONE))
+    return out_dir
+
+
 def build_tiny_qwen3(
     out_dir: Path | None = None,
     vocab: Vocab = "qwen3",
@@ -110,37 +232,61 @@ def build_tiny_qwen3(
         "intermediate": intermediate,
         "max_position": max_position,
     }
-    key = _cache_key({"vocab": vocab, "seed": seed, **shape})
-    cached = qwen_assets.cache_root() / "tiny-qwen3" / f"{vocab}-s{seed}-{key}"
-    if not (cached / _DONE).is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the cache entry and rename: concurrent builders never see a half-written model.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
-        try:
-            _write_model(tmp, vocab, seed, shape)
-            (tmp / _DONE).write_text(key + "\n", encoding="utf-8")
-            os.chmod(tmp, 0o755)
-            try:
-                os.rename(tmp, cached)
-            except OSError:
-                if not (cached / _DONE).is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if out_dir is None:
-        return cached
-    out_dir = Path(out_dir)
-    shutil.copytree(cached, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_DONE))
-    return out_dir
+    params = {"vocab": vocab, "seed": seed, **shape}
+    return _cached_build("qwen3", params, lambda tmp: _write_model(tmp, vocab, seed, shape), out_dir)
+
+
+def build_tiny_qwen3_6(
+    out_dir: Path | None = None,
+    seed: int = 0,
+    num_layers: int = 8,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 1,
+    head_dim: int = 64,
+    linear_k_heads: int = 1,
+    linear_v_heads: int = 3,
+    linear_head_dim: int = 128,
+    intermediate: int = 256,
+    max_position: int = 2048,
+) -> Path:
+    """Directory of a random Qwen3.6-architecture target (see the module docstring); cached like Qwen3's.
+
+    8 layers = the real 3:1 pattern twice, so drafter layer ids can read both kinds of layer. Heads keep
+    Qwen3.6's ratios at toy width: 4 query / 1 KV (real 24 / 4), 1 QK / 3 V linear heads (real 16 / 48).
+    """
+    shape = {
+        "num_layers": num_layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "linear_k_heads": linear_k_heads,
+        "linear_v_heads": linear_v_heads,
+        "linear_head_dim": linear_head_dim,
+        "intermediate": intermediate,
+        "max_position": max_position,
+    }
+    params = {"seed": seed, **shape}
+    return _cached_build("qwen3_6", params, lambda tmp: _write_qwen3_6(tmp, seed, shape), out_dir)
+
+
+def build_tiny_target(arch: TargetArch = "qwen3", out_dir: Path | None = None, seed: int = 0) -> Path:
+    """The default tiny target of `arch` ("qwen3" dense or "qwen3_6" hybrid)."""
+    if arch == "qwen3":
+        return build_tiny_qwen3(out_dir, seed=seed)
+    if arch == "qwen3_6":
+        return build_tiny_qwen3_6(out_dir, seed=seed)
+    raise ValueError(f"unknown target architecture {arch!r}; expected one of {TARGET_ARCHS}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")
-    parser.add_argument("--vocab", choices=qwen_assets.VOCABS, default="qwen3", help="Qwen vocabulary")
+    parser.add_argument("--arch", choices=TARGET_ARCHS, default="qwen3", help="target architecture")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     args = parser.parse_args(argv)
-    print(build_tiny_qwen3(args.out_dir, vocab=args.vocab, seed=args.seed))
+    print(build_tiny_target(args.arch, args.out_dir, seed=args.seed))
 
 
 if __name__ == "__main__":
