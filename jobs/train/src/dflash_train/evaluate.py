@@ -10,8 +10,9 @@ on the first prompts.
 
 Output: `<output>/evaluation.json` (the full report, including the prompts' token ids, which the serving
 check replays in the engine) and `<output>/manifest.json` (kind evaluation, engine_tau None), written
-last. A tau below `min_tau` fails the run with BadInputError (exit 65) after the report is written, and
-no manifest is committed.
+last. A tau below `min_tau`, or any prompt whose speculative output differs from the target's own greedy
+output, fails the run with BadInputError (exit 65) after the report is written, and no manifest is
+committed: a loop that is not lossless measures a tau that no engine would reproduce.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
     checked = prompts[: config.lossless_prompts]
     for (rid, ids), result in zip(checked, results, strict=False):
         if greedy_reference(model, ids, config.max_new_tokens, stop) != result.tokens:
-            log.warning("prompt %s: speculative output differs from the target's greedy output", rid)
+            log.error("prompt %s: speculative output differs from the target's greedy output", rid)
             mismatches.append(rid)
     accuracies = training_accuracies(final_metrics)
     return OfflineReport(
@@ -368,6 +369,12 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, dr
     log.info("offline tau %.3f over %d prompts / %d steps (untrained %s); per position %s", trained.tau,
              trained.prompts, trained.steps, f"{untrained.tau:.3f}" if untrained else "not run",
              [round(a, 3) for a in trained.acceptance_per_position])
+    if report.lossless_mismatches:
+        raise BadInputError(
+            f"the speculative loop is not lossless: {len(report.lossless_mismatches)} of {report.lossless_checked}"
+            f" checked prompts decode differently from the target's own greedy output "
+            f"({', '.join(report.lossless_mismatches)}); its tau would not match an engine's. Report: {report_uri}"
+        )
     if trained.tau < config.min_tau:
         raise BadInputError(
             f"offline acceptance length tau {trained.tau:.3f} is below min_tau {config.min_tau} (untrained "

@@ -12,6 +12,15 @@ One sequence at a time:
    The target's cache is rolled back to the committed tokens, and the layer outputs of the committed
    positions join the drafter's context. Acceptance length of the step: tau = n + 1.
 
+Rolling back a hybrid target (Qwen3.5/3.6: Gated DeltaNet linear-attention layers beside full attention)
+needs more than `cache.crop`: crop trims attention KV and the recorded conv inputs, but the recurrent state
+of a linear-attention layer has already absorbed every verified token, the rejected drafts included, and
+has no history to trim. So before each verification the recurrent states are snapshot; after a partial
+acceptance the cache is cropped to where it was before the verification, the snapshot is restored, and the
+committed tokens [last, d_1..d_n] are replayed through the target (one extra forward of n + 1 tokens). The
+verification pass's own argmax is still right for every committed position (each output depends only on
+the tokens before it); only the state carried forward needed the replay.
+
 Committed tokens are always the target's own argmax given the committed prefix, so the output equals the
 target's greedy decoding token for token (`greedy_reference`; tests hold the loop to it).
 
@@ -40,6 +49,8 @@ class SpeculativeResult:
     accepted: list[int]
     target_forwards: int
     block_size: int
+    # Extra target forwards that rebuilt a linear-attention state after a partial acceptance (hybrid targets).
+    state_replays: int = 0
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -98,6 +109,25 @@ class HookedTarget:
         if hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()
         return cache
+
+    @staticmethod
+    def recurrent_states(cache: Any) -> dict[tuple[int, int], torch.Tensor]:
+        """Copies of every initialised linear-attention recurrent state in `cache`, keyed by (layer, state)."""
+        states: dict[tuple[int, int], torch.Tensor] = {}
+        for layer_idx, layer in enumerate(getattr(cache, "layers", ())):
+            recurrent = getattr(layer, "recurrent_states", None)
+            if not recurrent:
+                continue
+            for state_idx, tensor in recurrent.items():
+                if tensor is not None and layer.is_recurrent_states_initialized.get(state_idx, False):
+                    states[(layer_idx, state_idx)] = tensor.clone()
+        return states
+
+    @staticmethod
+    def restore_recurrent_states(cache: Any, states: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Put the recurrent states taken by `recurrent_states` back (in place: the layers hold them)."""
+        for (layer_idx, state_idx), tensor in states.items():
+            cache.layers[layer_idx].recurrent_states[state_idx].copy_(tensor)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: Any, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,21 +240,35 @@ def speculative_generate(
     tokens = [int(preds[-1])]
     accepted: list[int] = []
     forwards = 1
+    replays = 0
     tokens, done = _truncate(tokens, max_new_tokens, stop)
     while not done:
         last = tokens[-1]
         draft = propose(drafter, target, context.tensor(), last, block)
         verify = torch.tensor([last, *draft], dtype=torch.long, device=device)
+        before = target.recurrent_states(cache)
         preds, features = target.forward(verify, cache)
         forwards += 1
         matches = torch.tensor(draft, device=device) == preds[:-1]
         n = int(torch.cumprod(matches.to(torch.long), dim=0).sum())
         accepted.append(n)
-        # The target has seen `last` and all drafts; keep `last` and the n accepted drafts.
-        cache.crop(-(block - 1 - n))
-        context.extend(features[: n + 1])
+        if n == block - 1 or not before:
+            # The target has seen `last` and all drafts; keep `last` and the n accepted drafts.
+            cache.crop(-(block - 1 - n))
+            context.extend(features[: n + 1])
+        else:
+            # Linear-attention states absorbed the rejected drafts: back to before the verification,
+            # then replay the committed tokens (see the module docstring).
+            cache.crop(-block)
+            target.restore_recurrent_states(cache, before)
+            _, replayed = target.forward(verify[: n + 1], cache)
+            cache.crop(0)  # trims the recorded conv inputs back to the kernel width
+            replays += 1
+            context.extend(replayed)
         tokens, done = _truncate([*tokens, *draft[:n], int(preds[n])], max_new_tokens, stop)
-    return SpeculativeResult(tokens=tokens, accepted=accepted, target_forwards=forwards, block_size=block)
+    return SpeculativeResult(
+        tokens=tokens, accepted=accepted, target_forwards=forwards, block_size=block, state_replays=replays
+    )
 
 
 @torch.no_grad()
