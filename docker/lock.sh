@@ -3,6 +3,8 @@
 # The locks target the images' platform (CPython 3.11, x86_64 manylinux_2_28), not the host's.
 #
 # Usage: docker/lock.sh [STAGE...]     (default: every jobs/*/requirements*.in)
+# An input may come with X.overrides and X.excludes beside X.in (passed to uv as --overrides / --excludes):
+# replacements for a dependency's own pins, and dependencies to leave out.
 # Environment: UV=/path/to/uv to pick a uv binary; extra arguments for uv in UV_COMPILE_ARGS
 #              (e.g. UV_COMPILE_ARGS=--upgrade).
 set -euo pipefail
@@ -34,10 +36,13 @@ fi
 
 for in in "${ins[@]}"; do
   out="${in%.in}.lock"
+  adjust=()
+  [[ -f "${in%.in}.overrides" ]] && adjust+=(--overrides "${in%.in}.overrides")
+  [[ -f "${in%.in}.excludes" ]] && adjust+=(--excludes "${in%.in}.excludes")
   # shellcheck disable=SC2086  # UV_COMPILE_ARGS is a list of flags on purpose
   if ! "$UV" pip compile --quiet --generate-hashes --python-version 3.11 \
       --python-platform x86_64-manylinux_2_28 --custom-compile-command docker/lock.sh \
-      ${UV_COMPILE_ARGS:-} "$in" -o "$out"; then
+      "${adjust[@]}" ${UV_COMPILE_ARGS:-} "$in" -o "$out"; then
     echo "lock: FAILED for $in" >&2
     exit 1
   fi
