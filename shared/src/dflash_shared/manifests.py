@@ -113,6 +113,14 @@ class CompletionsSection(_Frozen):
     )
     has_token_ids: bool = Field(description="Records carry the engine's prompt and completion token ids.")
     sampling: dict[str, Any] = Field(default_factory=dict, description="Sampling parameters used.")
+    sampling_sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where each sampling value came from: 'explicit' (the user), 'generation_config' (the "
+        "target's generation_config.json) or 'preset:<family>/<thinking|non_thinking>'; empty for imports.",
+    )
+    target_family: str | None = Field(
+        default=None, description="Target family the defaults were chosen for ('qwen3', 'qwen3_5'); None for imports."
+    )
     max_new_tokens: int | None = Field(default=None, description="Generation budget per prompt.")
     max_model_len: int | None = Field(default=None, description="Engine context length.")
     output_tokens: int = Field(default=0, ge=0, description="Completion tokens generated in total.")

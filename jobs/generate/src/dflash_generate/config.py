@@ -1,19 +1,44 @@
-"""The generate stage's one typed config: flags, DFLASH_GENERATE_* variables and defaults come from here."""
+"""The generate stage's one typed config: flags, DFLASH_GENERATE_* variables and defaults come from here.
+
+Some defaults depend on the target (its family and generation_config.json): sampling values and the
+generation budget. Those fields default to None here and are settled by `GenerateConfig.settle` once the
+target's config files are read (`dflash_generate.target`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_generate.engine import EngineConfig
-from dflash_generate.sampling import SamplingConfig, default_sampling
+from dflash_generate.sampling import SAMPLING_FIELDS, SamplingChoice, SamplingConfig, choose_sampling
+from dflash_generate.target import Family, TargetInfo
+from dflash_shared.errors import ConfigError
 from dflash_shared.quality import QualityPolicy
 from dflash_shared.settings import StageSettings
 
-# Sampling fields that may override the recommended values of the thinking mode.
-SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
+# Sampling fields that may override the target's defaults.
+SAMPLING_OVERRIDES = SAMPLING_FIELDS
+# Per family: (max_new_tokens, max_model_len) when not set. Qwen3.6's card suggests ~32K output tokens for
+# most queries in thinking mode; the context adds 8K of prompt. Qwen3 keeps 8K of output in a 16K context.
+DEFAULT_LIMITS: dict[Family, tuple[int, int]] = {"qwen3": (8192, 16384), "qwen3_5": (32768, 40960)}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The target-dependent settings of a run, settled: sampling (with sources) and the length budget."""
+
+    family: Family
+    choice: SamplingChoice
+    max_new_tokens: int
+    max_model_len: int
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.choice.sampling
 
 
 class GenerateConfig(StageSettings):
@@ -37,16 +62,26 @@ class GenerateConfig(StageSettings):
     enable_thinking: bool = Field(default=True, description="Render prompts with thinking mode on (recorded).")
     # Thinking-mode answers run long: a budget most of them overrun would trip the fail-fast check on
     # truncated completions (which is the point: the tokenize gate would reject them anyway).
-    max_new_tokens: int = Field(default=8192, gt=0, description="Most completion tokens per prompt.")
-    max_model_len: int = Field(default=16384, gt=1, description="Engine context: prompt plus completion tokens.")
-    temperature: float | None = Field(
-        default=None, ge=0, description="Sampling temperature; default: the target's recommendation for the mode."
+    max_new_tokens: int | None = Field(
+        default=None, gt=0, description="Most completion tokens per prompt; default per target family: 32768 for "
+        "Qwen3.5/3.6 (long thinking), 8192 otherwise."
     )
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus mass; default: recommended.")
-    top_k: int | None = Field(default=None, ge=-1, description="Top-k (-1 or 0 keeps all); default: recommended.")
-    min_p: float | None = Field(default=None, ge=0, le=1, description="Min-p; default: recommended.")
+    max_model_len: int | None = Field(
+        default=None, gt=1, description="Engine context: prompt plus completion tokens; default per target "
+        "family: 40960 for Qwen3.5/3.6, 16384 otherwise (with an explicit max_new_tokens: at least 8192 more)."
+    )
+    temperature: float | None = Field(
+        default=None, ge=0, description="Sampling temperature; default: the target's generation_config.json "
+        "(thinking mode), else its family's recommendation for the mode (as every sampling field)."
+    )
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus mass; default: the target's.")
+    top_k: int | None = Field(default=None, ge=-1, description="Top-k (-1 or 0 keeps all); default: the target's.")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="Min-p; default: the target's.")
     presence_penalty: float | None = Field(
-        default=None, ge=-2, le=2, description="Presence penalty; default: recommended."
+        default=None, ge=-2, le=2, description="Presence penalty; default: the target's."
+    )
+    repetition_penalty: float | None = Field(
+        default=None, gt=0, le=2, description="Repetition penalty (1: none); default: the target's."
     )
     seed: int | None = Field(
         default=None,
@@ -103,11 +138,8 @@ class GenerateConfig(StageSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerateConfig:
-        if self.max_new_tokens >= self.max_model_len:
-            raise ValueError(
-                f"max_new_tokens ({self.max_new_tokens}) must be below max_model_len ({self.max_model_len}), "
-                "or no prompt would fit beside a full completion"
-            )
+        if self.max_new_tokens is not None and self.max_model_len is not None:
+            _check_limits(self.max_new_tokens, self.max_model_len)
         if self.data_parallel_rank is not None and self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank {self.data_parallel_rank} is out of range for data_parallel_size "
@@ -119,18 +151,31 @@ class GenerateConfig(StageSettings):
     def inflight(self) -> int:
         return self.max_inflight or self.chunk_records
 
-    def sampling(self) -> SamplingConfig:
-        """The recommended values for the thinking mode, with this config's overrides."""
-        overrides: dict[str, Any] = {k: getattr(self, k) for k in SAMPLING_OVERRIDES if getattr(self, k) is not None}
-        return default_sampling(self.enable_thinking).with_overrides(
-            **overrides, max_tokens=self.max_new_tokens, seed=self.seed
-        )
+    def settle(self, target: TargetInfo | None = None) -> GenerationSettings:
+        """The target-dependent settings: what this config sets explicitly, the rest from the target."""
+        target = target or TargetInfo()
+        explicit: dict[str, Any] = {k: getattr(self, k) for k in SAMPLING_OVERRIDES if getattr(self, k) is not None}
+        default_new, default_len = DEFAULT_LIMITS[target.family]
+        max_new_tokens = self.max_new_tokens or default_new
+        # An explicit budget keeps the default room for prompts beside it.
+        max_model_len = self.max_model_len or max(default_len, max_new_tokens + default_len - default_new)
+        try:
+            _check_limits(max_new_tokens, max_model_len)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        choice = choose_sampling(target.family, self.enable_thinking, target.generation_config, explicit,
+                                 max_tokens=max_new_tokens, seed=self.seed)
+        return GenerationSettings(target.family, choice, max_new_tokens, max_model_len)
 
-    def engine_config(self, model_dir: str) -> EngineConfig:
+    def sampling(self, target: TargetInfo | None = None) -> SamplingConfig:
+        """The sampling for the thinking mode on `target` (default: a Qwen3 without generation_config)."""
+        return self.settle(target).sampling
+
+    def engine_config(self, model_dir: str, max_model_len: int | None = None) -> EngineConfig:
         return EngineConfig(
             model=model_dir,
             dtype=self.dtype,
-            max_model_len=self.max_model_len,
+            max_model_len=max_model_len or self.settle().max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
@@ -143,4 +188,12 @@ class GenerateConfig(StageSettings):
             min_content_tokens=self.min_content_tokens,
             allow_truncated=self.allow_truncated,
             reject_repetitive=self.reject_repetitive,
+        )
+
+
+def _check_limits(max_new_tokens: int, max_model_len: int) -> None:
+    if max_new_tokens >= max_model_len:
+        raise ValueError(
+            f"max_new_tokens ({max_new_tokens}) must be below max_model_len ({max_model_len}), "
+            "or no prompt would fit beside a full completion"
         )

@@ -8,6 +8,11 @@ failure outcome before the engine sees them; a request the engine still refuses 
 
 `stream` keeps at most `max_inflight` requests inside the engine and tops it up as requests finish, so
 the engine never drains between chunks and a preempted worker loses at most that many prompts' work.
+Hybrid targets (Qwen3.5/3.6: Gated DeltaNet beside full attention) need two settings on vLLM's CPU build:
+bfloat16 (its Gated DeltaNet kernel runs in nothing else) and no prefix caching (that path calls a Triton
+kernel, which the CPU build lacks). Vision-language checkpoints (Qwen3.5/3.6 ship as one) run their
+language model only: the stage sends text, and vLLM then neither loads the vision tower nor needs the
+image processor's files. `EngineConfig.for_target` applies all of it from the target's config.json.
 vLLM is imported inside methods so that this package imports without it.
 """
 
@@ -33,6 +38,8 @@ from dflash_generate.completion import (
     render_prompt,
 )
 from dflash_generate.sampling import SamplingConfig, default_sampling
+from dflash_generate.target import TargetInfo, read_target
+from dflash_shared.errors import ConfigError
 from dflash_shared.records import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -74,6 +81,25 @@ class EngineConfig(BaseModel):
     max_num_seqs: int | None = Field(
         default=None, ge=1, description="Most sequences decoded at once; None keeps vLLM's default."
     )
+    enable_prefix_caching: bool | None = Field(
+        default=None, description="Reuse the KV cache of shared prompt prefixes; None keeps vLLM's default."
+    )
+    language_model_only: bool = Field(
+        default=False, description="Run a vision-language checkpoint as a text model (no vision tower)."
+    )
+
+    def for_target(self, target: TargetInfo, flavour: str) -> EngineConfig:
+        """This config with what the target needs on this vLLM build (see the module docstring)."""
+        config = self.model_copy(update={"language_model_only": True}) if target.multimodal else self
+        if not (target.hybrid and flavour == "cpu"):
+            return config
+        if self.dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"{self.model} is a hybrid (linear-attention) model: vLLM's CPU build runs its Gated "
+                              f"DeltaNet layers in bfloat16 only, not {self.dtype}; set dtype to bfloat16")
+        if self.enable_prefix_caching:
+            raise ConfigError(f"{self.model} is a hybrid (linear-attention) model: vLLM's CPU build cannot cache "
+                              "its prefixes (a Triton kernel); leave enable_prefix_caching unset")
+        return config.model_copy(update={"dtype": "bfloat16", "enable_prefix_caching": False})
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM`."""
@@ -89,6 +115,10 @@ class EngineConfig(BaseModel):
         }
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.enable_prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = self.enable_prefix_caching
+        if self.language_model_only:
+            kwargs["language_model_only"] = True
         return kwargs
 
 
@@ -98,6 +128,8 @@ class VllmEngine:
     def __init__(self, config: EngineConfig) -> None:
         from vllm import LLM
 
+        self.target = read_target(config.model)
+        config = config.for_target(self.target, engine_flavour())
         self.config = config
         started = time.monotonic()
         self._llm: Any = LLM(**config.llm_kwargs())
@@ -147,6 +179,7 @@ class VllmEngine:
             top_k=sampling.top_k,
             min_p=sampling.min_p,
             presence_penalty=sampling.presence_penalty,
+            repetition_penalty=sampling.repetition_penalty,
             # Never ask for more than the context holds: vLLM would refuse the request. At least 1, so that
             # a prompt that is too long is refused for its length, with the engine's own message.
             max_tokens=max(
@@ -187,6 +220,7 @@ class VllmEngine:
     ) -> Generator[tuple[K, GenerationOutcome], None, None]:
         """Like `stream`, for prompts rendered already; ready outcomes (failures) pass straight through."""
         from vllm.inputs import TokensPrompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._llm is None:
@@ -194,7 +228,8 @@ class VllmEngine:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
         engine = self._llm.llm_engine
-        sampling = sampling or default_sampling(enable_thinking)
+        renderer, model_config = engine.renderer, engine.model_config
+        sampling = sampling or default_sampling(enable_thinking, self.target.family)
         record_sampling = sampling.as_record_dict()
         inflight: dict[str, tuple[K, RenderedPrompt]] = {}
         source = iter(items)
@@ -212,9 +247,10 @@ class VllmEngine:
                         continue
                     request_id = str(next(self._ids))
                     try:
-                        engine.add_request(
-                            request_id, TokensPrompt(prompt_token_ids=item.token_ids), self._params(item, sampling)
-                        )
+                        # Rendered by the engine's renderer first: add_request warns that raw prompts are deprecated.
+                        prompt = parse_model_prompt(model_config, TokensPrompt(prompt_token_ids=item.token_ids))
+                        (engine_input,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
+                        engine.add_request(request_id, engine_input, self._params(item, sampling))
                     except EngineDeadError:
                         raise  # no later request can succeed; let the worker fail and be retried
                     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for a bad request

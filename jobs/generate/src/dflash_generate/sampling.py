@@ -1,16 +1,29 @@
-"""Sampling settings of the generate stage and Qwen's recommended defaults.
+"""Sampling settings of the generate stage: the target's own defaults, Qwen's presets, explicit overrides.
 
 The drafter learns the target's own distribution, so completions are sampled with the settings the model
-is meant to run with: Qwen recommends different values for thinking and non-thinking mode. This module
-has no vLLM import; the engine turns a `SamplingConfig` into vLLM's `SamplingParams`.
+is meant to run with. Each value comes from, in order: the user (an explicit setting always wins); the
+target's `generation_config.json`, in thinking mode (the mode Qwen's shipped values are for: its file has
+one set of values and no mode); the family's preset for the mode (Qwen recommends different values for
+thinking and non-thinking mode, and Qwen3.5/3.6 others than Qwen3). `choose_sampling` records where each
+value came from. This module has no vLLM import; the engine turns a `SamplingConfig` into vLLM's
+`SamplingParams`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dflash_generate.target import Family
+
+log = logging.getLogger(__name__)
+# The fields a target's generation_config.json or the user may set (the rest are the stage's own).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty")
 
 
 class SamplingConfig(BaseModel):
@@ -24,6 +37,9 @@ class SamplingConfig(BaseModel):
     min_p: float = Field(ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
     presence_penalty: float = Field(
         default=0.0, ge=-2.0, le=2.0, description="Penalty on tokens already present (Qwen allows 0-2)."
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=2.0, description="Multiplicative penalty on repeated tokens; 1 is none."
     )
     max_tokens: int | None = Field(
         default=None,
@@ -65,6 +81,82 @@ def qwen_non_thinking() -> SamplingConfig:
     return SamplingConfig(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0)
 
 
-def default_sampling(enable_thinking: bool) -> SamplingConfig:
-    """The recommended sampling for the requested mode."""
-    return qwen_thinking() if enable_thinking else qwen_non_thinking()
+def qwen3_5_thinking() -> SamplingConfig:
+    """Qwen3.5/3.6's recommended values for thinking mode (general tasks)."""
+    return SamplingConfig(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5)
+
+
+def qwen3_5_non_thinking() -> SamplingConfig:
+    """Qwen3.5/3.6's recommended values for non-thinking (instruct) mode."""
+    return SamplingConfig(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0, presence_penalty=1.5)
+
+
+PRESETS = {
+    ("qwen3", True): qwen_thinking,
+    ("qwen3", False): qwen_non_thinking,
+    ("qwen3_5", True): qwen3_5_thinking,
+    ("qwen3_5", False): qwen3_5_non_thinking,
+}
+
+
+def default_sampling(enable_thinking: bool, family: Family = "qwen3") -> SamplingConfig:
+    """The family's recommended sampling for the requested mode."""
+    return PRESETS[(family, enable_thinking)]()
+
+
+def generation_config_values(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling fields a generation_config.json sets, each checked as SamplingConfig checks it.
+
+    A value out of range (or of the wrong type) is skipped with a warning: the preset then fills it.
+    """
+    found: dict[str, Any] = {}
+    reference = qwen_thinking()
+    for name in SAMPLING_FIELDS:
+        value = generation_config.get(name)
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool):
+                raise TypeError("a boolean")
+            reference.with_overrides(**{name: value})
+        except (ValidationError, TypeError) as err:
+            log.warning("ignoring %s=%r from generation_config.json: %s", name, value, err)
+            continue
+        found[name] = value
+    return found
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    """The sampling a run uses and, per field, where its value came from."""
+
+    sampling: SamplingConfig
+    # field -> "explicit", "generation_config" or "preset:<family>/<thinking|non_thinking>"
+    sources: dict[str, str]
+
+
+def choose_sampling(
+    family: Family,
+    enable_thinking: bool,
+    generation_config: Mapping[str, Any] | None = None,
+    explicit: Mapping[str, Any] | None = None,
+    max_tokens: int | None = None,
+    seed: int | None = None,
+) -> SamplingChoice:
+    """Each sampling field from the user, else the target's generation_config (thinking mode), else the preset."""
+    preset_source = f"preset:{family}/{'thinking' if enable_thinking else 'non_thinking'}"
+    values = default_sampling(enable_thinking, family).model_dump()
+    sources = dict.fromkeys(SAMPLING_FIELDS, preset_source)
+    # generation_config.json holds one set of values, the default (thinking) mode's for Qwen: using them for
+    # non-thinking runs would contradict the model card's non-thinking values.
+    shipped = generation_config_values(generation_config or {}) if enable_thinking else {}
+    for layer, source in ((shipped, "generation_config"), (explicit or {}, "explicit")):
+        for name, value in layer.items():
+            if value is None:
+                continue
+            if name not in SAMPLING_FIELDS:
+                raise ValueError(f"{name} is not a sampling field; expected one of {SAMPLING_FIELDS}")
+            values[name] = value
+            sources[name] = source
+    sampling = SamplingConfig.model_validate({**values, "max_tokens": max_tokens, "seed": seed})
+    return SamplingChoice(sampling, sources)

@@ -28,8 +28,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
-from dflash_generate.engine import EngineConfig
+from dflash_generate.engine import EngineConfig, engine_flavour
 from dflash_generate.model_source import ModelFiles, ModelSource
+from dflash_generate.target import read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.manifest_io import LoadedManifest, load_manifest
@@ -249,7 +250,7 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
             max_model_len=config.max_model_len or longest + report.max_new_tokens + report.block_size + 16,
             tensor_parallel_size=config.tensor_parallel_size, gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
-        )
+        ).for_target(read_target(target_dir), engine_flavour())  # a hybrid target on CPU: bf16, no prefix cache
         speculative = {"method": "dflash", "model": _export_dir(store, export_uri, scratch),
                        "num_speculative_tokens": report.block_size - 1}
         with started_engine(engine, speculative) as (llm, spec_start):

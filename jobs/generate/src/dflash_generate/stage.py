@@ -20,11 +20,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dflash_generate.chunks import Chunk, PromptReader, plan_chunks
-from dflash_generate.config import GenerateConfig
+from dflash_generate.config import GenerateConfig, GenerationSettings
 from dflash_generate.engine import VllmEngine
 from dflash_generate.generation import EngineProvider, WorkerPlan, process_shard
 from dflash_generate.model_source import ModelFiles, ModelSource
 from dflash_generate.sampling import SamplingConfig
+from dflash_generate.target import read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.manifest_io import LoadedManifest, load_manifest
@@ -82,8 +83,12 @@ class Resolved:
     source: LoadedManifest
     model: ModelFiles
     target: TargetIdentity
-    sampling: SamplingConfig
+    settings: GenerationSettings
     chunks: list[Chunk]
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.settings.sampling
 
     @property
     def settings_sha256(self) -> str:
@@ -91,7 +96,7 @@ class Resolved:
         shaping = {
             "target": self.target.model_dump(mode="json"),
             "sampling": self.sampling.as_record_dict(),
-            "max_model_len": self.config.max_model_len,
+            "max_model_len": self.settings.max_model_len,
         }
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
@@ -121,8 +126,14 @@ def resolve(config: GenerateConfig, store: ObjectStore, scratch: str) -> Resolve
     )
     tokenizer_dir = model.tokenizer_dir()
     target = target_identity(config, tokenizer_dir, model.revision)
+    # config.json and generation_config.json come with the tokenizer files, before the weights.
+    info = read_target(tokenizer_dir)
+    settings = config.settle(info)
+    log.info("target %s: family %s%s; sampling %s (sources %s); max_new_tokens %d, max_model_len %d",
+             info.model_type, info.family, " (hybrid)" if info.hybrid else "", settings.sampling.as_record_dict(),
+             settings.choice.sources, settings.max_new_tokens, settings.max_model_len)
     chunks = plan_chunks(source.manifest.shards, config.chunk_records)
-    return Resolved(config, source, model, target, config.sampling(), chunks)
+    return Resolved(config, source, model, target, settings, chunks)
 
 
 def engine_provider(resolved: Resolved, engine: VllmEngine | None) -> EngineProvider:
@@ -131,14 +142,15 @@ def engine_provider(resolved: Resolved, engine: VllmEngine | None) -> EngineProv
     @contextlib.contextmanager
     def provide() -> Iterator[VllmEngine]:
         config = resolved.config
+        max_model_len = resolved.settings.max_model_len
         if engine is not None:
-            if (engine.config.model, engine.config.max_model_len) != (resolved.model.local_dir, config.max_model_len):
+            if (engine.config.model, engine.config.max_model_len) != (resolved.model.local_dir, max_model_len):
                 raise ConfigError(f"the engine given serves {engine.config.model} with max_model_len "
                                   f"{engine.config.max_model_len}, the config asks for {config.model} with "
-                                  f"{config.max_model_len}")
+                                  f"{max_model_len}")
             yield engine
             return
-        with VllmEngine(config.engine_config(resolved.model.model_dir())) as started:
+        with VllmEngine(config.engine_config(resolved.model.model_dir(), max_model_len)) as started:
             yield started
 
     return provide
@@ -180,8 +192,10 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
             target=resolved.target,
             has_token_ids=True,
             sampling=resolved.sampling.as_record_dict(),
-            max_new_tokens=config.max_new_tokens,
-            max_model_len=config.max_model_len,
+            sampling_sources=resolved.settings.choice.sources,
+            target_family=resolved.settings.family,
+            max_new_tokens=resolved.settings.max_new_tokens,
+            max_model_len=resolved.settings.max_model_len,
             output_tokens=output_tokens,
             throughput=throughput,
         ),
