@@ -1,7 +1,11 @@
-"""Fixtures of the generate-stage tests: a real Qwen tokenizer directory, the tiny Qwen3 target, one engine.
+"""Fixtures of the generate-stage tests: a real Qwen tokenizer directory, the tiny targets, one engine.
 
-Starting a vLLM engine takes tens of seconds on CPU, so every test module that needs one shares the
-session's engine (same model and context length; thinking mode and sampling are per request).
+The target fixtures are parametrized over the supported architectures (`TARGET_ARCHS`: dense Qwen3 and the
+hybrid Qwen3.6 layout), so every test that uses them runs once per architecture. Starting a vLLM engine
+takes tens of seconds on CPU, so the tests of one architecture share the session's engine (same model and
+context length; thinking mode and sampling are per request); pytest groups the tests by architecture and
+closes one engine before it starts the next. A test about the stage's bookkeeping rather than the model
+runs on one architecture (`stage_support.ONE_ARCH`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import pytest
 
 from tests.generate.stage_support import ENGINE_SETTINGS
 from tests.support.qwen_assets import build_tokenizer_dir
+from tests.support.tiny_target import TARGET_ARCHS, TargetArch
 
 
 @pytest.fixture(scope="session")
@@ -22,12 +27,18 @@ def qwen3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer_dir(tmp_path_factory.mktemp("qwen3-tokenizer"), "qwen3")
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir() -> Path:
-    """The cached tiny random Qwen3 target (needs torch; only engine tests ask for it)."""
-    from tests.support.tiny_target import build_tiny_qwen3
+@pytest.fixture(scope="session", params=TARGET_ARCHS)
+def target_arch(request: pytest.FixtureRequest) -> TargetArch:
+    """The architecture of the session's tiny target (each in turn)."""
+    return request.param  # type: ignore[no-any-return]
 
-    return build_tiny_qwen3()
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(target_arch: TargetArch) -> Path:
+    """The cached tiny random target of `target_arch` (needs torch; only engine tests ask for it)."""
+    from tests.support.tiny_target import build_tiny_target
+
+    return build_tiny_target(target_arch)
 
 
 @pytest.fixture(scope="session")

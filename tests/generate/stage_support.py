@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dflash_generate.config import GenerateConfig
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.manifest_io import load_manifest
@@ -27,6 +29,9 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+# For tests about the stage's bookkeeping (resumption, failures, the CLI): the dense target is enough, and
+# its engine is the one the other Qwen3 tests started already.
+ONE_ARCH = pytest.mark.parametrize("target_arch", ["qwen3"], indirect=True)
 # Engine settings every stage test uses, so the tests can share one engine.
 MAX_MODEL_LEN = 256
 ENGINE_SETTINGS: dict[str, Any] = {

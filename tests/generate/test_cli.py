@@ -15,7 +15,7 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind, PromptsSection
 from dflash_shared.records import PromptRecord
 from dflash_shared.storage import ObjectStore, join
-from tests.generate.stage_support import varied_prompts, write_prompts
+from tests.generate.stage_support import ONE_ARCH, varied_prompts, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,7 @@ def test_usage_and_config_errors_exit_64() -> None:
 
 
 @pytest.mark.slow
+@ONE_ARCH
 def test_preflight_checks_model_input_and_node(s3_bucket: str, store: ObjectStore, tiny_target_dir: Path,
                                                tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="preflight of the engine stack needs the generate environment")

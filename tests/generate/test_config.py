@@ -51,7 +51,7 @@ def test_thinking_defaults_to_the_recommended_thinking_sampling(monkeypatch: pyt
 def test_inconsistent_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     clear_stage_env(monkeypatch)
     with pytest.raises(ConfigError, match="max_new_tokens .* must be below max_model_len"):
-        parse_settings(GenerateConfig, [*BASE, "--max-new-tokens", "16384"])
+        parse_settings(GenerateConfig, [*BASE, "--max-new-tokens", "16384", "--max-model-len", "16384"])
     with pytest.raises(ConfigError, match="data_parallel_rank 2 is out of range"):
         parse_settings(GenerateConfig, [*BASE, "--data-parallel-size", "2", "--data-parallel-rank", "2"])
     with pytest.raises(ConfigError, match="--top-p"):

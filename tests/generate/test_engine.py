@@ -1,8 +1,10 @@
-"""The vLLM engine wrapper against a real vLLM engine (CPU build) and the tiny random Qwen3 target.
+"""The vLLM engine wrapper against a real vLLM engine (CPU build) and each tiny random target.
 
-The session's engine (tests/generate/conftest.py) serves the module: starting one takes tens of seconds.
-The expectations come from the tokenizer directory through transformers (chat template rendering,
-decoding), independent of vLLM.
+The dense Qwen3 and the hybrid Qwen3.6 layout (Gated DeltaNet + gated attention, VL checkpoint with MTP
+weights, a template whose generation prompt opens the think block). The session's engine of each
+architecture (tests/generate/conftest.py) serves the module: starting one takes tens of seconds. The
+expectations come from the tokenizer directory through transformers (chat template rendering, decoding),
+independent of vLLM.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ from dflash_shared.records import (  # noqa: E402
     ToolCallFunction,
     record_id,
 )
-from tests.generate.stage_support import MAX_MODEL_LEN  # noqa: E402
+from tests.generate.stage_support import MAX_MODEL_LEN, ONE_ARCH  # noqa: E402
 from tests.support.qwen_assets import qwen_special_ids  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-IDS = qwen_special_ids("qwen3")
-STOP_IDS = {IDS["im_end"], IDS["endoftext"]}
+# What the generation prompt of each architecture's template ends with in thinking mode: Qwen3.6's opens
+# the think block itself, Qwen3's leaves it to the model.
+OPENED = {"qwen3": "", "qwen3_6": "<think>\n"}
 
 
 def prompt(*messages: Message) -> PromptRecord:
@@ -70,6 +72,12 @@ def hf_tok(tiny_target_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
+@pytest.fixture(scope="module")
+def stop_ids(target_arch: str) -> set[int]:
+    ids = qwen_special_ids(target_arch)  # type: ignore[arg-type]
+    return {ids["im_end"], ids["endoftext"]}
+
+
 def expected_prompt_ids(hf_tok: Any, record: PromptRecord, thinking: bool) -> list[int]:
     return list(
         hf_tok.apply_chat_template(
@@ -86,7 +94,7 @@ def raw_text(hf_tok: Any, rec: CompletionRecord) -> str:
     """The completion decoded independently: every token but the end-of-turn the engine stopped on."""
     ids = list(rec.completion_token_ids or ())
     if rec.finish_reason == "stop":
-        assert ids[-1] in STOP_IDS
+        assert hf_tok.convert_ids_to_tokens(ids[-1]) in ("<|im_end|>", "<|endoftext|>")
         ids = ids[:-1]
     return str(hf_tok.decode(ids, skip_special_tokens=False))
 
@@ -123,26 +131,35 @@ def test_thinking_off(engine: VllmEngine, hf_tok: Any) -> None:
     assert sum(len(o.record.final_assistant.content) for o in outcomes) > 0
 
 
-def test_thinking_on(engine: VllmEngine, hf_tok: Any) -> None:
+def test_thinking_on(engine: VllmEngine, hf_tok: Any, target_arch: str) -> None:
     sampling = qwen_thinking().with_overrides(max_tokens=24)
     outcomes = engine.generate(PROMPTS, enable_thinking=True, sampling=sampling)
     check_common(hf_tok, PROMPTS, outcomes, thinking=True, max_tokens=24)
+    opened = OPENED[target_arch]
     for p, outcome in zip(PROMPTS, outcomes, strict=True):
         rec = outcome.record
         assert rec.sampling == sampling.model_dump(mode="json")
         msg, text = rec.final_assistant, raw_text(hf_tok, rec)
+        if opened:  # the prompt opened the block: the model writes inside it
+            assert outcome.thinking_closed is not None
         if not outcome.thinking_closed:  # no think block, or one never closed: the raw text is the content
-            assert msg.reasoning_content is None and msg.content == text
-            assert outcome.thinking_closed is None or text.lstrip().startswith("<think>")
+            assert msg.reasoning_content is None
+            # A block the prompt opened and the model never closed keeps its opening marker.
+            assert msg.content == (opened.rstrip("\n") + text if opened else text)
+            assert outcome.thinking_closed is None or msg.content.lstrip().startswith("<think>")
         else:
-            pattern = r"\s*<think>\n*" + re.escape(msg.reasoning_content or "") + r"\n*</think>\n*"
+            head = r"\n*" if opened else r"\s*<think>\n*"
+            pattern = head + re.escape(msg.reasoning_content or "") + r"\n*</think>\n*"
             assert re.fullmatch(pattern + re.escape(msg.content), text), text
-        # Thinking on differs from off only by the pre-filled empty think block.
-        on_ids, off_ids = list(rec.prompt_token_ids), expected_prompt_ids(hf_tok, p, False)
-        assert off_ids[: len(on_ids)] == on_ids
-        assert hf_tok.decode(off_ids[len(on_ids) :]) == "<think>\n\n</think>\n\n"
+        # Thinking on differs from off only in the think block: Qwen3's on-prompt leaves it to the model,
+        # Qwen3.6's opens it; off pre-fills an empty one.
+        on_text = hf_tok.decode(list(rec.prompt_token_ids))
+        off_text = hf_tok.decode(expected_prompt_ids(hf_tok, p, False))
+        assert on_text.endswith("<|im_start|>assistant\n" + opened)
+        assert off_text == on_text.removesuffix(opened) + "<think>\n\n</think>\n\n"
 
 
+@ONE_ARCH
 def test_failures_are_counted_and_others_unaffected(engine: VllmEngine) -> None:
     too_long = prompt(user("lorem ipsum " * MAX_MODEL_LEN))
     batch = [
@@ -169,6 +186,7 @@ def test_failures_are_counted_and_others_unaffected(engine: VllmEngine) -> None:
     assert [o.record for o in alone] == [outcomes[0].record, outcomes[3].record]
 
 
+@ONE_ARCH
 def test_engine_rejection_is_isolated_to_its_record(engine: VllmEngine) -> None:
     sampling = qwen_thinking().with_overrides(max_tokens=4)
     rendered = [engine.prepare(p, True) for p in PROMPTS[:3]]
@@ -186,6 +204,7 @@ def test_engine_rejection_is_isolated_to_its_record(engine: VllmEngine) -> None:
     assert engine.generate([PROMPTS[0]], enable_thinking=False, sampling=sampling)[0].ok
 
 
+@ONE_ARCH
 def test_stream_keeps_at_most_max_inflight_requests(engine: VllmEngine) -> None:
     sampling = qwen_non_thinking().with_overrides(max_tokens=6, seed=5)
     keys = [f"k{i}" for i in range(12)]
@@ -203,16 +222,31 @@ def test_stream_keeps_at_most_max_inflight_requests(engine: VllmEngine) -> None:
     assert engine._llm.llm_engine.get_num_unfinished_requests() == 0  # noqa: SLF001
 
 
-def test_max_tokens_one_gives_single_token_outputs(engine: VllmEngine, hf_tok: Any) -> None:
+def test_max_tokens_one_gives_single_token_outputs(engine: VllmEngine, hf_tok: Any, stop_ids: set[int]) -> None:
     sampling = qwen_non_thinking().with_overrides(max_tokens=1)
     outcomes = engine.generate(PROMPTS, enable_thinking=False, sampling=sampling)
     for outcome in outcomes:
         rec = outcome.record
         assert len(rec.completion_token_ids) == 1
         token = rec.completion_token_ids[0]
-        if token in STOP_IDS:
+        if token in stop_ids:
             assert rec.finish_reason == "stop" and rec.final_assistant.content == ""
         else:
             assert rec.finish_reason == "length"
             assert rec.final_assistant.content == hf_tok.decode([token], skip_special_tokens=False)
         assert len(rec.final_assistant.content) <= 32
+
+
+def test_engine_runs_the_target_as_its_architecture_needs(engine: VllmEngine, target_arch: str) -> None:
+    """The hybrid VL target on CPU: bf16, no prefix caching, text only, from its config.json; the dense one as asked.
+
+    That the hybrid engine started at all says vLLM skipped the checkpoint's `mtp.*` and vision weights.
+    """
+    hybrid = target_arch == "qwen3_6"
+    assert engine.target.hybrid is hybrid
+    assert engine.target.family == ("qwen3_5" if hybrid else "qwen3")
+    assert engine.config.dtype == "bfloat16"
+    assert engine.config.enable_prefix_caching is (False if hybrid else None)
+    assert engine.config.language_model_only is hybrid  # the VL checkpoint runs as a text model
+    if hybrid:  # what the engine runs with, not only what it was asked
+        assert engine._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False  # noqa: SLF001

@@ -25,6 +25,7 @@ from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
 from dflash_shared.storage import ObjectStore, join  # noqa: E402
 from tests.generate.stage_support import (  # noqa: E402
+    ONE_ARCH,
     completions,
     in_shard_order,
     stage_config,
@@ -57,6 +58,7 @@ def data_files(store: ObjectStore, out: str) -> dict[str, str]:
     return {uri: hashlib.sha256(store.read_bytes(uri)).hexdigest() for uri in store.list(join(out, "data"))}
 
 
+@ONE_ARCH
 def test_killed_worker_resumes_and_completes_every_prompt_once(tmp_path: Path, tiny_target_dir: Path,
                                                                vllm_env: dict[str, str]) -> None:
     store = ObjectStore()

@@ -1,4 +1,4 @@
-"""The generate stage end to end on a real vLLM engine (CPU build) and the tiny random Qwen3 target.
+"""The generate stage end to end on a real vLLM engine (CPU build) and each tiny random target.
 
 Thinking on (local storage) and off (moto S3), the records checked against the chat template and the
 tokenizer, bad input counted by reason, the fail-fast detector, resumption from committed chunks, and
@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="stage tests need the generate environment (.
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from dflash_generate.sampling import qwen_non_thinking, qwen_thinking  # noqa: E402
+from dflash_generate.sampling import default_sampling  # noqa: E402
 from dflash_generate.stage import run  # noqa: E402
 from dflash_shared import identity  # noqa: E402
 from dflash_shared.cli import preemption_handler  # noqa: E402
@@ -36,6 +36,7 @@ from dflash_shared.runner import ShardingError  # noqa: E402
 from dflash_shared.storage import ObjectStore, join  # noqa: E402
 from tests.generate.stage_support import (  # noqa: E402
     MAX_MODEL_LEN,
+    ONE_ARCH,
     completions,
     in_shard_order,
     prompt_record,
@@ -47,9 +48,14 @@ from tests.generate.stage_support import (  # noqa: E402
 from tests.support.qwen_assets import qwen_special_ids  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-IDS = qwen_special_ids("qwen3")
-STOP_IDS = {IDS["im_end"], IDS["endoftext"]}
 PROMPTS = varied_prompts(10)
+# Which tiny target is a Qwen3.5/3.6 (its family's sampling preset) and whose vocabulary it has.
+FAMILY = {"qwen3": "qwen3", "qwen3_6": "qwen3_5"}
+
+
+@pytest.fixture(scope="module")
+def ids(target_arch: str) -> dict[str, int]:
+    return qwen_special_ids(target_arch)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,7 @@ def raw_text(hf_tok: Any, record: CompletionRecord) -> str:
     """The completion decoded independently of the stage: every id but the end-of-turn it stopped on."""
     ids = list(record.completion_token_ids or ())
     if record.finish_reason == "stop":
-        assert ids[-1] in STOP_IDS
+        assert hf_tok.convert_ids_to_tokens(ids[-1]) in ("<|im_end|>", "<|endoftext|>")
         ids = ids[:-1]
     return str(hf_tok.decode(ids, skip_special_tokens=False))
 
@@ -97,6 +103,7 @@ def template_ids(hf_tok: Any, prompt: PromptRecord, thinking: bool) -> list[int]
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_manifest_records_target_sampling_and_throughput(runs: dict[bool, str], tiny_target_dir: Path,
+                                                         target_arch: str, ids: dict[str, int],
                                                          thinking: bool) -> None:
     store = ObjectStore()
     loaded = load_manifest(store, runs[thinking], Kind.completions)  # shards re-hashed
@@ -107,9 +114,15 @@ def test_manifest_records_target_sampling_and_throughput(runs: dict[bool, str], 
     assert section.target.enable_thinking is thinking and section.has_token_ids
     special = section.target.special_tokens
     assert (special.end_of_turn, special.think_start, special.think_end) == (
-        IDS["im_end"], IDS["think_start"], IDS["think_end"])
-    recommended = qwen_thinking() if thinking else qwen_non_thinking()
+        ids["im_end"], ids["think_start"], ids["think_end"])
+    # The tiny targets' generation_config.json sets no sampling values: every one is the family's preset.
+    family = FAMILY[target_arch]
+    recommended = default_sampling(thinking, family)  # type: ignore[arg-type]
     assert section.sampling == recommended.with_overrides(max_tokens=16, seed=7).as_record_dict()
+    assert section.target_family == family
+    mode = "thinking" if thinking else "non_thinking"
+    assert set(section.sampling_sources.values()) == {f"preset:{family}/{mode}"}
+    assert "presence_penalty" in section.sampling_sources and "repetition_penalty" in section.sampling
     assert (section.max_new_tokens, section.max_model_len) == (16, MAX_MODEL_LEN)
     records = completions(store, runs[thinking])
     assert section.output_tokens == sum(len(r.completion_token_ids or ()) for r in records) > 0
@@ -149,6 +162,7 @@ def test_records_are_what_the_engine_saw_and_said(runs: dict[bool, str], hf_tok:
             assert tail.lstrip("\n") == answer.content
 
 
+@ONE_ARCH
 def test_bad_input_is_counted_by_reason_and_nothing_else_lost(tmp_path: Path, engine: Any,
                                                               tiny_target_dir: Path) -> None:
     store = ObjectStore()
@@ -188,6 +202,7 @@ def test_bad_input_is_counted_by_reason_and_nothing_else_lost(tmp_path: Path, en
     assert '"chunks_resumed": 4' in marker
 
 
+@ONE_ARCH
 def test_degenerate_outputs_stop_the_worker_early(tmp_path: Path, engine: Any, tiny_target_dir: Path) -> None:
     store = ObjectStore()
     src = write_prompts(store, str(tmp_path / "prompts"), varied_prompts(24))
@@ -234,6 +249,7 @@ def test_tokenize_stage_accepts_the_completions(runs: dict[bool, str], tiny_targ
         assert row["input_ids"] == [*record.prompt_token_ids, *record.completion_token_ids]  # type: ignore[misc]
 
 
+@ONE_ARCH
 def test_sigterm_keeps_committed_chunks_and_a_rerun_finishes(tmp_path: Path, engine: Any,
                                                              tiny_target_dir: Path) -> None:
     """SIGTERM (a preempted pod) unwinds to the last committed chunk; the rerun generates only the rest."""
