@@ -2,6 +2,7 @@
 
 - `qwen_chat`: our `ChatFormat` over the offline Qwen tokenizer directory (the code under test).
 - `hf_tokenizer`: transformers' `AutoTokenizer` over the same directory (the rendering reference).
+  Both take the chat template family too (default: the vocabulary's own, see qwen_assets).
 - `tiktoken_reference`: a plain tiktoken encoder over the package's rank file with Qwen's split
   pattern, i.e. a second, independent BPE implementation; `ReferenceIds` builds expected ids from the
   pieces a test knows the template emits.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.qwen_assets import Vocab, shared_tokenizer_dir
+from tests.support.qwen_assets import Template, Vocab, shared_tokenizer_dir
 
 # Published ids of the control tokens the tests use (Qwen3's table; the package's table for Qwen3.6).
 PUBLISHED_IDS: dict[str, dict[str, int]] = {
@@ -47,18 +48,26 @@ PUBLISHED_IDS: dict[str, dict[str, int]] = {
 }
 
 
+def qwen_chat(vocab: Vocab, template: Template | None = None) -> Any:
+    return _qwen_chat(vocab, template or vocab)
+
+
+def hf_tokenizer(vocab: Vocab, template: Template | None = None) -> Any:
+    return _hf_tokenizer(vocab, template or vocab)
+
+
 @functools.cache
-def qwen_chat(vocab: Vocab) -> Any:
+def _qwen_chat(vocab: Vocab, template: Template) -> Any:
     from dflash_tokenize.chat import ChatFormat
 
-    return ChatFormat.from_dir(shared_tokenizer_dir(vocab))
+    return ChatFormat.from_dir(shared_tokenizer_dir(vocab, template))
 
 
 @functools.cache
-def hf_tokenizer(vocab: Vocab) -> Any:
+def _hf_tokenizer(vocab: Vocab, template: Template) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(shared_tokenizer_dir(vocab)))
+    return AutoTokenizer.from_pretrained(str(shared_tokenizer_dir(vocab, template)))
 
 
 @functools.cache

@@ -1,4 +1,7 @@
-"""Chat rendering equals transformers' apply_chat_template, and the offline Qwen assets are faithful."""
+"""Chat rendering equals transformers' apply_chat_template, and the offline Qwen assets are faithful.
+
+Both template families (Qwen3's, Qwen3.5/3.6's) on both vocabularies where that is cheap.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 from dflash_shared.records import Message, ToolCall, ToolCallFunction
 from dflash_tokenize.chat import ChatFormatError, compile_chat_template, read_chat_template
 from tests.support.chat_references import PUBLISHED_IDS, hf_tokenizer, qwen_chat, tiktoken_reference
-from tests.support.qwen_assets import VOCABS, main, qwen_special_ids, shared_tokenizer_dir
+from tests.support.qwen_assets import TEMPLATES, VOCABS, main, qwen_special_ids, shared_tokenizer_dir
 
 WEATHER_TOOL = {
     "type": "function",
@@ -65,23 +68,27 @@ CONVERSATIONS: dict[str, list[Message]] = {
 }
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_render_equals_transformers(vocab: str) -> None:
-    chat, hf = qwen_chat(vocab), hf_tokenizer(vocab)
-    cases = itertools.product(CONVERSATIONS.items(), [False, True], [None, True, False], [None, [WEATHER_TOOL]])
+def test_render_equals_transformers(vocab: str, template: str) -> None:
+    chat, hf = qwen_chat(vocab, template), hf_tokenizer(vocab, template)
+    cases = itertools.product(CONVERSATIONS.items(), [False, True], [None, True, False], [None, [WEATHER_TOOL]],
+                              [None, True])
     checked = 0
-    for (name, messages), gen_prompt, thinking, tools in cases:
+    for (name, messages), gen_prompt, thinking, tools, preserve in cases:
         kwargs: dict[str, Any] = {} if thinking is None else {"enable_thinking": thinking}
+        extra: dict[str, Any] = {} if preserve is None else {"preserve_thinking": preserve}
         dicts = [m.template_dict() for m in messages]
-        want = hf.apply_chat_template(dicts, tools=tools, add_generation_prompt=gen_prompt, tokenize=False, **kwargs)
-        got = chat.render(messages, add_generation_prompt=gen_prompt, enable_thinking=thinking, tools=tools)
-        assert got == want, f"{name} gen_prompt={gen_prompt} thinking={thinking} tools={bool(tools)}"
+        want = hf.apply_chat_template(dicts, tools=tools, add_generation_prompt=gen_prompt, tokenize=False,
+                                      **kwargs, **extra)
+        got = chat.render(messages, add_generation_prompt=gen_prompt, enable_thinking=thinking, tools=tools, **extra)
+        assert got == want, f"{name} gen_prompt={gen_prompt} thinking={thinking} tools={bool(tools)} {extra}"
         checked += 1
-    assert checked == len(CONVERSATIONS) * 12
+    assert checked == len(CONVERSATIONS) * 24
 
 
 def test_template_behaves_like_qwen3() -> None:
-    chat = qwen_chat("qwen3")
+    chat = qwen_chat("qwen3", "qwen3")
     convo = CONVERSATIONS["history_reasoning"]
     text = chat.render(convo)
     # History before the last user query loses its reasoning; the final turn keeps it.
@@ -96,6 +103,31 @@ def test_template_behaves_like_qwen3() -> None:
     assert json.dumps(WEATHER_TOOL, ensure_ascii=False) in tools
     assert '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>' in tools
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call><|im_end|>' in tools
+    assert "<|im_start|>user\n<tool_response>\n3°C\n</tool_response>\n<tool_response>\n-2°C" in tools
+
+
+def test_template_behaves_like_qwen3_6() -> None:
+    chat = qwen_chat("qwen3_6", "qwen3_6")
+    convo = CONVERSATIONS["history_reasoning"]
+    text = chat.render(convo)
+    assert "R1" not in text and "<|im_start|>assistant\nA1<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n<think>\nR2\n</think>\n\nA2<|im_end|>\n")
+    # preserve_thinking keeps the reasoning of turns before the last query.
+    kept = chat.render(convo, preserve_thinking=True)
+    assert "<|im_start|>assistant\n<think>\nR1\n</think>\n\nA1<|im_end|>" in kept
+    # The generation prompt opens the think block; thinking off pre-fills an empty one.
+    on = chat.render(convo[:2], add_generation_prompt=True, enable_thinking=True)
+    assert on.endswith("<|im_start|>user\nOne<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert chat.render(convo[:2], add_generation_prompt=True).endswith("assistant\n<think>\n")
+    off = chat.render(convo[:2], add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    tools = chat.render(CONVERSATIONS["tools"], tools=[WEATHER_TOOL])
+    assert tools.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>")
+    assert json.dumps(WEATHER_TOOL, ensure_ascii=False) in tools
+    # XML-style calls, one parameter block per argument; a string of arguments goes in as it is.
+    assert ("Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
+            "</function>\n</tool_call>\n\n<tool_call>\n<function=get_weather>\n{\"city\":\"Oslo\"}\n"
+            "</function>\n</tool_call><|im_end|>") in tools
     assert "<|im_start|>user\n<tool_response>\n3°C\n</tool_response>\n<tool_response>\n-2°C" in tools
 
 

@@ -11,7 +11,9 @@ How the template's own control tokens are told apart from those in the text: the
 rendered a second time with the first character of every such string replaced by a private-use
 character. Templates copy message text without looking inside it, so both renderings have the same
 length and differ only at those characters; every control-token string left in the second rendering
-came from the template. The text between those is encoded with no added-token matching at all.
+came from the template. The text between those is encoded with no added-token matching at all, and
+a text piece that spans the end of the generation prompt is encoded as two (the engine encodes the
+prompt on its own; see masking.py).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from __future__ import annotations
 import bisect
 import functools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
@@ -108,6 +110,17 @@ class LiteralEncoding:
         return i
 
 
+class LiteralItem(NamedTuple):
+    """One rendered conversation to encode, with what its rendering was made from."""
+
+    messages: Sequence[dict[str, Any]]
+    tools: Sequence[dict[str, Any]] | None
+    thinking: bool | None
+    text: str
+    prompt_chars: int  # where the generation prompt ends: always a token boundary
+    template_kwargs: Mapping[str, Any]
+
+
 @dataclass(slots=True)
 class _Plan:
     encoding: LiteralEncoding
@@ -116,20 +129,14 @@ class _Plan:
     ends: list[int]
 
 
-def _plan(
-    chat: ChatFormat,
-    messages: Sequence[dict[str, Any]],
-    tools: Sequence[dict[str, Any]] | None,
-    thinking: bool | None,
-    text: str,
-    pieces: list[str],
-) -> _Plan | str:
+def _plan(chat: ChatFormat, item: LiteralItem, pieces: list[str]) -> _Plan | str:
+    messages, tools, thinking, text, cut, template_kwargs = item
     mark = next((c for c in _MARK_CANDIDATES if c not in text), None)
     if mark is None:
         return "the text holds every private-use marker character; cannot locate literal control tokens"
     defused = [_neutralize(m, _pattern_for(chat, m), mark) for m in messages]
     defused_tools = _neutralize(list(tools), chat.added_token_pattern, mark) if tools else None
-    scan = chat.render_dicts(defused, enable_thinking=thinking, tools=defused_tools)
+    scan = chat.render_dicts(defused, enable_thinking=thinking, tools=defused_tools, **template_kwargs)
     if len(scan) != len(text):
         return (
             "the chat template treats message text containing control-token strings differently from "
@@ -145,33 +152,33 @@ def _plan(
 
     segments: list[tuple[int, int | None, int]] = []
     ends: list[int] = []
+
+    def text_piece(start: int, stop: int) -> None:
+        for a, b in ((start, cut), (cut, stop)) if start < cut < stop else ((start, stop),):
+            segments.append((a, None, len(pieces)))
+            pieces.append(text[a:b])
+            ends.append(b)
+
     pos = 0
     for m in chat.added_token_pattern.finditer(scan):
         if m.start() > pos:
-            segments.append((pos, None, len(pieces)))
-            pieces.append(text[pos : m.start()])
-            ends.append(m.start())
+            text_piece(pos, m.start())
         segments.append((m.start(), chat.added_tokens[m.group(0)], -1))
         ends.append(m.end())
         pos = m.end()
     if pos < len(text):
-        segments.append((pos, None, len(pieces)))
-        pieces.append(text[pos:])
-        ends.append(len(text))
+        text_piece(pos, len(text))
     return _Plan(LiteralEncoding(len(text), scan), segments, ends)
 
 
-def encode_literal_batch(
-    chat: ChatFormat,
-    items: Sequence[tuple[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None, bool | None, str]],
-) -> list[LiteralEncoding | str]:
-    """Encode (message dicts, tools, enable_thinking, rendered text) items.
+def encode_literal_batch(chat: ChatFormat, items: Sequence[LiteralItem]) -> list[LiteralEncoding | str]:
+    """Encode rendered conversations, their control-token look-alikes as text.
 
     Returns per item its encoding, or a string saying why literal control tokens could not be located.
     All text pieces of all items go to the tokenizer in one batch call.
     """
     pieces: list[str] = []
-    plans = [_plan(chat, msgs, tools, thinking, text, pieces) for msgs, tools, thinking, text in items]
+    plans = [_plan(chat, item, pieces) for item in items]
     encodings = chat.encode_plain_batch(pieces) if pieces else []
     out: list[LiteralEncoding | str] = []
     for plan in plans:

@@ -12,6 +12,14 @@ role header, never the line break after end-of-turn, never system, user or tool 
 on the rendered text and mapped to tokens; a token that straddles a span boundary is an error, never
 silently half-masked.
 
+The final turn is trained from the end of the generation prompt on: what the template pre-fills there
+(Qwen3's empty think block with thinking off, Qwen3.5/3.6's opening `<think>\n` with thinking on) is
+prompt, as it is for the engine. The engine encodes that prompt on its own, so the final turn's start
+is always a token boundary: when the text's own encoding puts a token across it (Qwen3.6's
+`<think>\n` + `\n</think>` of an empty reasoning is one "\n\n" token), prompt and completion are
+encoded separately, as token_exact mode has them. Earlier turns (`all_turns`) are trained from their
+role header on, as the conversation text holds them.
+
 User, system and tool text that contains a control-token string ("<|im_end|>" typed by a user) is
 encoded as plain text (see `literal.py`); for everything else the whole text is encoded in one batch
 call, which keeps the stage near the tokenizer's raw speed; with a byte-level tokenizer the call skips
@@ -20,7 +28,7 @@ offset tracking and token positions come from the ids' byte lengths (see `byte_s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,6 +40,7 @@ from dflash_tokenize.byte_spans import BytePositions, text_is_as_encoded
 from dflash_tokenize.chat import ChatFormat, message_dict
 from dflash_tokenize.literal import (
     LiteralEncoding,
+    LiteralItem,
     encode_literal_batch,
     has_literal_specials,
 )
@@ -104,10 +113,15 @@ class _Rendered:
     text: str
     prompt_chars: int
     literal: bool
+    template_kwargs: Mapping[str, Any]
 
 
 def _render_one(
-    record: CompletionRecord, chat: ChatFormat, enable_thinking: bool | None, scan: SpecialScan
+    record: CompletionRecord,
+    chat: ChatFormat,
+    enable_thinking: bool | None,
+    scan: SpecialScan,
+    template_kwargs: Mapping[str, Any],
 ) -> _Rendered:
     if not record.messages or record.messages[-1].role != "assistant":
         raise MaskingError(record.id, NO_FINAL_ASSISTANT, "the last message is not an assistant turn")
@@ -116,8 +130,10 @@ def _render_one(
     tools = getattr(record, "tools", None)
     tools = [dict(t) for t in tools] if tools else None
     dicts = [message_dict(m) for m in record.messages]
-    full = chat.render_dicts(dicts, enable_thinking=thinking, tools=tools)
-    prompt = chat.render_dicts(dicts[:-1], add_generation_prompt=True, enable_thinking=thinking, tools=tools)
+    full = chat.render_dicts(dicts, enable_thinking=thinking, tools=tools, **template_kwargs)
+    prompt = chat.render_dicts(
+        dicts[:-1], add_generation_prompt=True, enable_thinking=thinking, tools=tools, **template_kwargs
+    )
     if not full.startswith(prompt):
         at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), len(full))
         raise MaskingError(
@@ -128,7 +144,7 @@ def _render_one(
             "with thinking disabled, or a template that rewrites earlier turns once the answer is present",
         )
     literal = scan == "always" or has_literal_specials(chat, dicts, tools)
-    return _Rendered(record, dicts, tools, thinking, full, len(prompt), literal)
+    return _Rendered(record, dicts, tools, thinking, full, len(prompt), literal, template_kwargs)
 
 
 def _char_spans(item: _Rendered, scan_text: str, chat: ChatFormat, policy: MaskPolicy) -> list[tuple[int, int]]:
@@ -228,9 +244,30 @@ def _assemble(
     )
 
 
+def _starts_a_token(enc: Encoding, text_len: int, boundary: int) -> bool:
+    if boundary >= text_len:
+        return True
+    index = enc.char_to_token(boundary)
+    span = enc.token_to_chars(index) if index is not None else None
+    return span is not None and span[0] == boundary
+
+
+def _encode_split(item: _Rendered, chat: ChatFormat) -> LiteralEncoding:
+    """The generation prompt and the completion encoded on their own, as the engine has them."""
+    cut = item.prompt_chars
+    out = LiteralEncoding(len(item.text), item.text)
+    for enc, shift in zip(chat.encode_batch([item.text[:cut], item.text[cut:]]), (0, cut), strict=True):
+        out.ids.extend(enc.ids)
+        out.starts.extend(start + shift for start, _ in enc.offsets)
+        out.ends.extend(end + shift for _, end in enc.offsets)
+    return out
+
+
 def _finish_fast(item: _Rendered, enc: Encoding, chat: ChatFormat, policy: MaskPolicy) -> Tokenized:
     ids = enc.ids
     n = len(ids)
+    if not _starts_a_token(enc, len(item.text), item.prompt_chars):
+        return _finish_literal(item, _encode_split(item, chat), chat, policy)
     spans = _char_spans(item, item.text, chat, policy)
     token_spans = [(_fast_token_index(item, enc, n, a), _fast_token_index(item, enc, n, b)) for a, b in spans]
     return _assemble(item, ids, token_spans, chat)
@@ -244,6 +281,15 @@ def _finish_by_bytes(
     positions = BytePositions(item.text, array, lengths)
     if not positions.valid:
         return None
+    if positions.token_at(item.prompt_chars) is None:
+        # A token across the generation prompt's end: encode prompt and completion apart (see above).
+        cut = item.prompt_chars
+        head, tail = chat.encode_batch_ids([item.text[:cut], item.text[cut:]])
+        ids = head + tail
+        array = np.asarray(ids, dtype=np.int32)
+        positions = BytePositions(item.text, array, lengths)
+        if not positions.valid:
+            return None
     token_spans = []
     for a, b in _char_spans(item, item.text, chat, policy):
         start, end = positions.token_at(a), positions.token_at(b)
@@ -281,6 +327,7 @@ def _encode_fast_records(
 
 
 def _finish_literal(item: _Rendered, lit: LiteralEncoding, chat: ChatFormat, policy: MaskPolicy) -> Tokenized:
+    """Spans to tokens over an encoding built piece by piece (the literal path's, or `_encode_split`'s)."""
     spans = _char_spans(item, lit.scan_text, chat, policy)
 
     def index(boundary: int) -> int:
@@ -300,18 +347,21 @@ def try_render_batch(
     enable_thinking: bool | None = None,
     mask_policy: MaskPolicy = "final_turn",
     special_scan: SpecialScan = "auto",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Tokenized | MaskingError]:
     """Render and encode many records with one batch call; a failing record yields its MaskingError.
 
     `enable_thinking` overrides each record's own setting when given. `special_scan="always"` sends
     every record through the literal-text path (slower; used to verify both paths agree).
+    `template_kwargs` are further chat template variables (Qwen3.6's `preserve_thinking`).
     """
+    kwargs = dict(template_kwargs or {})
     results: list[Tokenized | MaskingError | None] = [None] * len(records)
     fast: list[tuple[int, _Rendered]] = []
     literal: list[tuple[int, _Rendered]] = []
     for i, record in enumerate(records):
         try:
-            item = _render_one(record, chat, enable_thinking, special_scan)
+            item = _render_one(record, chat, enable_thinking, special_scan, kwargs)
         except MaskingError as err:
             results[i] = err
             continue
@@ -321,7 +371,10 @@ def try_render_batch(
         _encode_fast_records(fast, chat, mask_policy, results)
 
     if literal:
-        lit_encodings = encode_literal_batch(chat, [(it.dicts, it.tools, it.thinking, it.text) for _, it in literal])
+        lit_encodings = encode_literal_batch(chat, [
+            LiteralItem(it.dicts, it.tools, it.thinking, it.text, it.prompt_chars, it.template_kwargs)
+            for _, it in literal
+        ])
         for (i, item), lit in zip(literal, lit_encodings, strict=True):
             try:
                 if isinstance(lit, str):
@@ -341,11 +394,13 @@ def render_batch(
     enable_thinking: bool | None = None,
     mask_policy: MaskPolicy = "final_turn",
     special_scan: SpecialScan = "auto",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Tokenized]:
     """Like `try_render_batch`, raising the first record's MaskingError instead of returning it."""
     out: list[Tokenized] = []
     for result in try_render_batch(
-        records, chat, enable_thinking=enable_thinking, mask_policy=mask_policy, special_scan=special_scan
+        records, chat, enable_thinking=enable_thinking, mask_policy=mask_policy, special_scan=special_scan,
+        template_kwargs=template_kwargs,
     ):
         if isinstance(result, MaskingError):
             raise result
@@ -360,8 +415,10 @@ def render(
     enable_thinking: bool | None = None,
     mask_policy: MaskPolicy = "final_turn",
     special_scan: SpecialScan = "auto",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Tokenized:
     """Render mode for one record (see `try_render_batch`)."""
     return render_batch(
-        [record], chat, enable_thinking=enable_thinking, mask_policy=mask_policy, special_scan=special_scan
+        [record], chat, enable_thinking=enable_thinking, mask_policy=mask_policy, special_scan=special_scan,
+        template_kwargs=template_kwargs,
     )[0]
