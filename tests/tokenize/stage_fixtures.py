@@ -41,11 +41,16 @@ def completion(messages: list[Message], **fields: Any) -> CompletionRecord:
     return CompletionRecord(id=record_id(messages[:-1]), messages=tuple(messages), **fields)
 
 
-def engine_like(chat: ChatFormat, messages: list[Message], thinking: bool = True, **fields: Any) -> CompletionRecord:
-    """A record with token ids as an engine produces them: the generation prompt, then the completion."""
+def engine_like(chat: ChatFormat, messages: list[Message], thinking: bool = True,
+                template_kwargs: dict[str, Any] | None = None, **fields: Any) -> CompletionRecord:
+    """A record with token ids as an engine produces them: the generation prompt, then the completion.
+
+    The completion is the text after the generation prompt (with Qwen3.6, after its opening <think>).
+    """
     dicts = [m.template_dict() for m in messages]
-    prompt = chat.render_dicts(dicts[:-1], add_generation_prompt=True, enable_thinking=thinking)
-    full = chat.render_dicts(dicts, enable_thinking=thinking)
+    kwargs = template_kwargs or {}
+    prompt = chat.render_dicts(dicts[:-1], add_generation_prompt=True, enable_thinking=thinking, **kwargs)
+    full = chat.render_dicts(dicts, enable_thinking=thinking, **kwargs)
     completion_text = full[len(prompt):].rsplit(chat.end_of_turn, 1)[0] + chat.end_of_turn
     return completion(
         messages,

@@ -1,4 +1,4 @@
-"""The tokenize stage end to end on the real Qwen vocabulary: modes, gate, accounting, storage backends."""
+"""The tokenize stage end to end on the real Qwen vocabularies: modes, gate, accounting, storage backends."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from dflash_shared.errors import BadInputError
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import Kind, TokenizedSection
+from dflash_shared.records import Message
 from dflash_shared.storage import ObjectStore, join
 from dflash_tokenize.arrow_shards import read_shard
 from dflash_tokenize.chat import ChatFormat
@@ -94,6 +95,39 @@ def test_token_exact_mode_matches_render_mode(tmp_path: Path, store: ObjectStore
         # Render mode adds the newline after <|im_end|> (never trained); otherwise identical.
         assert rb["input_ids"][: len(ra["input_ids"])] == ra["input_ids"]
         assert rb["loss_mask"][: len(ra["loss_mask"])] == ra["loss_mask"]
+
+
+def test_qwen3_6_token_exact_and_render_agree(tmp_path: Path, store: ObjectStore) -> None:
+    # The Qwen3.6 template's generation prompt ends with "<think>\n": the engine's completion starts
+    # inside the think block. Multi-turn prompts depend on preserve_thinking, which must be set alike.
+    tok = shared_tokenizer_dir("qwen3_6")
+    chat = ChatFormat.from_dir(tok)
+    preserve = True
+    kwargs = {"preserve_thinking": preserve}
+    multi = [*conversation(1), Message(role="user", content="And a second question?"),
+             Message(role="assistant", reasoning_content="Think again.", content="A second answer, in full.")]
+    # An empty reasoning (in the spot-checked head of the batch) is the gate's to reject, as for Qwen3.
+    convos = [multi, conversation(2, reasoning=""), *(conversation(i) for i in range(3, 9))]
+    records = [engine_like(chat, c, template_kwargs=kwargs) for c in convos]
+    src = write_completions(store, str(tmp_path / "c"), records, target=target_for(chat))
+    for mode in ("token_exact", "render"):
+        out = str(tmp_path / mode)
+        assert run(config(src, out, tok, mode=mode, preserve_thinking=preserve, max_bad_fraction=0.2), store)
+        manifest = load_manifest(store, out, Kind.tokenized).manifest
+        assert manifest.accounting.succeeded == len(records) - 1
+        assert manifest.accounting.failures_by_reason == {"thinking_missing": 1}
+        assert manifest.producer.config["preserve_thinking"] == preserve  # recorded with the resolved config
+    kept = [r for r in records if r.final_assistant.reasoning_content]
+    a, b = rows(store, str(tmp_path / "token_exact")), rows(store, str(tmp_path / "render"))
+    for record, ra, rb in zip(kept, a, b, strict=True):
+        assert ra["input_ids"] == list(record.prompt_token_ids) + list(record.completion_token_ids)  # type: ignore[operator]
+        assert (rb["input_ids"], rb["loss_mask"]) == (ra["input_ids"], ra["loss_mask"])
+        trained = chat.decode(np.array(ra["input_ids"])[np.array(ra["loss_mask"]) == 1].tolist())
+        # The prompt's "<think>\n" is not trained; the reasoning, "</think>" and the answer are.
+        assert "<think>" not in trained and "\n</think>\n\n" in trained and trained.endswith("<|im_end|>")
+    # Unset, the spot check renders with the template's default, which drops the first turn's reasoning.
+    with pytest.raises(BadInputError, match="prompt_ids_mismatch"):
+        run(config(src, str(tmp_path / "default"), tok, max_bad_fraction=0.2), store)
 
 
 def test_shards_load_with_datasets(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:

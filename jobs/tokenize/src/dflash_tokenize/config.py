@@ -37,6 +37,11 @@ class TokenizeConfig(StageSettings):
         default=None,
         description="Thinking mode to render with; defaults to the completions' setting (True for imports).",
     )
+    preserve_thinking: bool | None = Field(
+        default=None,
+        description="The chat template's preserve_thinking (Qwen3.6: keep the reasoning of every earlier "
+        "assistant turn); unset leaves the template's default. Must match how the prompts were rendered.",
+    )
     max_length: int = Field(default=4096, gt=16, description="Longest sequence written, in tokens.")
     over_length: Literal["truncate", "drop"] = Field(
         default="truncate", description="What to do with longer records: cut at max_length, or drop them."
@@ -65,6 +70,10 @@ class TokenizeConfig(StageSettings):
     disk_need_gib: float = Field(
         default=2.0, ge=0, description="Free scratch disk preflight requires (two shards plus the tokenizer)."
     )
+
+    def template_kwargs(self) -> dict[str, bool]:
+        """Chat template variables besides enable_thinking; a setting left unset is not passed at all."""
+        return {} if self.preserve_thinking is None else {"preserve_thinking": self.preserve_thinking}
 
     def quality_policy(self) -> QualityPolicy:
         return QualityPolicy(

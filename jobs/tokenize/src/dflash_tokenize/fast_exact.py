@@ -15,6 +15,7 @@ integer list become 1 and 0 in both paths.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -110,7 +111,11 @@ def parse_lines(lines: list[tuple[str, bytes]]) -> tuple[list[Parsed], list[tupl
 
 
 def tokenize_exact(
-    parsed: list[Parsed], chat: ChatFormat, enable_thinking: bool, verify_records: int
+    parsed: list[Parsed],
+    chat: ChatFormat,
+    enable_thinking: bool,
+    verify_records: int,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[ExactIds | Tokenized | MaskingError]:
     """The engine's ids per record, then the render spot check on the first good records."""
     out: list[ExactIds | Tokenized | MaskingError] = []
@@ -126,7 +131,9 @@ def tokenize_exact(
     # if not, the tokenizer or template differs from the generator's and every record is suspect.
     good = (item for item, t in zip(parsed, out, strict=True) if not isinstance(t, MaskingError))
     sample = [item.full_record() for item in islice(good, verify_records)]
-    for checked in try_render_batch(sample, chat, enable_thinking=enable_thinking, mask_policy="final_turn"):
+    checks = try_render_batch(sample, chat, enable_thinking=enable_thinking, mask_policy="final_turn",
+                              template_kwargs=template_kwargs)
+    for checked in checks:
         if isinstance(checked, MaskingError):
             index = next(i for i, item in enumerate(parsed) if item.record.id == checked.record_id)
             out[index] = checked

@@ -88,6 +88,7 @@ class Resolved:
             max_length=self.config.max_length,
             over_length=self.config.over_length,
             policy=self.config.quality_policy(),
+            template_kwargs=self.config.template_kwargs(),
         )
 
 
@@ -313,8 +314,8 @@ def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
     try:
         resolved = resolve(config, store, scratch)
         items = [shard.uri for shard in resolved.source.manifest.shards]
-        log.info("mode %s, thinking %s, %d completion shards, worker %d/%d", resolved.mode,
-                 resolved.enable_thinking, len(items), index, count)
+        log.info("mode %s, thinking %s, template variables %s, %d completion shards, worker %d/%d", resolved.mode,
+                 resolved.enable_thinking, config.template_kwargs() or "default", len(items), index, count)
         run_shard(STAGE, store, config.output, items, index, count,
                   lambda ctx: process_shard(ctx, resolved), scratch_root=config.scratch_dir)
         return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))

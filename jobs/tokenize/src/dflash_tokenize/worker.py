@@ -44,6 +44,8 @@ class WorkerSettings:
     policy: QualityPolicy
     # token_exact mode re-renders this many leading records of a batch to prove the ids match our template.
     verify_records: int = 4
+    # Chat template variables besides enable_thinking (TokenizeConfig.template_kwargs).
+    template_kwargs: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,10 +115,12 @@ def _tokenize(lines: list[tuple[str, bytes]], chat: ChatFormat, s: WorkerSetting
     if s.mode == "render":
         parsed, rejected = _parse(lines)
         records = [item.record for item in parsed]
-        rendered = try_render_batch(records, chat, enable_thinking=s.enable_thinking, mask_policy=s.mask_policy)
+        rendered = try_render_batch(records, chat, enable_thinking=s.enable_thinking, mask_policy=s.mask_policy,
+                                    template_kwargs=s.template_kwargs)
         return parsed, list(rendered), rejected
     parsed, rejected = parse_lines(lines)
-    return parsed, tokenize_exact(parsed, chat, s.enable_thinking, s.verify_records), rejected
+    exact = tokenize_exact(parsed, chat, s.enable_thinking, s.verify_records, template_kwargs=s.template_kwargs)
+    return parsed, exact, rejected
 
 
 def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
