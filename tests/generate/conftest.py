@@ -36,6 +36,7 @@ def target_arch(request: pytest.FixtureRequest) -> TargetArch:
 @pytest.fixture(scope="session")
 def tiny_target_dir(target_arch: TargetArch) -> Path:
     """The cached tiny random target of `target_arch` (needs torch; only engine tests ask for it)."""
+    pytest.importorskip("torch", reason="the tiny targets are built with torch (the generate environment)")
     from tests.support.tiny_target import build_tiny_target
 
     return build_tiny_target(target_arch)
