@@ -45,10 +45,7 @@ def tiny_target_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def target_model(tiny_target_dir: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32).eval()
+    return ef.load_target(tiny_target_dir)
 
 
 @pytest.fixture(scope="session")
@@ -60,32 +57,17 @@ def heldout_prompts(tiny_target_dir: Path) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def trained_checkpoint(tiny_target_dir: Path) -> Path:
     """Folder with model.safetensors + drafter_config.json + metrics.json of the trained tiny drafter."""
-    prompts = ef.chat_prompts(tiny_target_dir, ef.train_texts())
-    return ef.train_drafter(tiny_target_dir, list(zip(prompts, ef.target_answers(tiny_target_dir, prompts),
-                                                      strict=True)))
+    return ef.trained_checkpoint(tiny_target_dir)
 
 
 @pytest.fixture(scope="session")
 def trained_drafter(trained_checkpoint: Path) -> Any:
-    from safetensors.torch import load_file
-
-    from dflash_train.drafter_config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
-
-    cfg = DrafterConfig.model_validate_json((trained_checkpoint / "drafter_config.json").read_text())
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(load_file(str(trained_checkpoint / "model.safetensors")))
-    return drafter.eval().requires_grad_(False)
+    return ef.load_checkpoint_drafter(trained_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def untrained_drafter(trained_drafter: Any) -> Any:
-    import torch
-
-    from dflash_train.model import DFlashDrafter
-
-    torch.manual_seed(1234)
-    return DFlashDrafter(trained_drafter.config).eval().requires_grad_(False)
+    return ef.untrained_like(trained_drafter)
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +75,46 @@ def hooked_target(target_model: Any, trained_drafter: Any) -> Any:
     from dflash_train.speculate import HookedTarget
 
     return HookedTarget(target_model, trained_drafter.config.target_layer_ids)
+
+
+# ------------------------------------------------------------ the Qwen3.6-architecture (hybrid) target
+@pytest.fixture(scope="session")
+def hybrid_target_dir() -> Path:
+    from tests.support.tiny_target import build_tiny_qwen3_6
+
+    return Path(build_tiny_qwen3_6())
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(hybrid_target_dir: Path) -> Any:
+    return ef.load_target(hybrid_target_dir)
+
+
+@pytest.fixture(scope="session")
+def hybrid_heldout_prompts(hybrid_target_dir: Path) -> list[list[int]]:
+    return ef.chat_prompts(hybrid_target_dir, ef.heldout_texts())
+
+
+@pytest.fixture(scope="session")
+def hybrid_trained_checkpoint(hybrid_target_dir: Path) -> Path:
+    return ef.trained_checkpoint(hybrid_target_dir)
+
+
+@pytest.fixture(scope="session")
+def hybrid_trained_drafter(hybrid_trained_checkpoint: Path) -> Any:
+    return ef.load_checkpoint_drafter(hybrid_trained_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def hybrid_untrained_drafter(hybrid_trained_drafter: Any) -> Any:
+    return ef.untrained_like(hybrid_trained_drafter)
+
+
+@pytest.fixture(scope="session")
+def hybrid_hooked_target(hybrid_model: Any, hybrid_trained_drafter: Any) -> Any:
+    from dflash_train.speculate import HookedTarget
+
+    return HookedTarget(hybrid_model, hybrid_trained_drafter.config.target_layer_ids)
 
 
 # ----------------------------------------------------------------------------------- stage chain
@@ -116,21 +138,33 @@ def session_bucket(moto_endpoint: str) -> Iterator[str]:
     yield f"s3://{name}"
 
 
-@pytest.fixture(scope="session")
-def offline_run(session_bucket: str, tiny_target_dir: Path, trained_checkpoint: Path) -> OfflineRun:
-    """export + evaluate (float32, debug preset) of the trained drafter, on S3; the session's evaluation."""
+def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_prompts: int) -> OfflineRun:
+    """export + evaluate (float32, debug preset) of a trained drafter on S3, as the stages run them."""
     from dflash_train.evaluate import run as run_evaluate
     from dflash_train.evaluate_config import EvaluateConfig, ExportConfig
     from dflash_train.export import run_export
 
     store = ObjectStore()
-    root = join(session_bucket, "run")
-    drafter = ef.write_trained(store, join(root, "drafter"), trained_checkpoint, tiny_target_dir)
+    root = join(bucket, f"run-{ef.arch_of(target_dir)}")
+    drafter = ef.write_trained(store, join(root, "drafter"), checkpoint, target_dir)
     prompts = ef.write_prompts(store, join(root, "heldout"), ef.heldout_texts())
     export = join(root, "export")
-    run_export(ExportConfig(drafter=drafter, output=export, target=str(tiny_target_dir), dtype="float32",
+    run_export(ExportConfig(drafter=drafter, output=export, target=str(target_dir), dtype="float32",
                             speculators=True), store)
     evaluation = join(root, "evaluation-offline")
-    run_evaluate(EvaluateConfig(preset="debug", drafter=export, prompts=prompts, target=str(tiny_target_dir),
-                                output=evaluation, min_tau=2.0, threads=1), store)
-    return OfflineRun(store, root, drafter, export, prompts, evaluation, trained_checkpoint)
+    run_evaluate(EvaluateConfig(preset="debug", drafter=export, prompts=prompts, target=str(target_dir),
+                                output=evaluation, min_tau=2.0, threads=1, lossless_prompts=lossless_prompts),
+                 store)
+    return OfflineRun(store, root, drafter, export, prompts, evaluation, checkpoint)
+
+
+@pytest.fixture(scope="session")
+def offline_run(session_bucket: str, tiny_target_dir: Path, trained_checkpoint: Path) -> OfflineRun:
+    """The session's evaluation of the trained dense-target drafter."""
+    return _offline_chain(session_bucket, tiny_target_dir, trained_checkpoint, lossless_prompts=2)
+
+
+@pytest.fixture(scope="session")
+def hybrid_offline_run(session_bucket: str, hybrid_target_dir: Path, hybrid_trained_checkpoint: Path) -> OfflineRun:
+    """The same chain on the Qwen3.6-architecture target; every held-out prompt is checked for losslessness."""
+    return _offline_chain(session_bucket, hybrid_target_dir, hybrid_trained_checkpoint, lossless_prompts=16)

@@ -1,6 +1,9 @@
 """Fixtures of the evaluate tests (and `bench/bench_eval.py`): the tiny target's answers, a drafter trained on them.
 
-- `chat_prompts`: real chat prompts rendered with the target's template (real Qwen3 vocabulary); prompts
+Every helper takes the target directory (or its architecture, `arch_of`): the dense Qwen3 and the
+Qwen3.6-architecture tiny targets each get their own special ids, stop ids, mask token and drafter shape.
+
+- `chat_prompts`: real chat prompts rendered with the target's template (real Qwen vocabulary); prompts
   0..47 train the drafter, later ones of the same kind are held out for evaluation;
 - `target_answers`: the tiny target's greedy answers to them (transformers `generate`), cached on disk;
 - `train_drafter`: a drafter trained on those answers with the train stage's own step (`dflash_step`,
@@ -21,7 +24,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.manifests import (
@@ -38,6 +41,7 @@ from dflash_shared.manifests import (
 from dflash_shared.records import Message, PromptRecord, record_id
 from dflash_shared.storage import ObjectStore, join
 from tests.support.qwen_assets import cache_root, qwen_special_ids
+from tests.support.tiny_target import TargetArch
 
 if TYPE_CHECKING:
     from dflash_train.drafter_config import DrafterConfig
@@ -51,6 +55,21 @@ NEW_TOKENS = 64
 SPECIAL = qwen_special_ids("qwen3")
 STOP_IDS = (SPECIAL["im_end"], SPECIAL["endoftext"])
 MASK_ID = SPECIAL["mask"]
+
+
+def arch_of(target_dir: Path) -> TargetArch:
+    """Which tiny target a directory holds, from its config.json (qwen3_5 = the Qwen3.6 architecture)."""
+    model_type = json.loads((Path(target_dir) / "config.json").read_text())["model_type"]
+    return "qwen3_6" if model_type == "qwen3_5" else "qwen3"
+
+
+def special_ids(target_dir: Path) -> dict[str, int]:
+    return qwen_special_ids(arch_of(target_dir))
+
+
+def stop_ids(target_dir: Path) -> tuple[int, int]:
+    special = special_ids(target_dir)
+    return special["im_end"], special["endoftext"]
 
 
 TRAIN_PROMPTS = 48
@@ -110,7 +129,8 @@ def target_answers(target_dir: Path, prompts: Sequence[Sequence[int]], new_token
     Prompts are decoded in left-padded batches: training data only has to be what the target says, and
     one batched pass per token is many times faster on CPU than one pass per prompt and token.
     """
-    key = hashlib.sha256(json.dumps([target_dir.name, list(map(list, prompts)), new_tokens, STOP_IDS]).encode())
+    stops = stop_ids(target_dir)
+    key = hashlib.sha256(json.dumps([target_dir.name, list(map(list, prompts)), new_tokens, stops]).encode())
     path = cache_root() / "evaluate-data" / f"answers-{key.hexdigest()[:16]}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -118,8 +138,8 @@ def target_answers(target_dir: Path, prompts: Sequence[Sequence[int]], new_token
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    pad = SPECIAL["endoftext"]
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=list(STOP_IDS),
+    pad = special_ids(target_dir)["endoftext"]
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=list(stops),
                               pad_token_id=pad)
     answers: list[list[int]] = []
     for start in range(0, len(prompts), 32):
@@ -130,8 +150,8 @@ def target_answers(target_dir: Path, prompts: Sequence[Sequence[int]], new_token
         with torch.no_grad():
             out = model.generate(ids, attention_mask=attention, generation_config=config)
         for row in out[:, width:].tolist():
-            stops = [i for i, t in enumerate(row) if t in STOP_IDS]
-            answers.append(row[: stops[0] + 1] if stops else row)
+            ends = [i for i, t in enumerate(row) if t in stops]
+            answers.append(row[: ends[0] + 1] if ends else row)
     _atomic_write(path, json.dumps(answers).encode())
     return answers
 
@@ -158,7 +178,7 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
     from dflash_train.step import dflash_step
     from dflash_train.target import FrozenTarget
 
-    cfg = drafter_config(block_size)
+    cfg = drafter_config(block_size, arch_of(target_dir))
     target = FrozenTarget.from_pretrained(target_dir, cfg.target_layer_ids, dtype=torch.float32)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).train()
@@ -201,10 +221,51 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
     return folder
 
 
-def drafter_config(block_size: int = 8) -> DrafterConfig:
-    """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer target."""
+def trained_checkpoint(target_dir: Path) -> Path:
+    """The cached drafter trained on the target's greedy answers to the training prompts."""
+    prompts = chat_prompts(target_dir, train_texts())
+    return train_drafter(target_dir, list(zip(prompts, target_answers(target_dir, prompts), strict=True)))
+
+
+def load_target(target_dir: Path) -> Any:
+    """The target as the evaluate stage loads it (AutoModelForCausalLM, float32, eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+
+
+def load_checkpoint_drafter(checkpoint: Path) -> Any:
+    """The drafter of a checkpoint-like folder (drafter_config.json + model.safetensors), frozen."""
+    from safetensors.torch import load_file
+
+    from dflash_train.drafter_config import DrafterConfig
+    from dflash_train.model import DFlashDrafter
+
+    cfg = DrafterConfig.model_validate_json((checkpoint / "drafter_config.json").read_text())
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    return drafter.eval().requires_grad_(False)
+
+
+def untrained_like(drafter: Any) -> Any:
+    """A randomly initialised (seeded) drafter of the same shape: the baseline."""
+    import torch
+
+    from dflash_train.model import DFlashDrafter
+
+    torch.manual_seed(1234)
+    return DFlashDrafter(drafter.config).eval().requires_grad_(False)
+
+
+def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3") -> DrafterConfig:
+    """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer Qwen3 target, or
+    over layers 1, 3 and 5 (linear, full, linear attention) of the 8-layer Qwen3.6-architecture target."""
     from dflash_train.drafter_config import DrafterConfig
 
+    if arch == "qwen3_6":
+        return DrafterConfig.debug(block_size=block_size, num_anchors=2, num_target_layers=8,
+                                   target_layer_ids=[1, 3, 5], mask_token_id=qwen_special_ids(arch)["mask"])
     return DrafterConfig.debug(block_size=block_size, num_anchors=2, mask_token_id=MASK_ID)
 
 
@@ -212,10 +273,11 @@ def drafter_config(block_size: int = 8) -> DrafterConfig:
 
 
 def target_identity(target_dir: Path) -> TargetIdentity:
+    special = special_ids(target_dir)
     return TargetIdentity(
-        model_id="tiny-qwen3", tokenizer_sha256=tokenizer_sha256(target_dir),
+        model_id=f"tiny-{arch_of(target_dir)}", tokenizer_sha256=tokenizer_sha256(target_dir),
         chat_template_sha256=chat_template_sha256(target_dir), enable_thinking=False,
-        special_tokens=SpecialTokens(end_of_turn=SPECIAL["im_end"], mask=MASK_ID),
+        special_tokens=SpecialTokens(end_of_turn=special["im_end"], mask=special["mask"]),
     )
 
 

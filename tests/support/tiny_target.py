@@ -37,7 +37,7 @@ TargetArch = Literal["qwen3", "qwen3_6"]
 TARGET_ARCHS: tuple[TargetArch, ...] = ("qwen3", "qwen3_6")
 
 # Bump when the way the model is built changes, so stale caches are not reused.
-_BUILD_VERSION = "2"
+_BUILD_VERSION = "4"
 _DONE = ".complete"
 
 
@@ -154,7 +154,15 @@ def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
     config = Qwen3_5Config(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model = Qwen3_5ForConditionalGeneration(config)
+    # An independent random head makes a tiny model emit uniform noise that no drafter can learn. As in
+    # trained models, whose head correlates with the embedding, the head starts as the embedding plus noise
+    # (its own spread): greedy output then has runs and switches, which a drafter can partly learn, and
+    # the two tensors still differ (a loader that confused them would produce other logits).
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        model.lm_head.weight.copy_(embed + 1.0 * embed.std() * torch.randn_like(embed))
+    model = model.to(torch.bfloat16).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
 
     # transformers builds no MTP module; the checkpoint has one (one full-attention decoder layer that reads

@@ -197,6 +197,28 @@ def propose(
     return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
 
+def commit_verified(target: HookedTarget, cache: Any, verify: torch.Tensor, features: torch.Tensor, n: int,
+                    before: dict[tuple[int, int], torch.Tensor], context: _Context) -> int:
+    """Roll the cache back to `verify[: n + 1]` (the anchor and n accepted drafts) after verifying all of
+    `verify`, and add those positions' layer outputs to `context`. `before` holds the recurrent states taken
+    before the verification (empty for targets without any). Returns the replay forwards it took (0 or 1).
+    """
+    block = int(verify.shape[0])
+    if n == block - 1 or not before:
+        # Attention KV and recorded conv inputs are trimmed to the committed tokens; nothing else to undo.
+        cache.crop(-(block - 1 - n))
+        context.extend(features[: n + 1])
+        return 0
+    # Linear-attention states absorbed the rejected drafts: back to before the verification, then replay
+    # the committed tokens (see the module docstring).
+    cache.crop(-block)
+    target.restore_recurrent_states(cache, before)
+    _, replayed = target.forward(verify[: n + 1], cache)
+    cache.crop(0)  # trims the recorded conv inputs back to the kernel width
+    context.extend(replayed)
+    return 1
+
+
 def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> tuple[list[int], bool]:
     """Cut at the first stop token (kept) or at max_new_tokens; True when generation is over."""
     for i, tok in enumerate(tokens[:max_new_tokens]):
@@ -252,19 +274,7 @@ def speculative_generate(
         matches = torch.tensor(draft, device=device) == preds[:-1]
         n = int(torch.cumprod(matches.to(torch.long), dim=0).sum())
         accepted.append(n)
-        if n == block - 1 or not before:
-            # The target has seen `last` and all drafts; keep `last` and the n accepted drafts.
-            cache.crop(-(block - 1 - n))
-            context.extend(features[: n + 1])
-        else:
-            # Linear-attention states absorbed the rejected drafts: back to before the verification,
-            # then replay the committed tokens (see the module docstring).
-            cache.crop(-block)
-            target.restore_recurrent_states(cache, before)
-            _, replayed = target.forward(verify[: n + 1], cache)
-            cache.crop(0)  # trims the recorded conv inputs back to the kernel width
-            replays += 1
-            context.extend(replayed)
+        replays += commit_verified(target, cache, verify, features, n, before, context)
         tokens, done = _truncate([*tokens, *draft[:n], int(preds[n])], max_new_tokens, stop)
     return SpeculativeResult(
         tokens=tokens, accepted=accepted, target_forwards=forwards, block_size=block, state_replays=replays
