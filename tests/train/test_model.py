@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -215,3 +217,46 @@ def test_bf16_autocast_runs_both_backends_close_to_float32(backend, monkeypatch)
     assert seen[-1] == (torch.bfloat16,) * 3 and all(len(set(d)) == 1 for d in seen), seen
     rel = (low.float() - ref).norm() / ref.norm()
     assert rel < 0.05, float(rel)
+
+
+def _qwen3_6_27b_text_config() -> Any:
+    """The text config of Qwen3.6-27B as its checkpoint states it (no weights are built)."""
+    from transformers import Qwen3_5Config
+
+    text = {"vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+            "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                "mrope_interleaved": True, "mrope_section": [11, 11, 10]}}
+    return Qwen3_5Config(text_config=text).text_config
+
+
+def test_qwen3_6_27b_target_gets_the_reference_drafter():
+    """Not a copy of the target's 24/4 heads of 256: the published 1.7B-class drafter shape."""
+    from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID
+
+    target = _qwen3_6_27b_text_config()
+    assert target.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    cfg = DrafterConfig.from_target(target, mask_token_id=QWEN3_6_MASK_TOKEN_ID)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5120, 32, 8, 128)
+    assert cfg.intermediate_size == 17408 and cfg.num_layers == 5 and cfg.rope_theta == 1e7
+    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
+    assert cfg.target_layer_ids == [1, 16, 31, 46, 61] and cfg.num_target_layers == 64
+    assert cfg.mask_token_id == 248070
+    # Overrides still win (e.g. full-attention layers for a CPU serving check).
+    override = DrafterConfig.from_target(target, mask_token_id=248070, layer_types=["full_attention"] * 5)
+    assert override.layer_types == ["full_attention"] * 5 and override.num_attention_heads == 32
+
+
+def test_default_mask_token_of_a_qwen3_6_target(tmp_path):
+    from dflash_train.stage import default_mask_token
+
+    assert default_mask_token(str(tmp_path), _qwen3_6_27b_text_config()) == 248070
+
+
+def test_target_layer_ids_must_increase():
+    """Engines concatenate the captured states in layer order; another order is refused, naming the fix."""
+    with pytest.raises(ValidationError, match=r"strictly increasing .* got \[2, 1\]; use \[1, 2\]"):
+        DrafterConfig.debug(target_layer_ids=[2, 1])
+    assert DrafterConfig.debug(target_layer_ids=[0, 2]).target_layer_ids == [0, 2]

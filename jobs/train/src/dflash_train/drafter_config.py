@@ -26,6 +26,29 @@ _DEFAULT_GAMMA = {16: 7.0, 8: 4.0}
 # First unused embedding row of the Qwen2/2.5/3 vocabulary (151,669 tokens in 151,936 rows); the
 # reference Qwen3 drafters use it as the mask token.
 QWEN3_MASK_TOKEN_ID = 151669
+# The reference Qwen3.6-27B drafter's mask token: <|audio_start|>, a control token a text model never emits
+# (the Qwen3.5/3.6 tokenizer fills ids up to 248,076 of the 248,320 rows).
+QWEN3_6_MASK_TOKEN_ID = 248070
+QWEN3_6_VOCAB_ROWS = 248320
+
+# The drafter the reference trainers pair with Qwen3.5/3.6 (hybrid) targets: its attention shape is not the
+# target's (24 query / 4 KV heads of 256 with partial rotary in Qwen3.6-27B) but a plain Qwen3 one, with four
+# sliding-window layers before one full-attention layer.
+QWEN3_6_DRAFTER: dict[str, Any] = {
+    "num_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+    "sliding_window": 2048,
+}
+
+
+def is_hybrid_family(target_config: Any) -> bool:
+    """Whether a HF (text) config is a Qwen3.5/3.6-style hybrid: linear-attention layers beside full attention."""
+    layer_types = getattr(target_config, "layer_types", None) or []
+    model_type = str(getattr(target_config, "model_type", ""))
+    return "linear_attention" in layer_types or model_type.startswith("qwen3_5")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -125,6 +148,13 @@ class DrafterConfig(BaseModel):
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"target_layer_ids repeats a layer: {self.target_layer_ids}")
+        if list(self.target_layer_ids) != sorted(self.target_layer_ids):
+            # Engines concatenate the captured states in layer order: another order would feed `fc` permuted
+            # features at serving time, and acceptance would collapse without an error.
+            raise ValueError(
+                f"target_layer_ids must be strictly increasing (engines concatenate the captured layers in"
+                f" layer order), got {self.target_layer_ids}; use {sorted(self.target_layer_ids)}"
+            )
         last_allowed = self.num_target_layers - 2
         for layer_id in self.target_layer_ids:
             if not 0 <= layer_id <= last_allowed:
@@ -160,10 +190,14 @@ class DrafterConfig(BaseModel):
         target_layer_ids: list[int] | None = None,
         **overrides: Any,
     ) -> DrafterConfig:
-        """Preset for a Hugging Face target config: the drafter copies the target's layer shape.
+        """Preset for a Hugging Face (text) target config.
 
-        This is what the reference Qwen3 drafters do (e.g. Qwen3-8B: 4096 hidden, 32/8 heads, 128 head_dim,
-        12288 intermediate). `overrides` replace any field (e.g. layer_types, sliding_window, block_size).
+        Dense targets: the drafter copies the target's layer shape, as the reference Qwen3 drafters do (e.g.
+        Qwen3-8B: 4096 hidden, 32/8 heads, 128 head_dim, 12288 intermediate). Qwen3.5/3.6 hybrid targets: the
+        reference drafter shape (`QWEN3_6_DRAFTER`: 32/8 heads of 128, 4 sliding-window layers of 2048 + 1
+        full) at the target's hidden and intermediate size; for Qwen3.6-27B that is the published drafter
+        (hidden 5120, intermediate 17408, target layers [1, 16, 31, 46, 61], mask token 248070). `overrides`
+        replace any field (e.g. layer_types, sliding_window, block_size).
         """
         num_target_layers = int(target_config.num_hidden_layers)
         hidden = int(target_config.hidden_size)
@@ -184,6 +218,8 @@ class DrafterConfig(BaseModel):
             "target_hidden_size": hidden,
             "mask_token_id": mask_token_id,
         }
+        if is_hybrid_family(target_config):
+            values.update(QWEN3_6_DRAFTER)
         values.update(overrides)
         return cls(**values)
 

@@ -29,7 +29,7 @@ from dflash_shared.provenance import producer
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
-from dflash_train.drafter_config import DrafterConfig
+from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig, is_hybrid_family
 
 log = logging.getLogger(__name__)
 STAGE = "train"
@@ -91,12 +91,20 @@ def resolve_drafter(config: TrainConfig, target_dir: str, section: TokenizedSect
         hf_config = AutoConfig.from_pretrained(target_dir)
         hf_config = getattr(hf_config, "text_config", None) or hf_config
         if mask is None:
-            mask = first_unused_row(target_dir, int(hf_config.vocab_size))
+            mask = default_mask_token(target_dir, hf_config)
         return DrafterConfig.from_target(hf_config, mask_token_id=mask, **overrides)
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid drafter config: {err}") from err
+
+
+def default_mask_token(target_dir: str, hf_config: Any) -> int:
+    """The reference drafters' mask token: Qwen3.5/3.6's 248070 on their vocabulary, else the first unused row."""
+    rows = int(hf_config.vocab_size)
+    if is_hybrid_family(hf_config) and rows == QWEN3_6_VOCAB_ROWS:
+        return QWEN3_6_MASK_TOKEN_ID
+    return first_unused_row(target_dir, rows)
 
 
 def first_unused_row(target_dir: str, embedding_rows: int) -> int:
