@@ -1,7 +1,9 @@
-"""Fixtures of the train-stage tests: the tiny random Qwen3 target and real-vocabulary documents.
+"""Fixtures of the train-stage tests: the tiny random targets and real-vocabulary documents.
 
-The target is `tests.support.tiny_target` (4 layers, hidden 128, the real Qwen3 vocabulary of 151,936
-embedding rows, tied embeddings), loaded in float32 so comparisons can be tight. Documents are real text
+The targets are `tests.support.tiny_target`'s: the dense Qwen3 one (4 layers, hidden 128, the real Qwen3
+vocabulary of 151,936 embedding rows, tied embeddings) and, for the tests that run on both architectures
+(`target_arch`), the Qwen3.6-architecture hybrid (8 layers, 3 x Gated DeltaNet + 1 x full attention twice,
+untied 248,320-row head). They are loaded in float32 so comparisons can be tight. Documents are real text
 encoded with the real Qwen3 tokenizer: prompt tokens unmasked, completion tokens loss-masked.
 """
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from tests.support.qwen_assets import qwen_special_ids, shared_tokenizer_dir
+from tests.support.tiny_target import TARGET_ARCHS, build_tiny_target
 
 _TEXTS = [
     ("What is the capital of France?", "The capital of France is Paris, a city on the Seine."),
@@ -30,6 +33,18 @@ def tiny_target_dir() -> Path:
     from tests.support.tiny_target import build_tiny_qwen3
 
     return build_tiny_qwen3()
+
+
+@pytest.fixture(scope="session", params=TARGET_ARCHS)
+def target_arch(request: pytest.FixtureRequest) -> str:
+    """Each target architecture the pipeline supports, for tests that must hold on both."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def arch_target_dir(target_arch: str) -> Path:
+    """Directory of the cached tiny target of `target_arch`."""
+    return build_tiny_target(target_arch)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,16 @@
-"""FrozenTarget: hooked features, packed rows, tied LM head, mask-token validation, frozen weights."""
+"""FrozenTarget: hooked features, packed rows, tied LM head, mask-token validation, frozen weights.
+
+The hooks, packing and frozen-weight tests run on both tiny targets (`target_arch`): dense Qwen3 and the
+Qwen3.6-architecture hybrid, whose Gated DeltaNet layers carry state across a packed row unless the kernels
+honour sequence boundaries. The tolerance between packings is 1e-5 (float32 targets): far below the 1e-3
+by which a document that reads its neighbour differs.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,18 +18,30 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.batch import pack_documents, pack_row, stack_rows
 from dflash_train.drafter_config import DrafterConfig
+from dflash_train.linear_kernels import REFERENCE, kernel_status, use_fla_conv
 from dflash_train.model import DFlashDrafter
 from dflash_train.step import dflash_step
-from dflash_train.target import FrozenTarget
-from tests.support.qwen_assets import qwen_embedding_rows
+from dflash_train.target import FrozenTarget, varlen_segments
+from tests.support.qwen_assets import qwen_embedding_rows, qwen_special_ids
 
 ALL_IDS = [0, 1, 2]  # every id a 4-layer target allows (the last layer is excluded)
+# Per architecture: layer ids (the hybrid's 3 is a full-attention layer, the others Gated DeltaNet) and
+# the number of decoder layers.
+ARCH_IDS = {"qwen3": ALL_IDS, "qwen3_6": [0, 2, 3, 5]}
+ARCH_LAYERS = {"qwen3": 4, "qwen3_6": 8}
+TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_target_dir: Path) -> Qwen3ForCausalLM:
+def reference(arch_target_dir: Path) -> Any:
     """The unmodified HF model, for output_hidden_states comparisons."""
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(arch_target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def arch_target(arch_target_dir: Path, target_arch: str) -> FrozenTarget:
+    """The target of `target_arch` with the packing `auto` picks."""
+    return FrozenTarget.from_pretrained(arch_target_dir, ARCH_IDS[target_arch])
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +49,23 @@ def target(tiny_target_dir: Path) -> FrozenTarget:
     return FrozenTarget.from_pretrained(tiny_target_dir, ALL_IDS)
 
 
-def test_hooks_equal_hf_hidden_states_of_next_index(target: FrozenTarget, reference: Qwen3ForCausalLM, qwen_docs):
+def test_hooks_equal_hf_hidden_states_of_next_index(arch_target: FrozenTarget, reference: Any, qwen_docs):
     ids = torch.tensor([qwen_docs[0][0]])
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
     with torch.no_grad():
         states = reference(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
-    feats = target.features(ids, pos)
-    h = target.hidden_size
-    for n, layer_id in enumerate(ALL_IDS):
+    feats = arch_target.features(ids, pos)
+    h = arch_target.hidden_size
+    for n, layer_id in enumerate(arch_target.layer_ids):
         got = feats[..., n * h : (n + 1) * h]
-        torch.testing.assert_close(got, states[layer_id + 1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, states[layer_id + 1], **TOL)
         # The neighbouring index is a different tensor: the off-by-one would be caught.
         assert (got - states[layer_id]).abs().max() > 1e-2
 
 
-def test_layers_after_the_last_id_are_dropped(tiny_target_dir: Path):
-    t = FrozenTarget.from_pretrained(tiny_target_dir, [1])
-    assert t.num_layers == 4
+def test_layers_after_the_last_id_are_dropped(arch_target_dir: Path, target_arch: str):
+    t = FrozenTarget.from_pretrained(arch_target_dir, [1])
+    assert t.num_layers == ARCH_LAYERS[target_arch]
     assert len(t.model.get_decoder().layers) == 2
 
 
@@ -64,26 +84,181 @@ def _docs_alone(target: FrozenTarget, docs) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("packing", ["mask", "per_document"])
-def test_packed_row_features_equal_each_document_alone(tiny_target_dir: Path, qwen_docs, packing: str):
-    target = FrozenTarget.from_pretrained(tiny_target_dir, [1, 2], packing=packing)
-    docs = qwen_docs[:4]
+def _two_rows(docs) -> Any:
     length = sum(len(d[0]) for d in docs) + 5  # room for padding at the end
-    batch = stack_rows([pack_row(docs, length), pack_row(docs[::-1], length)])
-    feats = target.features(batch.input_ids, batch.position_ids, batch.document_ids)
-    alone = _docs_alone(target, docs)
-    for row, order in ((0, range(4)), (1, range(3, -1, -1))):
+    return stack_rows([pack_row(docs, length), pack_row(docs[::-1], length)])
+
+
+def _assert_rows_match(feats: torch.Tensor, alone: list[torch.Tensor], docs) -> None:
+    for row, order in ((0, range(len(docs))), (1, range(len(docs) - 1, -1, -1))):
         start = 0
         for i in order:
             n = len(docs[i][0])
-            torch.testing.assert_close(feats[row, start : start + n], alone[i], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(feats[row, start : start + n], alone[i], **TOL)
             start += n
         assert torch.isfinite(feats[row, start:]).all()  # padding rows are finite (no empty softmax)
-    if packing == "mask":
-        # Treated as one document, the second document reads the first: the comparison can tell them apart.
-        plain = target.features(batch.input_ids, batch.position_ids, torch.zeros_like(batch.document_ids))
-        n0 = len(docs[0][0])
-        assert (plain[0, n0 : n0 + len(docs[1][0])] - alone[1]).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------- packing
+
+def test_auto_packing_follows_the_layer_types_and_the_active_kernels(arch_target: FrozenTarget, target_arch: str):
+    if target_arch == "qwen3":
+        assert arch_target.kernels is None and arch_target.packing == "mask"
+        return
+    status = arch_target.kernels
+    assert status is not None and arch_target.has_linear_attention
+    # What transformers chose for this process: on a CPU-only machine the PyTorch reference kernels.
+    assert status == kernel_status(sys.modules[type(arch_target.model).__module__])
+    assert arch_target.packing == ("varlen" if status.varlen else "per_document")
+
+
+def test_varlen_is_refused_on_the_reference_kernels_and_for_dense_targets(arch_target_dir: Path, target_arch: str):
+    if target_arch == "qwen3":
+        with pytest.raises(ValueError, match="no linear-attention layers.*packing='mask'"):
+            FrozenTarget.from_pretrained(arch_target_dir, [1], packing="varlen")
+        return
+    status = FrozenTarget.from_pretrained(arch_target_dir, [1]).kernels
+    if status is not None and status.varlen:
+        pytest.skip(f"fast kernels are active here ({status.describe()})")
+    with pytest.raises(ValueError, match=r"refused: .*PyTorch reference.*leak into each other.*per_document"):
+        FrozenTarget.from_pretrained(arch_target_dir, [1], packing="varlen")
+    with pytest.raises(ValueError, match="packing='mask' needs layer types"):
+        FrozenTarget.from_pretrained(arch_target_dir, [1], packing="mask")
+
+
+def test_packed_row_features_equal_each_document_alone(arch_target: FrozenTarget, target_arch: str, qwen_docs):
+    """The packing `auto` chose (mask / per_document here, varlen on fast kernels) is exact per document."""
+    docs = qwen_docs[:4]
+    batch = _two_rows(docs)
+    feats = arch_target.features(batch.input_ids, batch.position_ids, batch.document_ids)
+    _assert_rows_match(feats, _docs_alone(arch_target, docs), docs)
+
+
+def test_dense_per_document_equals_mask(tiny_target_dir: Path, qwen_docs):
+    target = FrozenTarget.from_pretrained(tiny_target_dir, [1, 2], packing="per_document")
+    docs = qwen_docs[:4]
+    batch = _two_rows(docs)
+    feats = target.features(batch.input_ids, batch.position_ids, batch.document_ids)
+    _assert_rows_match(feats, _docs_alone(target, docs), docs)
+    # Treated as one document, the second document reads the first: the comparison can tell them apart.
+    masked = FrozenTarget.from_pretrained(tiny_target_dir, [1, 2], packing="mask")
+    plain = masked.features(batch.input_ids, batch.position_ids, torch.zeros_like(batch.document_ids))
+    n0 = len(docs[0][0])
+    alone = _docs_alone(target, docs)
+    assert (plain[0, n0 : n0 + len(docs[1][0])] - alone[1]).abs().max() > 1e-3
+
+
+def test_a_packed_forward_on_the_reference_kernels_leaks(arch_target_dir: Path, target_arch: str, qwen_docs):
+    """The leak the packing choice prevents: one varlen forward on kernels that drop the boundaries."""
+    if target_arch == "qwen3":
+        pytest.skip("dense target: no recurrent state to leak")
+    target = FrozenTarget.from_pretrained(arch_target_dir, ARCH_IDS[target_arch])
+    if target.kernels is not None and target.kernels.varlen:
+        pytest.skip("fast kernels active: the packed forward is right here")
+    target.packing = "varlen"  # bypasses the refusal on purpose
+    docs = qwen_docs[:3]
+    batch = _two_rows(docs)
+    leaky = target.features(batch.input_ids, batch.position_ids, batch.document_ids)
+    alone = _docs_alone(target, docs)
+    n0 = len(docs[0][0])
+    torch.testing.assert_close(leaky[0, :n0], alone[0], **TOL)  # the first document has nothing before it
+    assert (leaky[0, n0 : n0 + len(docs[1][0])] - alone[1]).abs().max() > 1e-3
+
+
+def test_per_document_features_do_not_depend_on_the_previous_document(arch_target: FrozenTarget, qwen_docs):
+    first, second = qwen_docs[0], qwen_docs[1]
+    other = ([(t + 7) % 150_000 for t in first[0]], first[1])
+    a = pack_documents([first, second], len(first[0]) + len(second[0]))
+    b = pack_documents([other, second], len(first[0]) + len(second[0]))
+    fa = arch_target.features(a.input_ids, a.position_ids, a.document_ids)
+    fb = arch_target.features(b.input_ids, b.position_ids, b.document_ids)
+    n0 = len(first[0])
+    assert (fa[0, :n0] - fb[0, :n0]).abs().max() > 1e-3  # the first documents do differ
+    torch.testing.assert_close(fa[0, n0:], fb[0, n0:], **TOL)
+
+
+def _segmented(original: Any, calls: list[int], split_dim: int) -> Any:
+    """A kernel that honours `cu_seq_lens_q`/`cu_seqlens` by running `original` on each sequence alone."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        cu = kwargs.pop("cu_seqlens", None)
+        cu = kwargs.pop("cu_seq_lens_q", cu)
+        for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+            kwargs.pop(name, None)
+        if cu is None:
+            return original(*args, **kwargs)
+        calls.append(len(cu) - 1)
+        bounds = cu.tolist()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        pieces = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            sl = [slice(None)] * tensors[0].dim()
+            sl[split_dim] = slice(lo, hi)
+            cut = [a[tuple(sl)] if isinstance(a, torch.Tensor) and a.dim() == tensors[0].dim() else a for a in args]
+            kw = {k: (v[:, lo:hi] if isinstance(v, torch.Tensor) and k in ("g", "beta") else v)
+                  for k, v in kwargs.items()}
+            pieces.append(original(*cut, **kw))
+        if isinstance(pieces[0], tuple):
+            return torch.cat([p[0] for p in pieces], dim=split_dim), None
+        return torch.cat(pieces, dim=split_dim)
+
+    kernel._dflash_kernel = "test-segmented"  # type: ignore[attr-defined]
+    return kernel
+
+
+def test_varlen_on_boundary_honouring_kernels_equals_per_document(monkeypatch: pytest.MonkeyPatch, qwen_docs):
+    """The varlen plumbing (one row of sequences, boundaries, attention mask, scatter back) on CPU.
+
+    The fast kernels need a GPU; here the reference kernels are made to honour the boundaries they are
+    given by running each sequence alone, which is what flash-linear-attention and causal-conv1d do.
+    """
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    from tests.support.tiny_target import build_tiny_qwen3_6
+
+    calls: list[int] = []
+    # The conv's input is [B, D, T]: sequences along dim 2; the delta rule's [B, T, H, K]: along dim 1.
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", _segmented(modeling.causal_conv1d_fn, calls, 2))
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
+                        _segmented(modeling.torch_chunk_gated_delta_rule, calls, 1))
+    target = FrozenTarget.from_pretrained(build_tiny_qwen3_6(), ARCH_IDS["qwen3_6"])
+    assert target.kernels is not None and target.kernels.varlen and target.packing == "varlen"
+    docs = qwen_docs[:4]
+    batch = _two_rows(docs)
+    feats = target.features(batch.input_ids, batch.position_ids, batch.document_ids)
+    # 3 linear-attention layers up to id 5 (0, 1, 2, 4, 5 minus the full one at 3 -> 5), conv + delta rule
+    # each, every call with the 8 sequences of both rows.
+    assert calls == [8] * 10
+    target.packing = "per_document"
+    _assert_rows_match(feats, _docs_alone(target, docs), docs)
+
+
+def test_varlen_segments_split_rows_and_documents_and_skip_padding():
+    docs = torch.tensor([[0, 0, 1, 1, 1, -1], [2, 2, 2, 2, -1, -1], [5, -1, -1, -1, -1, -1]])
+    assert varlen_segments(docs).tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2, 3]
+    # The same document id in two rows is two sequences.
+    assert varlen_segments(torch.tensor([[0, 0], [0, 0]])).tolist() == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="not contiguous"):
+        varlen_segments(torch.tensor([[0, 1, 0, -1]]))
+
+
+def test_kernel_status_reads_what_transformers_chose():
+    from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    assert kernel_status(modeling_qwen3) is None
+    status = kernel_status(modeling_qwen3_5)
+    assert status is not None
+    import importlib.util
+
+    fla = importlib.util.find_spec("fla") is not None
+    conv = importlib.util.find_spec("causal_conv1d") is not None
+    assert (status.delta_rule != REFERENCE) == fla and (status.conv != REFERENCE) == (conv or fla)
+    # Without flash-linear-attention the Triton conv cannot stand in: the module is left as it is.
+    if not fla:
+        before = modeling_qwen3_5.causal_conv1d_fn
+        assert use_fla_conv(modeling_qwen3_5) == status and modeling_qwen3_5.causal_conv1d_fn is before
+        assert "PyTorch reference (flash-linear-attention not active)" in status.describe()
 
 
 def test_sliding_window_target_layers_get_a_windowed_document_mask(tmp_path: Path, qwen_docs):
@@ -140,9 +315,12 @@ def test_mask_token_must_be_an_existing_row(target: FrozenTarget, mask_token_id:
         target.check_drafter_config(DrafterConfig.debug(mask_token_id=mask_token_id))
 
 
-def test_step_leaves_the_target_frozen_and_its_embedding_unresized(tiny_target_dir: Path, qwen_docs, mask_token_id):
-    cfg = DrafterConfig.debug(mask_token_id=mask_token_id)
-    target = FrozenTarget.from_pretrained(tiny_target_dir, cfg.target_layer_ids)
+def test_step_leaves_the_target_frozen_and_its_embedding_unresized(arch_target_dir: Path, target_arch: str,
+                                                                   qwen_docs):
+    ids = ARCH_IDS[target_arch][1:]
+    cfg = DrafterConfig.debug(mask_token_id=qwen_special_ids(target_arch)["mask"], target_layer_ids=ids,
+                              num_target_layers=ARCH_LAYERS[target_arch])
+    target = FrozenTarget.from_pretrained(arch_target_dir, cfg.target_layer_ids)
     target.check_drafter_config(cfg)
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     drafter = DFlashDrafter(cfg)
@@ -156,6 +334,6 @@ def test_step_leaves_the_target_frozen_and_its_embedding_unresized(tiny_target_d
     clean = dflash_step(drafter, target, batch, noisy_cfg, torch.Generator().manual_seed(0), noise=False)
     noisy = dflash_step(drafter, target, batch, noisy_cfg, torch.Generator().manual_seed(0), noise=True)
     assert float(clean.loss) != float(noisy.loss)
-    assert target.embed_tokens.weight.shape == (qwen_embedding_rows("qwen3"), 128)
+    assert target.embed_tokens.weight.shape == (qwen_embedding_rows(target_arch), 128)
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name

@@ -115,8 +115,10 @@ class TrainConfig(StageSettings):
         default="auto",
         description="ddp replicates target and drafter per GPU; fsdp shards both; auto picks ddp when a replica fits.",
     )
-    target_packing: Literal["auto", "mask", "per_document"] = Field(
-        default="auto", description="How the target keeps packed documents apart (see FrozenTarget)."
+    target_packing: Literal["auto", "mask", "varlen", "per_document"] = Field(
+        default="auto",
+        description="How the target keeps packed documents apart: auto, mask (attention-only targets), varlen"
+        " (linear-attention targets on the fast kernels) or per_document (see FrozenTarget).",
     )
     target_attn_implementation: str = Field(
         default="sdpa", description="attn_implementation the target is loaded with (sdpa, eager, flex_attention)."

@@ -6,14 +6,20 @@ HF `output_hidden_states[L + 1]`. Decoder layers after the last chosen one are n
 dropped from the wrapped model at construction (less memory, and the forward stops there); the final
 norm still runs on the last kept layer's output, which is cheap and unused.
 
-Packed rows (several documents per row) must not attend across documents in the target either. Two ways:
+Packed rows (several documents per row) must not attend across documents in the target either. Three ways:
 - "mask": one forward per batch with position ids restarting per document and a block-diagonal causal
   mask handed to the model as a ready 4D mask per layer type (a float 0/-inf tensor for sdpa/eager, a
   flex BlockMask for flex_attention). transformers passes 4D masks through unchanged. Works for models
   whose layers are all full_attention / sliding_attention (Qwen3, Llama, Qwen2, ...).
-- "per_document": each document runs alone (slower, but right for any architecture, e.g. targets with
-  linear-attention layers whose state would leak across documents under any mask).
-`packing="auto"` picks "mask" when the layer types allow it.
+- "varlen": for targets with linear-attention layers (Qwen3.5/3.6's Gated DeltaNet), whose recurrent and
+  convolution states would flow across documents under any mask. The batch's non-padding tokens become one
+  row of variable-length sequences: the linear-attention layers get the boundaries as transformers'
+  `cu_seq_lens_q` / `seq_idx` kwargs, the attention layers the block-diagonal mask over that row (or the
+  flash-attention varlen kwargs). One forward per batch, but only right on the fast kernels: transformers'
+  PyTorch reference kernels drop those boundaries (see `dflash_train.linear_kernels`).
+- "per_document": each document runs alone (slower, but right for any architecture and kernel).
+`packing="auto"` picks "mask" when the layer types allow it, else "varlen" when the target has
+linear-attention layers and the fast kernels are active, else "per_document".
 
 The embedding and LM head are the target's own modules (tied or not, as the checkpoint says); the drafter
 shares them frozen. Embeddings are never resized: a mask token id outside the table is an error.
@@ -21,6 +27,7 @@ shares them frozen. Embeddings are never resized: a mask token id outside the ta
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -31,10 +38,35 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash_train.attention import additive_mask, document_causal_mask_mod, materialize
 from dflash_train.batch import PAD_DOCUMENT
+from dflash_train.linear_kernels import KernelStatus, use_fla_conv
 
-Packing = Literal["auto", "mask", "per_document"]
+Packing = Literal["auto", "mask", "varlen", "per_document"]
+FLA_PACKAGES = "flash-linear-attention (and causal-conv1d, or flash-linear-attention's Triton conv)"
+ResolvedPacking = Literal["mask", "varlen", "per_document"]
+LINEAR_ATTENTION = "linear_attention"
 _MASKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 _MASK_IMPLEMENTATIONS = frozenset({"sdpa", "eager", "flex_attention"})
+# Attention implementations that read transformers' varlen kwargs (cu_seq_lens_q, ...) instead of a mask.
+_VARLEN_KWARG_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3"})
+
+
+def varlen_segments(document_ids: torch.Tensor) -> torch.Tensor:
+    """Sequence index (0, 1, ...) of each non-padding token of `document_ids` [B, S], in row-major order.
+
+    A sequence is one document of one row; padding (-1) belongs to none. A document split in two places of
+    a row is an error (the masks of the other packings would join it again, a varlen forward would not).
+    """
+    rows, seq = document_ids.shape
+    flat = document_ids.reshape(-1)
+    row_of = torch.arange(rows, device=document_ids.device).repeat_interleave(seq)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = (flat[1:] != flat[:-1]) | (row_of[1:] != row_of[:-1])
+    keep = flat != PAD_DOCUMENT
+    runs = int((starts & keep).sum())
+    pairs = torch.unique(row_of[keep] * (int(flat.max()) + 2) + flat[keep]).numel() if runs else 0
+    if runs != pairs:
+        raise ValueError("a document is not contiguous in its row: varlen packing needs one run per document")
+    return (torch.cumsum(starts & keep, 0) - 1)[keep]
 
 
 class FrozenTarget:
@@ -62,6 +94,7 @@ class FrozenTarget:
         self.hidden_size = int(self.config.hidden_size)
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
         self._kept_layer_types = sorted(set(self.layer_types[:keep_layers]))
+        self.kernels = self._linear_attention_kernels(decoder.layers)
         self.packing = self._resolve_packing(packing)
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
@@ -90,20 +123,50 @@ class FrozenTarget:
         ).to(device)
         return cls(model, layer_ids, packing=packing)
 
-    def _resolve_packing(self, packing: Packing) -> Literal["mask", "per_document"]:
+    @property
+    def has_linear_attention(self) -> bool:
+        """Whether a kept layer is a linear-attention (recurrent) layer."""
+        return LINEAR_ATTENTION in self._kept_layer_types
+
+    def _linear_attention_kernels(self, layers: nn.ModuleList) -> KernelStatus | None:
+        """Kernels of the linear-attention layers (None without any); fills in the Triton conv if it can."""
+        if not self.has_linear_attention:
+            return None
+        modeling = sys.modules[type(layers[self.layer_types.index(LINEAR_ATTENTION)]).__module__]
+        status = use_fla_conv(modeling)
+        if status is None:
+            raise ValueError(f"{modeling.__name__}: linear-attention layers of unknown kernels; use packing="
+                             "'per_document'")
+        return status
+
+    def _resolve_packing(self, packing: Packing) -> ResolvedPacking:
         maskable = set(self._kept_layer_types) <= _MASKABLE_LAYER_TYPES and self.attn_implementation in (
             _MASK_IMPLEMENTATIONS
         )
+        attention_ok = self.attn_implementation in _MASK_IMPLEMENTATIONS | _VARLEN_KWARG_IMPLEMENTATIONS
+        others_ok = set(self._kept_layer_types) - {LINEAR_ATTENTION} <= _MASKABLE_LAYER_TYPES
+        varlen = (self.kernels is not None and self.kernels.varlen and attention_ok and others_ok)
         if packing == "auto":
-            return "mask" if maskable else "per_document"
+            return "mask" if maskable else "varlen" if varlen else "per_document"
         if packing == "mask" and not maskable:
             raise ValueError(
                 f"packing='mask' needs layer types within {sorted(_MASKABLE_LAYER_TYPES)} and an attention"
                 f" implementation in {sorted(_MASK_IMPLEMENTATIONS)}; this target has {self._kept_layer_types}"
                 f" and {self.attn_implementation!r} (use packing='per_document')"
             )
-        if packing not in ("mask", "per_document"):
-            raise ValueError(f"unknown packing {packing!r}; expected auto, mask or per_document")
+        if packing == "varlen" and not varlen:
+            if self.kernels is None:
+                why = f"this target has no linear-attention layers ({self._kept_layer_types}): use packing='mask'"
+            elif not self.kernels.varlen:
+                why = (f"the linear-attention kernels are not both fast ({self.kernels.describe()}); transformers'"
+                       " PyTorch reference kernels ignore the sequence boundaries of a packed batch, so documents"
+                       f" would leak into each other: install {FLA_PACKAGES} or use packing='per_document'")
+            else:
+                why = (f"attention implementation {self.attn_implementation!r} or layer types"
+                       f" {self._kept_layer_types} are not supported: use packing='per_document'")
+            raise ValueError(f"packing='varlen' refused: {why}")
+        if packing not in ("mask", "varlen", "per_document"):
+            raise ValueError(f"unknown packing {packing!r}; expected auto, mask, varlen or per_document")
         return packing
 
     @property
@@ -160,10 +223,12 @@ class FrozenTarget:
 
         return hook
 
-    def _forward_captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _forward_captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any,
+                          **kwargs: Any) -> torch.Tensor:
         self._captured = {}
         try:
-            self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+            self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
+                          **kwargs)
             missing = [i for i in self.layer_ids if i not in self._captured]
             if missing:
                 raise RuntimeError(f"forward hooks did not fire for target layers {missing}")
@@ -175,6 +240,13 @@ class FrozenTarget:
         rows, seq = document_ids.shape
         masks: dict[str, Any] = {}
         for layer_type in self._kept_layer_types:
+            if layer_type == LINEAR_ATTENTION:
+                # Recurrent layers take no mask (their padding mask is 2D); varlen kwargs separate documents.
+                masks[layer_type] = None
+                continue
+            if self.attn_implementation in _VARLEN_KWARG_IMPLEMENTATIONS:
+                masks[layer_type] = None  # flash attention reads cu_seq_lens_q / cu_seq_lens_k
+                continue
             window = getattr(self.config, "sliding_window", None) if layer_type == "sliding_attention" else None
             mod = document_causal_mask_mod(document_ids, window)
             if self.attn_implementation == "flex_attention":
@@ -201,7 +273,28 @@ class FrozenTarget:
             return self._forward_captured(input_ids, position_ids, None)
         if self.packing == "mask":
             return self._forward_captured(input_ids, position_ids, self._packed_masks(document_ids))
+        if self.packing == "varlen":
+            return self._features_varlen(input_ids, position_ids, document_ids)
         return self._features_per_document(input_ids, position_ids, document_ids)
+
+    def _features_varlen(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
+    ) -> torch.Tensor:
+        rows, seq = input_ids.shape
+        keep = document_ids != PAD_DOCUMENT
+        segments = varlen_segments(document_ids)
+        cu_seqlens = torch.cat([segments.new_zeros(1), torch.bincount(segments).cumsum(0)])
+        max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        # Kwarg names and dtypes are transformers' (DataCollatorWithFlattening): cu_seq_lens_* int32 for
+        # flash attention and the Gated DeltaNet delta rule, seq_idx int32 [1, T] for causal-conv1d.
+        cu32 = cu_seqlens.to(torch.int32)
+        varlen = {"cu_seq_lens_q": cu32, "cu_seq_lens_k": cu32, "max_length_q": max_length,
+                  "max_length_k": max_length, "seq_idx": segments.to(torch.int32).unsqueeze(0)}
+        flat = self._forward_captured(input_ids[keep].unsqueeze(0), position_ids[keep].unsqueeze(0),
+                                      self._packed_masks(segments.unsqueeze(0)), **varlen)[0]
+        out = torch.zeros(rows, seq, self.feature_size, dtype=self.dtype, device=input_ids.device)
+        out[keep] = flat
+        return out
 
     def _features_per_document(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
