@@ -35,7 +35,7 @@ from dflash_shared.manifests import (
     TargetIdentity,
     TokenizedSection,
 )
-from dflash_shared.preflight import CheckResult, Preflight
+from dflash_shared.preflight import CheckResult, CheckWarning, Preflight
 from dflash_shared.storage import ObjectStore, join
 
 TOKENIZER_SHA = "a" * 64
@@ -344,6 +344,20 @@ def test_every_check_runs_and_logs_one_line(tmp_path: Path, caplog: pytest.LogCa
     with pytest.raises(PreflightError, match="imports: pyarrow is importable"):
         Preflight("tokenize").imports(forbidden=["pyarrow"]).check()
     Preflight("tokenize").disk(str(tmp_path), 1).check()
+
+
+def test_a_warning_passes_with_a_warn_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def slow() -> str:
+        raise CheckWarning("this node will run on the slow path")
+
+    pf = Preflight("train").add("kernels", slow).disk(str(tmp_path), 1)
+    with caplog.at_level(logging.INFO, logger="dflash.preflight"):
+        assert pf.run() == ExitCode.OK
+    warned = [r for r in caplog.records if r.name == "dflash.preflight" and r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warned] == ["preflight train WARN kernels: this node will run on the slow path"]
+    assert pf.results[0].ok and pf.results[0].warning and not pf.results[1].warning
+    assert caplog.records[-1].getMessage() == "preflight train: all 2 check(s) passed (1 with a warning: kernels)"
+    pf.check()  # a warning never fails the stage
 
 
 # ---------------------------------------------------------------------- command line

@@ -8,6 +8,10 @@ writes exactly one line::
     preflight tokenize OK imports: required pyarrow, tokenizers present; forbidden torch, vllm absent
     preflight tokenize FAIL disk: need 500.0 GiB at /scratch, 120.3 GiB free
     preflight tokenize FAIL input_manifest: manifest s3://b/c/manifest.json: ... (field: target.enable_thinking)
+    preflight train WARN kernels: hybrid target on the PyTorch reference kernels on a GPU: ...
+
+A check that raises `CheckWarning` passes with a WARN line (logged at WARNING): the stage can run, but
+the operator should know (e.g. it will run much slower than it could).
 
 `run()` returns 0, BAD_INPUT (65) when an input manifest is unusable (a retry cannot help), else
 ENVIRONMENT (69) (another node might do). The same checks run from the command line,
@@ -56,15 +60,21 @@ class CheckError(Exception):
         self.code = code
 
 
+class CheckWarning(Exception):  # noqa: N818 - a passing check's signal, not an error
+    """Raised by a check that passes with a warning: `detail` is logged as a WARN line."""
+
+
 @dataclass(frozen=True)
 class CheckResult:
     name: str
     ok: bool
     detail: str
     code: ExitCode
+    warning: bool = False
 
     def line(self, stage: str) -> str:
-        return f"preflight {stage} {'OK' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+        verdict = "FAIL" if not self.ok else "WARN" if self.warning else "OK"
+        return f"preflight {stage} {verdict} {self.name}: {self.detail}"
 
 
 def _importable(module: str) -> bool:
@@ -283,6 +293,8 @@ class Preflight:
             return CheckResult(name, True, redact(check()), ExitCode.OK)
         except CheckError as err:
             return CheckResult(name, False, redact(str(err)), err.code)
+        except CheckWarning as err:
+            return CheckResult(name, True, redact(str(err)), ExitCode.OK, warning=True)
         except Exception as err:  # one broken check must not hide the others
             detail = redact(str(err)) or type(err).__name__
             return CheckResult(name, False, detail, ExitCode.ENVIRONMENT)
@@ -293,10 +305,13 @@ class Preflight:
         for name, check in self._checks:
             result = self._run_one(name, check)
             self.results.append(result)
-            (logger.info if result.ok else logger.error)(result.line(self.stage))
+            log = logger.error if not result.ok else logger.warning if result.warning else logger.info
+            log(result.line(self.stage))
         failed = [r for r in self.results if not r.ok]
         if not failed:
-            logger.info("preflight %s: all %d check(s) passed", self.stage, len(self.results))
+            warned = [r.name for r in self.results if r.warning]
+            logger.info("preflight %s: all %d check(s) passed%s", self.stage, len(self.results),
+                        f" ({len(warned)} with a warning: {', '.join(warned)})" if warned else "")
             return ExitCode.OK
         # Bad input wins: moving to another node cannot fix it, so the Job should not retry.
         code = ExitCode.BAD_INPUT if any(r.code is ExitCode.BAD_INPUT for r in failed) else ExitCode.ENVIRONMENT

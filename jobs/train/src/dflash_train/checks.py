@@ -1,20 +1,26 @@
 """Preflight of the train stage: everything that can be checked before the target is loaded.
 
-Imports, GPUs (when training on CUDA), S3 credentials and write access to the output, scratch disk, and
-the tokenized manifest's compatibility with the target: its tokenizer and chat template hashes must be
-those of the target directory (only the target's small files are copied for this check).
+Imports, GPUs (when training on CUDA), S3 credentials and write access to the output, scratch disk, the
+kernels a hybrid target's linear-attention layers would run on (a WARN line when a GPU run would use the
+PyTorch reference kernels), and the tokenized manifest's compatibility with the target: its tokenizer and
+chat template hashes must be those of the target directory (only the target's small files are copied for
+this check).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import tempfile
+from pathlib import Path
+from typing import Any
 
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
 from dflash_shared.manifests import TokenizedSection
-from dflash_shared.preflight import CheckError, Preflight
-from dflash_shared.storage import ObjectStore, is_s3
+from dflash_shared.preflight import CheckError, CheckWarning, Preflight
+from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
 from dflash_train.stage import STAGE, fetch_target, open_input
 
@@ -27,6 +33,52 @@ def _local_gpus() -> int:
     return int(raw) if raw else 1
 
 
+def _target_config(store: ObjectStore, target: str) -> dict[str, Any]:
+    raw = store.read_bytes(join(target, "config.json")) if is_s3(target) else Path(target, "config.json").read_bytes()
+    config: dict[str, Any] = json.loads(raw)
+    return config
+
+
+def _on_gpu(config: TrainConfig) -> bool:
+    if config.device != "auto":
+        return config.device == "cuda"
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
+    """Which fast kernels are active; warns when a hybrid target would run on the reference ones on a GPU."""
+    from dflash_train.linear_kernels import CAUSAL_CONV1D, FLA, modeling_module, use_fla_conv
+
+    installed = {FLA: importlib.util.find_spec("fla") is not None,
+                 CAUSAL_CONV1D: importlib.util.find_spec("causal_conv1d") is not None}
+    present = ", ".join(f"{name} {'installed' if ok else 'not installed'}" for name, ok in installed.items())
+    try:
+        target = _target_config(store, config.target)
+    except Exception as err:  # noqa: BLE001 - reported as this check's failure
+        raise CheckError(f"target {config.target} config.json cannot be read: {err}") from err
+    text = target.get("text_config") or target
+    layer_types = list(text.get("layer_types") or [])
+    model_type = str(text.get("model_type") or target.get("model_type") or "")
+    if "linear_attention" not in layer_types:
+        return f"{present}; not needed: the target ({model_type}) has no linear-attention layers"
+    modeling = modeling_module(model_type)
+    status = use_fla_conv(modeling) if modeling is not None else None
+    if status is None:
+        raise CheckError(f"target {model_type} has linear-attention layers but transformers has no Gated DeltaNet"
+                         " kernels for it")
+    packing = "varlen (one forward per batch)" if status.varlen else "per_document (one forward per document)"
+    detail = (f"{present}; hybrid target ({model_type}, {layer_types.count('linear_attention')} linear-attention"
+              f" layers): {status.describe()}; packed rows run {packing}")
+    if status.varlen:
+        return detail
+    if _on_gpu(config):
+        raise CheckWarning(f"{detail}. A hybrid target on the PyTorch reference kernels on a GPU is an order of"
+                           f" magnitude slower: install {FLA} (the trainer image ships it)")
+    return f"{detail} (CPU run: the fast kernels are GPU kernels)"
+
+
 def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Preflight:
     store = store or ObjectStore()
     checks = Preflight(STAGE, store).imports(REQUIRED + (["tensorboard"] if config.tensorboard else []))
@@ -36,6 +88,7 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
         checks.credentials(s3_uris[0])
     checks.storage_write(config.output)
     checks.disk(config.scratch_dir or tempfile.gettempdir(), int(config.disk_need_gib * 2**30))
+    checks.add("kernels", lambda: kernels_check(config, store))
 
     def input_manifest() -> str:
         base = config.scratch_dir or tempfile.gettempdir()
