@@ -79,9 +79,10 @@ bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer
 bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU setting)
 	.venv-generate/bin/python bench/bench_eval.py
 
-bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, data loader rate
+bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, data loader rate, target features per packing
 	.venv-train/bin/python bench/bench_train_step.py
 	.venv-train/bin/python bench/bench_train_data.py
+	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
 	build-image base-image lock bench-tokenize bench-train bench-eval
