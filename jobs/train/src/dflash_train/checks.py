@@ -49,7 +49,7 @@ def _on_gpu(config: TrainConfig) -> bool:
 
 def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
     """Which fast kernels are active; warns when a hybrid target would run on the reference ones on a GPU."""
-    from dflash_train.linear_kernels import CAUSAL_CONV1D, FLA, REFERENCE, modeling_module, use_fla_conv
+    from dflash_train.linear_kernels import CAUSAL_CONV1D, FLA, modeling_module, use_fla_conv
 
     installed = {FLA: importlib.util.find_spec("fla") is not None,
                  CAUSAL_CONV1D: importlib.util.find_spec("causal_conv1d") is not None}
@@ -73,7 +73,7 @@ def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
               f" layers): {status.describe()}; packed rows run {packing}")
     on_gpu = _on_gpu(config)
     if status.varlen:
-        if not on_gpu and REFERENCE not in (status.delta_rule, status.conv):
+        if not on_gpu:
             raise CheckWarning(f"{detail}. This run is on the CPU: the Triton / CUDA kernels transformers selected"
                                " need a GPU, so a hybrid target will likely fail to run here")
         return detail
