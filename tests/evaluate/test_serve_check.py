@@ -1,7 +1,11 @@
 """`dflash-generate serve-check`: the exported drafter in vLLM (CPU) against the offline evaluation.
 
-One run per module (two engine start-ups: with and without speculation). The drafter is a full-attention
-one: the CPU runner refuses drafters that mix sliding-window and full-attention layers.
+One run per target architecture and module (two engine start-ups each: with and without speculation): the
+dense Qwen3 target, and the Qwen3.6-architecture (hybrid) one. vLLM's CPU build runs the hybrid target in
+bfloat16 only, while the offline evaluation is float32 (where the offline loop is lossless), so that run
+compares across dtypes: the tau gap over the prompts both sides decoded alike, partings at ties allowed.
+The bookkeeping tests run on the dense target only. The drafters are full-attention ones: the CPU runner
+refuses drafters that mix sliding-window and full-attention layers.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ pytest.importorskip("vllm", reason="the serving check needs the generate environ
 
 from dflash_generate.serve_check import (  # noqa: E402
     REPORT_NAME,
+    Generated,
+    MatchedAcceptance,
     ServeCheckConfig,
     ServeCheckReport,
     engine_acceptance,
     relative_gap,
     run,
     spec_counters,
+    tau_failure,
+    tie_margin_at_parting,
 )
 from dflash_shared.errors import BadInputError  # noqa: E402
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
@@ -42,50 +50,98 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     mp.undo()
 
 
+ARCHS = ("qwen3", "qwen3_6")
+# Engine dtype on vLLM's CPU build: the offline evaluation's (float32), except for the hybrid target.
+ENGINE_DTYPE = {"qwen3": "float32", "qwen3_6": "bfloat16"}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def served(offline_run: Any, tiny_target_dir: Path, vllm_env: None) -> tuple[Any, str]:
-    output = join(offline_run.root, "evaluation")
-    config = ServeCheckConfig(evaluation=offline_run.evaluation, target=str(tiny_target_dir), output=output,
+def chain(arch: str, request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue("offline_run" if arch == "qwen3" else "hybrid_offline_run")
+
+
+@pytest.fixture(scope="module")
+def served(chain: Any, arch: str, request: pytest.FixtureRequest, vllm_env: None) -> tuple[Any, str]:
+    target_dir = request.getfixturevalue("tiny_target_dir" if arch == "qwen3" else "hybrid_target_dir")
+    output = join(chain.root, "evaluation")
+    config = ServeCheckConfig(evaluation=chain.evaluation, target=str(target_dir), output=output,
                               gpu_memory_utilization=0.3, enforce_eager=True)
-    return run(config, offline_run.store), output
+    return run(config, chain.store), output
 
 
-def _check(offline_run: Any, output: str) -> ServeCheckReport:
-    return ServeCheckReport.model_validate_json(offline_run.store.read_bytes(join(output, REPORT_NAME)))
+def _check(chain: Any, output: str) -> ServeCheckReport:
+    return ServeCheckReport.model_validate_json(chain.store.read_bytes(join(output, REPORT_NAME)))
 
 
-def test_engine_tau_agrees_with_offline_tau(offline_run: Any, served: tuple[Any, str]) -> None:
-    check = _check(offline_run, served[1])
-    offline = OfflineReport.model_validate_json(offline_run.store.read_bytes(
-        join(offline_run.evaluation, "evaluation.json")))
-    assert check.dtype == offline.dtype == "float32"
+def test_engine_tau_agrees_with_offline_tau(chain: Any, arch: str, served: tuple[Any, str]) -> None:
+    check = _check(chain, served[1])
+    offline = OfflineReport.model_validate_json(chain.store.read_bytes(join(chain.evaluation, "evaluation.json")))
+    assert check.offline_dtype == offline.dtype == "float32"
+    assert check.dtype == ENGINE_DTYPE[arch]
     assert check.num_speculative_tokens == offline.block_size - 1 == 7
     assert check.offline_tau == offline.trained.tau > 2.5
-    assert check.relative_gap <= 0.10
     assert abs(check.engine.tau - offline.trained.tau) / offline.trained.tau == pytest.approx(check.relative_gap)
-    # Enough drafts for the figure to be stable: every offline step has an engine counterpart.
-    assert check.engine.drafts >= 0.9 * offline.trained.steps
+    if arch == "qwen3":
+        assert check.compared == "all" and check.relative_gap <= 0.10
+        # Enough drafts for the figure to be stable: every offline step has an engine counterpart.
+        assert check.engine.drafts >= 0.9 * offline.trained.steps
+    else:
+        # Across dtypes: the prompts decoded alike carry the comparison, and they are most of them.
+        assert check.compared == "matched"
+        assert check.matched.prompts >= 12 and check.matched.relative_gap is not None
+        assert check.matched.relative_gap <= 0.10
+    assert check.matched.prompts == check.engine_equals_offline
     assert check.engine.draft_tokens == 7 * check.engine.drafts
     assert len(check.engine.acceptance_per_position) == 7
 
 
-def test_speculative_output_equals_plain_output(offline_run: Any, served: tuple[Any, str]) -> None:
-    check = _check(offline_run, served[1])
+def test_speculative_output_equals_plain_output(chain: Any, arch: str, served: tuple[Any, str]) -> None:
+    check = _check(chain, served[1])
     assert check.prompts == 16
-    assert check.outputs_identical == 16 and check.output_mismatches == []
+    assert check.output_mismatches == []
+    assert check.outputs_identical + len(check.output_ties) == 16
+    if arch == "qwen3":  # float32: identical token for token
+        assert check.outputs_identical == 16 and check.output_ties == {}
+    assert all(0 <= margin <= 0.02 for margin in check.output_ties.values())
 
 
-def test_manifest_records_engine_tau_beside_offline_tau(offline_run: Any, served: tuple[Any, str]) -> None:
+def test_manifest_records_engine_tau_beside_offline_tau(chain: Any, served: tuple[Any, str]) -> None:
     uri, output = served
-    loaded = load_manifest(offline_run.store, output, Kind.evaluation)  # re-hashes both report shards
-    offline = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation)
-    check = _check(offline_run, output)
+    loaded = load_manifest(chain.store, output, Kind.evaluation)  # re-hashes both report shards
+    offline = load_manifest(chain.store, chain.evaluation, Kind.evaluation)
+    check = _check(chain, output)
     section = loaded.manifest.section
     assert uri == join(output, "manifest.json")
     assert section.engine_tau == check.engine.tau
     assert section.tau == offline.manifest.section.tau
     assert [i.kind for i in loaded.manifest.inputs] == [Kind.evaluation, Kind.drafter]
     assert loaded.manifest.inputs[0].sha256 == offline.sha256
+
+
+def test_a_parting_counts_as_a_tie_only_within_the_margin() -> None:
+    spec = Generated(token_ids=[5, 6, 7])
+    plain = Generated(token_ids=[5, 6, 9], top_logprobs=[{5: -1.0}, {6: -1.0}, {9: -10.842, 7: -10.85}])
+    assert tie_margin_at_parting(spec, plain) == pytest.approx(0.008)
+    assert tie_margin_at_parting(spec, spec.model_copy(update={"top_logprobs": []})) is None
+    far = plain.model_copy(update={"top_logprobs": [{5: -1.0}, {6: -1.0}, {9: -10.0, 8: -11.0}]})
+    assert tie_margin_at_parting(spec, far) == float("inf")  # 7 is not even among the plain engine's top two
+    assert tie_margin_at_parting(Generated(token_ids=[5]), plain) == float("inf")  # one stops early
+
+
+def test_across_dtypes_the_gap_is_taken_over_the_prompts_decoded_alike(offline_run: Any) -> None:
+    check = _fake_check(offline_run, 2.0, []).model_copy(update={
+        "dtype": "bfloat16", "compared": "matched", "relative_gap": 0.5,
+        "matched": MatchedAcceptance(prompts=12, offline_tau=3.0, engine_tau=2.9, relative_gap=1 / 30)})
+    assert tau_failure(check, 0.5) is None
+    few = check.model_copy(update={"matched": check.matched.model_copy(update={"prompts": 7})})
+    assert "decoded only 7/16 prompts as the offline loop did (< 50%)" in str(tau_failure(few, 0.5))
+    far = check.model_copy(update={"matched": check.matched.model_copy(update={"relative_gap": 0.2})})
+    assert "over the 12/16 prompts decoded alike (engine bfloat16, offline float32)" in str(tau_failure(far, 0.5))
 
 
 def test_gap_and_counters_arithmetic() -> None:
@@ -114,21 +170,30 @@ def test_gap_and_counters_arithmetic() -> None:
 ])
 def test_a_gap_or_an_output_difference_fails_without_committing(
         offline_run: Any, tmp_path: Path, engine_tau: float | None, mismatches: list[str], expected: str) -> None:
-    from dflash_generate.serve_check import EngineAcceptance, commit
+    from dflash_generate.serve_check import commit
 
     offline = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation)
     drafter = load_manifest(offline_run.store, offline_run.export, Kind.drafter)
-    tau = offline.manifest.section.tau
-    engine_tau = tau if engine_tau is None else engine_tau
-    check = ServeCheckReport(
-        dtype="float32", num_speculative_tokens=7, offline_tau=tau,
-        engine=EngineAcceptance(tau=engine_tau, drafts=100, draft_tokens=700,
-                                accepted_tokens=round(100 * (engine_tau - 1)), acceptance_per_position=[0.5] * 7),
-        relative_gap=relative_gap(tau, engine_tau), max_tau_gap=0.1, prompts=16, outputs_identical=16 - len(mismatches),
-        output_mismatches=mismatches, engine_equals_offline=16, start_seconds={},
-    )
+    check = _fake_check(offline_run, engine_tau, mismatches)
     config = ServeCheckConfig(evaluation=offline_run.evaluation, target="unused", output=str(tmp_path / "eval"))
     with pytest.raises(BadInputError, match=expected):
         commit(config, offline_run.store, check, offline, drafter)
     assert (tmp_path / "eval" / REPORT_NAME).is_file()
     assert not (tmp_path / "eval" / "manifest.json").exists()
+
+
+def _fake_check(offline_run: Any, engine_tau: float | None, mismatches: list[str]) -> ServeCheckReport:
+    """A float32 report on the dense run's offline tau; engine_tau None = the offline tau."""
+    from dflash_generate.serve_check import EngineAcceptance
+
+    tau = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation).manifest.section.tau
+    engine_tau = tau if engine_tau is None else engine_tau
+    return ServeCheckReport(
+        dtype="float32", offline_dtype="float32", num_speculative_tokens=7, offline_tau=tau,
+        engine=EngineAcceptance(tau=engine_tau, drafts=100, draft_tokens=700,
+                                accepted_tokens=round(100 * (engine_tau - 1)), acceptance_per_position=[0.5] * 7),
+        relative_gap=relative_gap(tau, engine_tau), max_tau_gap=0.1, prompts=16, outputs_identical=16 - len(mismatches),
+        output_mismatches=mismatches, output_ties={}, engine_equals_offline=16, compared="all", start_seconds={},
+        matched=MatchedAcceptance(prompts=16, offline_tau=tau, engine_tau=engine_tau,
+                                  relative_gap=relative_gap(tau, engine_tau)),
+    )

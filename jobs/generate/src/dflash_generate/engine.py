@@ -59,6 +59,11 @@ def engine_flavour() -> Literal["cpu", "cuda", "absent"]:
     return "absent"
 
 
+def only_dtype(target: TargetInfo, flavour: str) -> str | None:
+    """The one dtype this vLLM build runs the target in, or None when it runs any (see the module docstring)."""
+    return "bfloat16" if target.hybrid and flavour == "cpu" else None
+
+
 class EngineConfig(BaseModel):
     """How to start the vLLM engine for the target model."""
 
@@ -91,7 +96,7 @@ class EngineConfig(BaseModel):
     def for_target(self, target: TargetInfo, flavour: str) -> EngineConfig:
         """This config with what the target needs on this vLLM build (see the module docstring)."""
         config = self.model_copy(update={"language_model_only": True}) if target.multimodal else self
-        if not (target.hybrid and flavour == "cpu"):
+        if only_dtype(target, flavour) is None:
             return config
         if self.dtype not in ("auto", "bfloat16"):
             raise ConfigError(f"{self.model} is a hybrid (linear-attention) model: vLLM's CPU build runs its Gated "
