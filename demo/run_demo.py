@@ -1,17 +1,22 @@
 """`make demo`: the whole pipeline on this machine, on CPU, with a tiny model and the prompts in this folder.
 
-It builds a tiny random Qwen3 target with the real Qwen vocabulary, writes a run file whose storage root is
+It builds a tiny random target with the real Qwen vocabulary, writes a run file whose storage root is
 a local directory (an s3:// root works the same against any endpoint), and runs every stage with
 `python -m dflash_shared.pipeline local`: the same wiring and settings the Kubernetes Jobs get, each stage in
 its own environment. A rerun skips the stages that are complete. It ends with a summary read from the
 manifests: records and tokens per stage, the loss curve, acceptance before and after training, and the
 acceptance the serving engine (vLLM with the exported drafter) counted on the same prompts.
+
+`--target` (or DFLASH_DEMO_TARGET) picks the target architecture: `qwen3` (default: a dense 4-layer Qwen3)
+or `qwen3_6` (an 8-layer Qwen3.6-architecture hybrid: Gated DeltaNet beside gated full attention, in the
+vision-language checkpoint layout). Each has its own run id and model folder, so both runs can share a store.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,39 +34,57 @@ DEMO = REPO / "demo"
 # exactly what this target says, which is the point of the pipeline.
 QUALITY = {"allow_truncated": True, "reject_repetitive": False}
 # Small enough for 2 CPU cores in a few minutes, large enough for the drafter to learn something.
+# Greedy and unpenalised, as the evaluation decodes: Qwen3.6's recommended presence_penalty 1.5 would steer the
+# tiny target off its loops, and the drafter would learn text that greedy decoding never produces.
 GENERATE = {"max_new_tokens": 96, "max_model_len": 512, "enforce_eager": True, "temperature": 0.0,
-            "dtype": "bfloat16", "chunk_records": 16, "gpu_memory_utilization": 0.3, **QUALITY}
+            "presence_penalty": 0.0, "repetition_penalty": 1.0, "dtype": "bfloat16", "chunk_records": 16,
+            "gpu_memory_utilization": 0.3, **QUALITY}
 TOKENIZE = {"max_length": 512, "workers": 1, **QUALITY}
 # The debug presets: a small drafter, CPU, fp32; enough steps over the 48 completions to learn their loops.
 TRAIN = {"preset": "debug", "epochs": 8, "max_steps": 48, "checkpoint_every": 16}
 EVALUATE = {"preset": "debug", "num_prompts": 16, "max_new_tokens": 48, "device": "cpu"}
-# vLLM on the CPU, replaying the evaluation's prompts with the exported drafter and without it.
+# vLLM on the CPU, replaying the evaluation's prompts with the exported drafter and without it. On the hybrid
+# target it runs bfloat16 (the CPU build's only dtype for Gated DeltaNet) against the float32 evaluation.
 SERVE_CHECK = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
+TARGETS = ("qwen3", "qwen3_6")
+TARGET_ENV = "DFLASH_DEMO_TARGET"
+# Per target: run id (it names the Jobs: lowercase letters, digits, '-'), model folder, and what differs from
+# the defaults above. The debug drafter preset fits the 4-layer Qwen3 target (layers 1 and 2); the 8-layer
+# hybrid one gets explicit layer ids, two linear-attention layers and the full-attention layer between them,
+# as its evaluate tests use.
+PER_TARGET: dict[str, dict[str, Any]] = {
+    "qwen3": {"run_id": "demo", "model": "model", "stages": {}},
+    "qwen3_6": {"run_id": "demo-qwen36", "model": "model-qwen3_6", "stages": {
+        "train": {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}},
+    }},
+}
 # Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
 ON_CPU = {"gpus": 0, "tolerations": []}
 
 
-def run_file(model: Path, root: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def run_file(model: Path, root: str, overrides: dict[str, Any], target: str = "qwen3") -> dict[str, Any]:
     defaults = {"generate": GENERATE, "tokenize": TOKENIZE, "train": TRAIN, "export": {}, "evaluate": EVALUATE,
                 "serve-check": SERVE_CHECK}
+    own = PER_TARGET[target]["stages"]
     stages: dict[str, Any] = {
-        name: {**ON_CPU, "config": {**config, **overrides.get(name, {})}} for name, config in defaults.items()
+        name: {**ON_CPU, "config": {**config, **own.get(name, {}), **overrides.get(name, {})}}
+        for name, config in defaults.items()
     }
     return {
-        "run_id": "demo",
+        "run_id": PER_TARGET[target]["run_id"],
         "root": root,
-        "target": {"model_id": "tiny-qwen3-demo", "uri": str(model), "enable_thinking": False},
+        "target": {"model_id": f"tiny-{target}-demo", "uri": str(model), "enable_thinking": False},
         "source": {"kind": "prompts", "uri": f"{str(root).rstrip('/')}/sources"},
         "stages": stages,
     }
 
 
-def build_model(out: Path) -> Path:
-    model = out / "model"
+def build_model(out: Path, target: str = "qwen3") -> Path:
+    model = out / PER_TARGET[target]["model"]
     if (model / "config.json").exists():
         return model
-    subprocess.run([str(REPO / ".venv-generate" / "bin" / "python"), "-m", "tests.support.tiny_target", str(model)],
-                   cwd=REPO, check=True)
+    subprocess.run([str(REPO / ".venv-generate" / "bin" / "python"), "-m", "tests.support.tiny_target", str(model),
+                    "--arch", target], cwd=REPO, check=True)
     return model
 
 
@@ -70,15 +93,19 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "demo-output", help="Where the run and its model go.")
     parser.add_argument("--root", default=None, help="Storage root (default: <out>/store; s3:// works too).")
     parser.add_argument("--overrides", type=Path, default=None, help="JSON file of per-stage config overrides.")
+    parser.add_argument("--target", choices=TARGETS, default=os.environ.get(TARGET_ENV, "qwen3"),
+                        help=f"Target architecture (default: ${TARGET_ENV}, else qwen3).")
     args = parser.parse_args()
+    if args.target not in TARGETS:  # argparse checks choices on the command line, not on a default from the env
+        parser.error(f"{TARGET_ENV}={args.target!r}: expected one of {', '.join(TARGETS)}")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     root = args.root or str(out / "store")
     ObjectStore().upload_from(str(DEMO / "prompts.jsonl"), join(root, "sources", "prompts.jsonl"))
-    model = build_model(out)
+    model = build_model(out, args.target)
     overrides = json.loads(args.overrides.read_text()) if args.overrides else {}
-    config = run_file(model, root, overrides)
-    run_path = out / "run.json"
+    config = run_file(model, root, overrides, args.target)
+    run_path = out / ("run.json" if args.target == "qwen3" else f"run-{args.target}.json")
     run_path.write_text(json.dumps(config, indent=2) + "\n")
     python = sys.executable
     code = subprocess.run([python, "-m", "dflash_shared.pipeline", "local", "--config", str(run_path)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,11 +33,26 @@ def loss_curve(store: ObjectStore, drafter_prefix: str, points: int = 8) -> str:
     return "  ".join(f"{step}:{losses[step]:.3f}" for step in picked)
 
 
+def serving_note(store: ObjectStore, shards: list[str]) -> str:
+    """Where the engine ran at another dtype than the offline loop: the comparison over prompts decoded alike."""
+    report = next((uri for uri in shards if uri.endswith("serve-check.json")), None)
+    if report is None:
+        return ""
+    check = json.loads(store.read_bytes(report))
+    if check.get("dtype") == check.get("offline_dtype", check.get("dtype")):
+        return ""
+    matched = check["matched"]
+    alike = f"{matched['prompts']}/{check['prompts']} prompts decoded alike"
+    if matched.get("engine_tau") is not None:
+        alike += f": engine {matched['engine_tau']:.2f} vs offline {matched['offline_tau']:.2f}"
+    return f" ({check['dtype']} vs {check['offline_dtype']}; {alike})"
+
+
 def main(run_file: str) -> int:
     run = load_run_config(Path(run_file))
     lay = layout(run.root, run.run_id)
     store = ObjectStore()
-    print(f"\nrun {run.run_id} under {lay.run_prefix}")
+    print(f"\nrun {run.run_id} under {lay.run_prefix} (target {run.target.model_id})")
     # The serving check writes a second evaluation: the offline figures with the engine's tau beside them.
     outputs = [(kind.value, lay.prefix(kind), kind) for kind in
                (Kind.prompts, Kind.completions, Kind.tokenized, Kind.drafter, Kind.evaluation)]
@@ -61,6 +77,7 @@ def main(run_file: str) -> int:
             line += f"; tau {section.tau:.2f} trained vs {section.tau_untrained or 0:.2f} untrained"
             if section.engine_tau is not None:
                 line += f", engine tau {section.engine_tau:.2f}"
+                line += serving_note(store, [shard.uri for shard in m.shards])
         print(line)
         if acc.failures_by_reason:
             print(f"  {'':12s} failures: {acc.failures_by_reason}")
