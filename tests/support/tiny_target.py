@@ -56,7 +56,7 @@ def _cache_key(params: dict[str, object]) -> str:
 
 def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) -> None:
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     build_tokenizer_dir(out_dir, vocab)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
@@ -85,6 +85,13 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) 
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    _finish(out_dir, ids)
+
+
+def _finish(out_dir: Path, ids: dict[str, int]) -> None:
+    """The generation config every target ships, and file modes any user can read."""
+    from transformers import GenerationConfig
+
     GenerationConfig(
         bos_token_id=ids["endoftext"],
         eos_token_id=[ids["im_end"], ids["endoftext"]],
@@ -98,7 +105,7 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) 
 def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
     build_tokenizer_dir(out_dir, "qwen3_6")
@@ -179,13 +186,7 @@ def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
     weights = load_file(str(weights_path))
     weights.update({k: v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
     save_file(weights, str(weights_path), metadata={"format": "pt"})
-    GenerationConfig(
-        bos_token_id=ids["endoftext"],
-        eos_token_id=[ids["im_end"], ids["endoftext"]],
-        pad_token_id=ids["endoftext"],
-    ).save_pretrained(out_dir)
-    for path in out_dir.iterdir():
-        path.chmod(0o644)
+    _finish(out_dir, ids)
 
 
 def _cached_build(family: str, params: dict[str, Any], write: Any, out_dir: Path | None) -> Path:
