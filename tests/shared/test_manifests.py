@@ -10,6 +10,7 @@ import pytest
 
 from dflash_shared.manifest_io import ManifestError, load_manifest, write_manifest
 from dflash_shared.manifests import (
+    SCHEMA_VERSION,
     Accounting,
     Kind,
     Manifest,
@@ -138,8 +139,8 @@ def test_unknown_field_is_rejected(written: tuple[ObjectStore, str, Manifest]) -
 
 def test_wrong_schema_version_is_rejected(written: tuple[ObjectStore, str, Manifest]) -> None:
     store, prefix, _ = written
-    rewrite(store, prefix, lambda d: d.update(schema_version=2))
-    with pytest.raises(ManifestError, match="schema_version is 2, this build reads 1"):
+    rewrite(store, prefix, lambda d: d.update(schema_version=1))
+    with pytest.raises(ManifestError, match="schema_version is 1, this build reads 2"):
         load_manifest(store, prefix, Kind.tokenized)
 
 
@@ -206,7 +207,7 @@ def test_manifest_is_frozen(tmp_path: Path) -> None:
 
 def test_schemas_export_one_file_per_kind(tmp_path: Path) -> None:
     paths = export(tmp_path)
-    assert sorted(p.name for p in paths) == sorted(f"{k.value}.v1.schema.json" for k in Kind)
-    tokenized = json.loads((tmp_path / "tokenized.v1.schema.json").read_text())
+    assert sorted(p.name for p in paths) == sorted(f"{k.value}.v{SCHEMA_VERSION}.schema.json" for k in Kind)
+    tokenized = json.loads((tmp_path / f"tokenized.v{SCHEMA_VERSION}.schema.json").read_text())
     assert tokenized["properties"]["kind"]["const"] == "tokenized"
     assert tokenized["additionalProperties"] is False

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import posixpath
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dflash_shared.manifests import MANIFEST_NAME, SCHEMA_VERSION, InputRef, Kind, Manifest
-from dflash_shared.storage import ObjectStore, StorageError, join
+from dflash_shared.storage import ObjectStore, StorageError, join, relative_location, resolve_location
 
 
 class ManifestError(ValueError):
@@ -46,7 +47,35 @@ def manifest_uri(prefix_or_uri: str) -> str:
     return prefix_or_uri if prefix_or_uri.endswith(".json") else join(prefix_or_uri, MANIFEST_NAME)
 
 
+def _map_locations(manifest: Manifest, move: Callable[[str], str]) -> Manifest:
+    """The manifest with every location it names (shards, inputs, the section's *_uri fields) passed through `move`."""
+    section_updates = {
+        name: move(value)
+        for name, value in manifest.section
+        if name.endswith("_uri") and isinstance(value, str)
+    }
+    return manifest.model_copy(
+        update={
+            "shards": [s.model_copy(update={"uri": move(s.uri)}) for s in manifest.shards],
+            "inputs": [i.model_copy(update={"uri": move(i.uri)}) for i in manifest.inputs],
+            "section": manifest.section.model_copy(update=section_updates),
+        }
+    )
+
+
+def manifest_prefix(uri: str) -> str:
+    """The prefix a manifest's relative locations are resolved against: the folder holding it."""
+    return posixpath.dirname(uri) or "."
+
+
 def parse_manifest(uri: str, raw: bytes) -> Manifest:
+    """Validate a manifest's bytes; relative locations come back resolved against where it was read."""
+    manifest = _validate(uri, raw)
+    prefix = manifest_prefix(uri)
+    return _map_locations(manifest, lambda ref: resolve_location(prefix, ref))
+
+
+def _validate(uri: str, raw: bytes) -> Manifest:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -138,6 +167,11 @@ def load_manifest(
 
 
 def write_manifest(store: ObjectStore, prefix: str, manifest: Manifest) -> tuple[str, bool]:
-    """Write the manifest exactly once; returns (uri, created). A second writer does not overwrite."""
+    """Write the manifest exactly once; returns (uri, created). A second writer does not overwrite.
+
+    Locations inside the run root are written relative to `prefix`, so the manifest stays valid wherever
+    the run root is moved or read from; `parse_manifest` resolves them back.
+    """
     uri = join(prefix, MANIFEST_NAME)
-    return uri, store.put_if_absent(uri, manifest.to_json())
+    portable = _map_locations(manifest, lambda location: relative_location(prefix, location))
+    return uri, store.put_if_absent(uri, portable.to_json())

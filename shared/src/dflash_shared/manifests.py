@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+# 2: shard, input and checkpoint locations are relative to the manifest's own prefix when inside the run root.
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 
@@ -41,13 +42,13 @@ class Producer(_Frozen):
 
 
 class InputRef(_Frozen):
-    uri: str = Field(description="URI of an input manifest.")
+    uri: str = Field(description="URI of an input manifest; relative to this one's prefix when inside the run root.")
     sha256: str = Field(description="sha256 of that manifest's bytes when it was read.")
     kind: Kind = Field(description="Kind of that manifest.")
 
 
 class Shard(_Frozen):
-    uri: str = Field(description="Full URI of the shard object.")
+    uri: str = Field(description="URI of the shard object; relative to the manifest's prefix when inside the run root.")
     bytes: int = Field(ge=0, description="Size of the object in bytes.")
     sha256: str = Field(description="sha256 of the object's bytes.")
     records: int = Field(ge=0, description="Records stored in the shard.")
@@ -127,16 +128,47 @@ class CompletionsSection(_Frozen):
     throughput: dict[str, float] = Field(default_factory=dict, description="Throughput summary.")
 
 
+Split = Literal["train", "heldout"]
+
+
+class HeldoutSplit(_Frozen):
+    """The tokenized records kept out of training for evaluation, chosen by a hash of their content id.
+
+    A record is held out when sha256("dflash-heldout:" + id), read as a fraction of 2**64 from its first
+    8 bytes, falls below `effective_fraction`: the same id lands in the same split whatever the sharding,
+    the worker count or the order of the input, and repeated ids never straddle the split.
+    """
+
+    method: Literal["sha256_id_v1"] = Field(default="sha256_id_v1", description="How records were assigned.")
+    fraction: float = Field(ge=0, le=1, description="Configured share of records to hold out (0 = no split).")
+    min_records: int = Field(ge=0, description="Configured least held-out count (in expectation) on small inputs.")
+    input_records: int = Field(ge=0, description="Records of the input manifest the effective fraction is based on.")
+    effective_fraction: float = Field(
+        ge=0, le=1, description="max(fraction, min_records / input_records), at most one half; 0 without a split."
+    )
+    records: int = Field(ge=0, description="Records in the held-out shards.")
+    tokens: int = Field(ge=0, description="Tokens in the held-out shards.")
+    loss_tokens: int = Field(ge=0, description="Tokens with loss_mask = 1 in the held-out shards.")
+    shards: list[str] = Field(
+        default_factory=list, description="URIs of the held-out shards; every other shard is training data."
+    )
+
+
 class TokenizedSection(_Frozen):
     kind: Literal[Kind.tokenized] = Kind.tokenized
     target: TargetIdentity = Field(description="Tokenizer, template and thinking mode the shards were made with.")
     mode: Literal["token_exact", "render"] = Field(description="How ids and masks were produced.")
     mask_policy: Literal["final_turn", "all_turns"] = Field(description="Which assistant turns carry loss.")
     max_length: int = Field(gt=0, description="Longest sequence allowed in the shards.")
-    total_tokens: int = Field(ge=0, description="Tokens in all shards.")
-    loss_tokens: int = Field(ge=0, description="Tokens with loss_mask = 1.")
+    total_tokens: int = Field(ge=0, description="Tokens in all shards (held-out ones included).")
+    loss_tokens: int = Field(ge=0, description="Tokens with loss_mask = 1 (held-out ones included).")
     length_histogram: dict[str, int] = Field(
         default_factory=dict, description="Sequence count per length bucket ('lo-hi' tokens)."
+    )
+    heldout: HeldoutSplit | None = Field(
+        default=None,
+        description="The held-out split that training never reads; None (manifests made before the split "
+        "existed): every shard is training data.",
     )
 
 
@@ -159,9 +191,15 @@ class EvaluationSection(_Frozen):
     engine_tau: float | None = Field(default=None, description="Acceptance length measured by the engine.")
     acceptance_per_position: list[float] = Field(default_factory=list, description="Acceptance by slot.")
     tau_histogram: dict[str, int] = Field(default_factory=dict, description="Steps per acceptance length.")
+    prompt_split: Literal["heldout", "train", "all"] | None = Field(
+        default=None,
+        description="Which prompts tau was measured on: the held-out or the train split of a tokenized manifest, "
+        "or all of a prompts or completions manifest; None in manifests made before the split existed.",
+    )
     metrics: dict[str, float] = Field(
         default_factory=dict,
-        description="Further figures: drafted tokens per target forward, tau gap, training accuracies, ...",
+        description="Further figures: tau_<set> and prompts_<set> per user prompt set, tokens per target "
+        "forward, ...",
     )
 
 
@@ -178,7 +216,7 @@ def utc_now() -> datetime:
 class Manifest(_Frozen):
     """The envelope written at `<prefix>/manifest.json` by every stage."""
 
-    schema_version: Literal[1] = Field(default=1, description="Manifest schema version.")
+    schema_version: Literal[2] = Field(default=2, description="Manifest schema version.")
     kind: Kind = Field(description="What the prefix holds; must equal section.kind.")
     run_id: str = Field(description="Pipeline run this output belongs to.")
     created_at: datetime = Field(default_factory=utc_now, description="When the manifest was written (UTC).")
@@ -194,9 +232,29 @@ class Manifest(_Frozen):
             raise ValueError(f"kind is {self.kind.value!r} but the section is {self.section.kind.value!r}")
         return self
 
+    @model_validator(mode="after")
+    def _heldout_shards_listed(self) -> Manifest:
+        heldout = getattr(self.section, "heldout", None)
+        if heldout is None:
+            return self
+        by_uri = {s.uri: s for s in self.shards}
+        unknown = [uri for uri in heldout.shards if uri not in by_uri]
+        if unknown:
+            raise ValueError(f"held-out shard {unknown[0]} is not among the manifest's shards")
+        records = sum(by_uri[uri].records for uri in heldout.shards)
+        if records != heldout.records:
+            raise ValueError(f"the held-out shards hold {records} records, the split says {heldout.records}")
+        return self
+
     @property
     def total_records(self) -> int:
         return sum(s.records for s in self.shards)
+
+    def split_shards(self, split: Split) -> list[Shard]:
+        """A tokenized manifest's shards of one split, in reading order (no split recorded: all are train)."""
+        heldout = getattr(self.section, "heldout", None)
+        held = set(heldout.shards) if heldout is not None else set()
+        return [s for s in self.shards if (s.uri in held) == (split == "heldout")]
 
     def to_json(self) -> bytes:
         return self.model_dump_json(indent=2).encode("utf-8")

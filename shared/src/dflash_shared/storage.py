@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import posixpath
 import re
 import shutil
 import threading
@@ -71,6 +72,45 @@ def join(base: str, *parts: str) -> str:
     head = base if base.endswith("://") or base == "/" else base.rstrip("/")
     sep = "" if head.endswith("/") else "/"
     return head + sep + "/".join(segments)
+
+
+def relative_location(base: str, uri: str) -> str:
+    """`uri` as a path relative to the prefix `base` when it lies under `base`'s parent; else `uri`.
+
+    Manifests name their shards and sibling stage outputs this way, so a run root that is moved, copied to
+    another bucket, or read from another working directory still resolves (see `resolve_location`).
+    Anything further away (a user's model folder, another bucket) stays absolute: relative there would
+    break exactly when a run root is moved.
+    """
+    if is_s3(base) != is_s3(uri):
+        return uri
+    if is_s3(uri):
+        base_bucket, base_key = _split_s3(base)
+        bucket, key = _split_s3(uri)
+        if bucket != base_bucket:
+            return uri
+        base_path, path = "/" + base_key.strip("/"), "/" + key
+    else:
+        base_path, path = os.path.abspath(base), os.path.abspath(uri)
+    parent = posixpath.dirname(base_path.rstrip("/")) or "/"
+    if posixpath.commonpath([parent, path]) != parent or parent == "/":
+        return uri if is_s3(uri) else path
+    return posixpath.relpath(path, base_path)
+
+
+def is_relative_location(ref: str) -> bool:
+    return not is_s3(ref) and not os.path.isabs(ref)
+
+
+def resolve_location(base: str, ref: str) -> str:
+    """Inverse of `relative_location`: a relative `ref` joined onto the prefix `base`; absolute ones as they are."""
+    if not is_relative_location(ref):
+        return ref
+    if is_s3(base):
+        bucket, key = _split_s3(base)
+        path = posixpath.normpath(posixpath.join("/" + key, ref)).lstrip("/")
+        return f"{_S3_SCHEME}{bucket}/{path}"
+    return os.path.normpath(os.path.join(base, ref))
 
 
 def _split_s3(uri: str) -> tuple[str, str]:

@@ -45,7 +45,7 @@ from dflash_generate.model_source import ModelFiles, ModelSource
 from dflash_generate.target import TargetInfo, read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
-from dflash_shared.manifest_io import LoadedManifest, load_manifest
+from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
 from dflash_shared.provenance import producer
 from dflash_shared.settings import StageSettings, public_dict
@@ -435,7 +435,7 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
         accounting=Accounting(input_records=check.prompts, succeeded=check.prompts, failed=0, skipped=0),
         section=section,
     )
-    store.put_if_absent(join(config.output, MANIFEST_NAME), manifest.to_json())
+    write_manifest(store, config.output, manifest)
     return join(config.output, MANIFEST_NAME)
 
 

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dflash_shared.errors import BadInputError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.jsonl import iter_lines
-from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest
+from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, EvaluationSection, Kind, Manifest, Shard
 from dflash_shared.provenance import producer
 from dflash_shared.records import CompletionRecord, PromptRecord
@@ -400,7 +400,7 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, dr
             tau_histogram=trained.tau_histogram,
         ),
     )
-    store.put_if_absent(join(config.output, MANIFEST_NAME), manifest.to_json())
+    write_manifest(store, config.output, manifest)
     return join(config.output, MANIFEST_NAME)
 
 

@@ -363,7 +363,7 @@ def check_against_target(cfg: DrafterConfig, target_config: Any, where: str) -> 
 
 def run_export(config: Any, store: ObjectStore | None = None) -> str:
     """`dflash-train export`: checkpoint -> export directory + a drafter manifest naming it (written last)."""
-    from dflash_shared.manifest_io import load_manifest
+    from dflash_shared.manifest_io import load_manifest, write_manifest
     from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
     from dflash_shared.provenance import producer
     from dflash_shared.settings import public_dict
@@ -402,7 +402,7 @@ def run_export(config: Any, store: ObjectStore | None = None) -> str:
         accounting=Accounting(input_records=1, succeeded=1, failed=0, skipped=0),
         section=section.model_copy(update={"export_uri": config.output, "checkpoint_uri": checkpoint}),
     )
-    store.put_if_absent(done, manifest.to_json())
+    write_manifest(store, config.output, manifest)
     log.info("exported %s (%s, %d layers, block %d) to %s", checkpoint, config.dtype, cfg.num_layers,
              cfg.block_size, config.output)
     return done
