@@ -12,6 +12,7 @@ from dflash_shared.manifest_io import ManifestError, load_manifest, write_manife
 from dflash_shared.manifests import (
     SCHEMA_VERSION,
     Accounting,
+    HeldoutSplit,
     Kind,
     Manifest,
     Producer,
@@ -197,6 +198,24 @@ def test_kind_must_match_section(tmp_path: Path) -> None:
     manifest = make_manifest(str(tmp_path), store)
     with pytest.raises(ValueError, match="kind is 'completions' but the section is 'tokenized'"):
         Manifest.model_validate(manifest.model_dump() | {"kind": "completions"})
+
+
+def test_heldout_split_names_its_shards(tmp_path: Path) -> None:
+    manifest = make_manifest(str(tmp_path), ObjectStore())
+    # No split recorded (or every shard marked train): all shards are training data.
+    assert manifest.split_shards("train") == manifest.shards and manifest.split_shards("heldout") == []
+    (shard,) = manifest.shards
+    held = shard.model_copy(update={"uri": shard.uri + ".heldout", "records": 3, "split": "heldout"})
+    split = HeldoutSplit(fraction=0.01, min_records=2, input_records=13, effective_fraction=2 / 13, records=3,
+                         tokens=90, loss_tokens=40)
+    data = manifest.model_dump() | {"shards": [shard.model_dump(), held.model_dump()]}
+    data["section"] = data["section"] | {"heldout": split.model_dump()}
+    data["accounting"] = data["accounting"] | {"input_records": 15, "succeeded": 13}
+    split_manifest = Manifest.model_validate(data)
+    assert split_manifest.split_shards("heldout") == [held] and split_manifest.split_shards("train") == [shard]
+    data["section"]["heldout"]["records"] = 4
+    with pytest.raises(ValueError, match="the held-out shards hold 3 records, the split says 4"):
+        Manifest.model_validate(data)
 
 
 def test_manifest_is_frozen(tmp_path: Path) -> None:

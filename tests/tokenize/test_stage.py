@@ -38,6 +38,8 @@ def chat(tok_dir: Path) -> ChatFormat:
 
 
 def config(src: str, out: str, tok: Path | str, **kw: object) -> TokenizeConfig:
+    # No held-out split unless a test asks for one: these tests read every record back in input order.
+    kw.setdefault("heldout_fraction", 0)
     return TokenizeConfig(input=src, output=out, tokenizer=str(tok), workers=1, **kw)  # type: ignore[arg-type]
 
 
@@ -223,11 +225,13 @@ def test_process_pool_output_is_identical(tmp_path: Path, store: ObjectStore, to
     src = write_completions(store, str(tmp_path / "c"), records, shards=2)
     one = str(tmp_path / "one")
     two = str(tmp_path / "two")
-    run(config(src, one, tok_dir, batch_records=16), store)
-    run(TokenizeConfig(input=src, output=two, tokenizer=str(tok_dir), workers=2, batch_records=16), store)
+    run(config(src, one, tok_dir, batch_records=16, heldout_fraction=0.1), store)
+    run(TokenizeConfig(input=src, output=two, tokenizer=str(tok_dir), workers=2, batch_records=16,
+                       heldout_fraction=0.1), store)
     files_one = sorted(u for u in store.list(one) if "/data/" in u)
     files_two = sorted(u for u in store.list(two) if "/data/" in u)
     assert [store.read_bytes(u) for u in files_one] == [store.read_bytes(u) for u in files_two]
+    assert any("/data/heldout/" in u for u in files_one)  # the held-out files too
 
 
 def test_mask_token_must_be_an_embedding_row(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:

@@ -54,9 +54,6 @@ def _map_locations(manifest: Manifest, move: Callable[[str], str]) -> Manifest:
         for name, value in manifest.section
         if name.endswith("_uri") and isinstance(value, str)
     }
-    heldout = getattr(manifest.section, "heldout", None)
-    if heldout is not None:  # the held-out split names a subset of `shards`: they must move together
-        section_updates["heldout"] = heldout.model_copy(update={"shards": [move(u) for u in heldout.shards]})
     return manifest.model_copy(
         update={
             "shards": [s.model_copy(update={"uri": move(s.uri)}) for s in manifest.shards],

@@ -53,6 +53,9 @@ class Shard(_Frozen):
     sha256: str = Field(description="sha256 of the object's bytes.")
     records: int = Field(ge=0, description="Records stored in the shard.")
     tokens: int | None = Field(default=None, ge=0, description="Tokens stored, where that applies.")
+    split: Literal["train", "heldout"] | None = Field(
+        default=None, description="Tokenized shards: training data, or held out of training for evaluation."
+    )
 
 
 class Accounting(_Frozen):
@@ -136,7 +139,8 @@ class HeldoutSplit(_Frozen):
 
     A record is held out when sha256("dflash-heldout:" + id), read as a fraction of 2**64 from its first
     8 bytes, falls below `effective_fraction`: the same id lands in the same split whatever the sharding,
-    the worker count or the order of the input, and repeated ids never straddle the split.
+    the worker count or the order of the input, and repeated ids never straddle the split. Its rows are in
+    the shards whose `split` is "heldout".
     """
 
     method: Literal["sha256_id_v1"] = Field(default="sha256_id_v1", description="How records were assigned.")
@@ -149,9 +153,6 @@ class HeldoutSplit(_Frozen):
     records: int = Field(ge=0, description="Records in the held-out shards.")
     tokens: int = Field(ge=0, description="Tokens in the held-out shards.")
     loss_tokens: int = Field(ge=0, description="Tokens with loss_mask = 1 in the held-out shards.")
-    shards: list[str] = Field(
-        default_factory=list, description="URIs of the held-out shards; every other shard is training data."
-    )
 
 
 class TokenizedSection(_Frozen):
@@ -237,11 +238,7 @@ class Manifest(_Frozen):
         heldout = getattr(self.section, "heldout", None)
         if heldout is None:
             return self
-        by_uri = {s.uri: s for s in self.shards}
-        unknown = [uri for uri in heldout.shards if uri not in by_uri]
-        if unknown:
-            raise ValueError(f"held-out shard {unknown[0]} is not among the manifest's shards")
-        records = sum(by_uri[uri].records for uri in heldout.shards)
+        records = sum(s.records for s in self.split_shards("heldout"))
         if records != heldout.records:
             raise ValueError(f"the held-out shards hold {records} records, the split says {heldout.records}")
         return self
@@ -252,9 +249,7 @@ class Manifest(_Frozen):
 
     def split_shards(self, split: Split) -> list[Shard]:
         """A tokenized manifest's shards of one split, in reading order (no split recorded: all are train)."""
-        heldout = getattr(self.section, "heldout", None)
-        held = set(heldout.shards) if heldout is not None else set()
-        return [s for s in self.shards if (s.uri in held) == (split == "heldout")]
+        return [s for s in self.shards if (s.split == "heldout") == (split == "heldout")]
 
     def to_json(self) -> bytes:
         return self.model_dump_json(indent=2).encode("utf-8")

@@ -267,11 +267,13 @@ class ShardContext:
         return f"part-{self.index:05d}-{part:04d}{suffix}"
 
     def publish(
-        self, source: str | os.PathLike[str] | bytes, name: str, records: int, tokens: int | None = None
+        self, source: str | os.PathLike[str] | bytes, name: str, records: int, tokens: int | None = None,
+        split: Literal["train", "heldout"] | None = None,
     ) -> Shard:
         """Atomically upload a local file (path) or ``bytes`` as ``data/<name>`` and describe it.
 
-        Size and sha256 come from the local bytes, so publishing never re-downloads the object.
+        Size and sha256 come from the local bytes, so publishing never re-downloads the object. `split`
+        marks tokenized shards as training or held-out data.
         """
         uri = self.shard_uri(name)
         if any(s.uri == uri for s in self.published):
@@ -284,7 +286,7 @@ class ShardContext:
             path = os.fspath(source)
             size, digest = _hash_file(path)
             self.store.upload_from(path, uri)
-        shard = Shard(uri=uri, bytes=size, sha256=digest, records=records, tokens=tokens)
+        shard = Shard(uri=uri, bytes=size, sha256=digest, records=records, tokens=tokens, split=split)
         self.published.append(shard)
         self.logger.info("published %s (%d records, %d bytes)", uri, records, size)
         return shard

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,25 @@ class Sequences:
     def loss_tokens(self) -> np.ndarray:
         cumulative = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
         return (cumulative[self.offsets[1:]] - cumulative[self.offsets[:-1]]).astype(np.int32)
+
+    def take(self, rows: np.ndarray) -> Sequences:
+        """The sequences at `rows`, in that order; every per-record field (a list or array of one value per
+        sequence) is selected alike, the per-token arrays are gathered by their offsets."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts, lengths = self.offsets[rows], self.offsets[rows + 1] - self.offsets[rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Token k of the result comes from position starts[row] + (k - offsets[row]) of this batch.
+        tokens = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        selected: dict[str, object] = {"input_ids": self.input_ids[tokens], "loss_mask": self.loss_mask[tokens],
+                                       "offsets": offsets}
+        for field in fields(self):
+            if field.name not in selected:
+                value = getattr(self, field.name)
+                if value is not None:  # an optional column left unset stays unset
+                    value = [value[i] for i in rows] if isinstance(value, list) else value[rows]
+                selected[field.name] = value
+        return Sequences(**selected)  # type: ignore[arg-type]
 
     def to_record_batch(self) -> pa.RecordBatch:
         offsets = _numeric(self.offsets, pa.int32())

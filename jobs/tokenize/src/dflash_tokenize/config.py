@@ -59,6 +59,16 @@ class TokenizeConfig(StageSettings):
     mask_token_id: int | None = Field(
         default=None, description="Drafter mask token id to record (must exist in the vocabulary)."
     )
+    heldout_fraction: float = Field(
+        default=0.01, ge=0, le=0.5,
+        description="Share of records held out of training for evaluation, chosen by a hash of the content id "
+        "(written to data/heldout/); 0 turns the split off and every record trains.",
+    )
+    heldout_min_records: int = Field(
+        default=64, ge=0,
+        description="On small inputs the held-out fraction is raised to hold out about this many records (at most "
+        "half of the input); 0 = the fraction alone.",
+    )
     shard_bytes: int = Field(default=256 * 2**20, gt=0, description="Target size of an output shard.")
     workers: int = Field(default=0, ge=0, description="Tokenizer processes; 0 means one per available core.")
     batch_records: int = Field(default=256, gt=0, description="Records sent to a worker process at once.")

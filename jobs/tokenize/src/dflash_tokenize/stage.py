@@ -2,9 +2,10 @@
 
 Per worker (one Kubernetes Indexed Job pod): resolve the input manifest and check it against the target's
 tokenizer and template, take this worker's completion shards, stream their lines in batches through a pool
-of tokenizer processes (order kept, so output is byte-identical whatever the pool size), gate the result
-on the bad-record fraction, publish rolling Arrow files, mark the shard done; the last worker to finish
-writes the manifest.
+of tokenizer processes (order kept, so output is byte-identical whatever the pool size), set the records
+whose id hashes into the held-out split apart (`split`: their own Arrow files under data/heldout/, which
+training never reads), gate the result on the bad-record fraction, publish rolling Arrow files, mark the
+shard done; the last worker to finish writes the manifest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_man
 from dflash_shared.manifests import (
     Accounting,
     CompletionsSection,
+    HeldoutSplit,
     Kind,
     Manifest,
     Shard,
@@ -42,7 +44,7 @@ from dflash_shared.quality import GateCounts, gate_exceeded
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
-from dflash_tokenize import worker
+from dflash_tokenize import split, worker
 from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter
 from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.config import TokenizeConfig
@@ -78,6 +80,8 @@ class Resolved:
     mode: str
     enable_thinking: bool
     target: TargetIdentity
+    # The share of records held out (split.effective_fraction over the input manifest's record count).
+    heldout_fraction: float
 
     def worker_settings(self) -> worker.WorkerSettings:
         return worker.WorkerSettings(
@@ -156,7 +160,9 @@ def resolve(config: TokenizeConfig, store: ObjectStore, scratch: str) -> Resolve
             mask=config.mask_token_id,
         ),
     )
-    return Resolved(config, source, tokenizer_dir, chat, mode, enable_thinking, target)
+    heldout = split.effective_fraction(config.heldout_fraction, config.heldout_min_records,
+                                       source.manifest.total_records)
+    return Resolved(config, source, tokenizer_dir, chat, mode, enable_thinking, target, heldout)
 
 
 def fetch_verified(store: ObjectStore, shard: Shard, scratch: str) -> str:
@@ -244,17 +250,30 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
     totals: Counter[str] = Counter()
     histogram: Counter[str] = Counter()
 
-    def publish(finished: FinishedFile) -> None:
-        ctx.publish(finished.path, os.path.basename(finished.path), finished.records, tokens=finished.tokens)
-        os.unlink(finished.path)
+    def writer_for(part: split.Split) -> RollingArrowWriter:
+        # Held-out files go to data/heldout/, under the same part names as the training files beside them.
+        folder = "heldout/" if part == "heldout" else ""
+        local = os.path.join(ctx.scratch_dir, part)
+        os.makedirs(local, exist_ok=True)
 
-    writer = RollingArrowWriter(ctx.scratch_dir, lambda p: ctx.part_name(p, ".arrow"), config.shard_bytes, publish)
+        def publish(finished: FinishedFile) -> None:
+            ctx.publish(finished.path, folder + os.path.basename(finished.path), finished.records,
+                        tokens=finished.tokens, split=part)
+            os.unlink(finished.path)
+
+        return RollingArrowWriter(local, lambda p: ctx.part_name(p, ".arrow"), config.shard_bytes, publish)
+
+    writer, heldout_writer = writer_for("train"), writer_for("heldout")
     workers = config.workers or len(os.sched_getaffinity(0))
     by_uri = {shard.uri: shard for shard in resolved.source.manifest.shards}
     batches = line_batches(ctx.store, [by_uri[uri] for uri in ctx.items], ctx.scratch_dir, config.batch_records)
     with Progress(total=None, unit="rec", desc=f"tokenize shard {ctx.index}") as progress:
         for result in ordered_map(resolved, workers, batches):
-            writer.write(result.sequences)
+            train, heldout = split.partition(result.sequences, resolved.heldout_fraction)
+            writer.write(train)
+            heldout_writer.write(heldout)
+            totals.update(heldout_records=len(heldout), heldout_tokens=int(heldout.offsets[-1]),
+                          heldout_loss_tokens=int(heldout.loss_mask.sum()))
             for where, reason, detail in result.rejected:
                 gate.observe(where, reason, detail)
             kept = len(result.sequences)
@@ -265,6 +284,7 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
             histogram.update(result.histogram)
             progress.update(kept + len(result.rejected), tokens=tokens)
     writer.close_current()
+    heldout_writer.close_current()
     if gate_exceeded(gate, config.max_bad_fraction):
         raise BadInputError(
             f"tokenize shard {ctx.index}: too much bad input (limit {config.max_bad_fraction:.0%}). " + gate.report(),
@@ -302,6 +322,15 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
             total_tokens=int(merged.totals.get("tokens", 0)),
             loss_tokens=int(merged.totals.get("loss_tokens", 0)),
             length_histogram=merged.histograms.get("length", {}),
+            heldout=HeldoutSplit(
+                fraction=config.heldout_fraction,
+                min_records=config.heldout_min_records,
+                input_records=resolved.source.manifest.total_records,
+                effective_fraction=resolved.heldout_fraction,
+                records=int(merged.totals.get("heldout_records", 0)),
+                tokens=int(merged.totals.get("heldout_tokens", 0)),
+                loss_tokens=int(merged.totals.get("heldout_loss_tokens", 0)),
+            ),
         ),
     )
 
@@ -314,8 +343,10 @@ def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
     try:
         resolved = resolve(config, store, scratch)
         items = [shard.uri for shard in resolved.source.manifest.shards]
-        log.info("mode %s, thinking %s, template variables %s, %d completion shards, worker %d/%d", resolved.mode,
-                 resolved.enable_thinking, config.template_kwargs() or "default", len(items), index, count)
+        log.info("mode %s, thinking %s, template variables %s, %d completion shards, worker %d/%d, held-out "
+                 "fraction %.4f of %d input records", resolved.mode, resolved.enable_thinking,
+                 config.template_kwargs() or "default", len(items), index, count, resolved.heldout_fraction,
+                 resolved.source.manifest.total_records)
         run_shard(STAGE, store, config.output, items, index, count,
                   lambda ctx: process_shard(ctx, resolved), scratch_root=config.scratch_dir)
         return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))
