@@ -10,19 +10,40 @@ import instead of handing garbage to a GPU stage.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow.parquet as pq
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from dflash_shared.conversations import RecordError, parse_messages, parse_tools
+from dflash_shared.conversations import RecordError, parse_finish_reason, parse_messages, parse_tools
+from dflash_shared.dataset_sources import (
+    hub_items,
+    is_dataset_item,
+    is_hub_source,
+    iter_dataset_item,
+    parse_hub_source,
+    saved_dataset_files,
+)
 from dflash_shared.errors import BadInputError
-from dflash_shared.jsonl import JSONL_SUFFIXES, JsonlZstWriter, iter_lines
+from dflash_shared.jsonl import (
+    JSONL_SUFFIXES,
+    JsonlZstWriter,
+    LineError,
+    UnreadableFileError,
+    decode_line,
+    encode_line,
+    excerpt,
+    iter_lines,
+    printable,
+    storage_reads,
+)
+from dflash_shared.layouts import Layout
 from dflash_shared.manifests import (
     Accounting,
     CompletionsSection,
@@ -35,13 +56,18 @@ from dflash_shared.quality import MALFORMED
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, run_shard
 from dflash_shared.settings import StageSettings
-from dflash_shared.storage import ObjectStore
+from dflash_shared.storage import ObjectStore, StorageError
 
 SOURCE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 DUPLICATE = "duplicate"
+# Another record with the same source id came first: ids must name one conversation each.
+DUPLICATE_ID = "duplicate_id"
 EMPTY_PROMPT = "empty_prompt"
 NO_FINAL_ASSISTANT = "no_final_assistant_turn"
+# A file that stops decoding part-way (truncated or corrupt zstd/gzip, not Parquet): its rest is one record.
+UNREADABLE_FILE = "unreadable_file"
 RECORDS_PER_PART = 50_000
+log = logging.getLogger(__name__)
 
 
 class ImportConfig(StageSettings):
@@ -49,15 +75,54 @@ class ImportConfig(StageSettings):
 
     model_config = SettingsConfigDict(env_prefix="DFLASH_IMPORT_")
 
-    source: str = Field(description="Prefix holding .jsonl(.zst|.gz) or .parquet conversation files.")
+    source: str = Field(
+        description="Where the conversations are: a prefix (local or s3://) of .jsonl(.zst|.gz) or .parquet files, "
+        "a folder written by datasets' save_to_disk (one split), or a Hub dataset "
+        "hf://org/name[/config]@revision[:split] (split 'train' by default; needs the datasets package; a token "
+        "is read from HF_TOKEN)."
+    )
     output: str = Field(description="Prefix to write the manifest and its JSONL shards to.")
     run_id: str = Field(default="import", description="Run id recorded in the manifest.")
     max_bad_fraction: float = Field(default=0.05, ge=0, le=1, description="Fail above this unusable fraction.")
     shard_index: int | None = Field(default=None, description="This worker's shard (JOB_COMPLETION_INDEX).")
     num_shards: int | None = Field(default=None, description="Worker count (DFLASH_NUM_SHARDS or 1).")
+    on_duplicate_id: Literal["keep_first", "refuse"] = Field(
+        default="keep_first",
+        description="A record whose source id repeats an earlier record's, with other content: keep_first skips "
+        "it (reason duplicate_id), refuse counts it as a failure (so max_bad_fraction applies). Ids are compared "
+        "within one worker's share of the source (its files or row ranges): run one worker to check a whole source.",
+    )
+    id_field: str = Field(
+        default="id", description="Field holding the record's own id, kept as source_id (a string, number or "
+        "boolean, as a string; null or absent: none)."
+    )
+    messages_field: str | None = Field(
+        default=None, description="Field holding the list of turns (OpenAI role/content or ShareGPT from/value); "
+        "default: messages, else conversations, else a prompt/response pair."
+    )
+    prompt_field: str | None = Field(
+        default=None, description="Field holding the user prompt of a prompt/response pair; default: the first of "
+        "prompt/response, instruction/output (Alpaca's input appended), question/answer that a record has."
+    )
+    response_field: str | None = Field(
+        default=None, description="With prompt_field: the field holding the answer (absent or null: none)."
+    )
+    system_field: str | None = Field(
+        default=None, description="Field holding the system prompt of a prompt/response pair (default: system)."
+    )
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> ImportConfig:
+        if self.response_field is not None and self.prompt_field is None:
+            raise ValueError("response_field is set without prompt_field; set both")
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ValueError("messages_field and prompt_field are both set; a source has one layout")
+        return self
 
     def spec(self, kind: Kind) -> ImportSpec:
-        return ImportSpec(kind, self.source, self.output, self.run_id, self.max_bad_fraction)
+        layout = Layout(self.id_field, self.messages_field, self.prompt_field, self.response_field, self.system_field)
+        return ImportSpec(kind, self.source, self.output, self.run_id, self.max_bad_fraction, self.on_duplicate_id,
+                          layout)
 
 
 @dataclass(frozen=True)
@@ -67,44 +132,108 @@ class ImportSpec:
     output_prefix: str
     run_id: str
     max_bad_fraction: float = 0.05
+    on_duplicate_id: Literal["keep_first", "refuse"] = "keep_first"
+    layout: Layout = field(default_factory=Layout)
+
+
+def _parquet_rows(batch: Any) -> Iterator[Any]:
+    """The batch's rows as Python objects; a row pyarrow cannot convert (a string that is not UTF-8)
+    becomes a RecordError without costing the others of its batch."""
+    try:
+        yield from batch.to_pylist()
+        return
+    except Exception:  # sorted out row by row below
+        pass
+    for i in range(batch.num_rows):
+        try:
+            yield batch.slice(i, 1).to_pylist()[0]
+        except Exception as err:  # one row's values, counted
+            yield RecordError(MALFORMED, f"row cannot be read ({type(err).__name__}: {excerpt(str(err))})")
+
+
+def _json_row(row: Any) -> Any:
+    """A Parquet row as the JSON value a JSONL line would hold, through the same checks."""
+    if isinstance(row, RecordError):
+        return row
+    try:
+        return decode_line(json.dumps(row, ensure_ascii=False, allow_nan=False))
+    except LineError as err:
+        return RecordError(MALFORMED, str(err))
+    except (TypeError, ValueError) as err:  # bytes, decimals, dates, NaN: not JSON values
+        return RecordError(MALFORMED, f"row is not JSON ({type(err).__name__}: {excerpt(str(err))})")
+
+
+def _iter_parquet(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
+    row = 0
+    with store.open_read(uri) as handle:
+        try:
+            batches = pq.ParquetFile(storage_reads(handle, uri)).iter_batches(batch_size=4096)
+            for batch in batches:
+                for obj in _parquet_rows(batch):
+                    yield f"{uri}#{row}", _json_row(obj)
+                    row += 1
+        except StorageError:
+            raise
+        except (OSError, ValueError) as err:  # pyarrow: not Parquet, a corrupt page or footer
+            detail = printable(str(err))[:200]
+            yield f"{uri}#{row}", RecordError(
+                UNREADABLE_FILE, f"cannot be read after row {row} ({type(err).__name__}: {detail})")
 
 
 def iter_source(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
-    """(file:line or file#row, parsed object or a RecordError) for every record of one source file."""
+    """(file:line or file#row, parsed object or a RecordError) for every record of one source file.
+
+    A file that stops decoding part-way yields the records before that point and then one UNREADABLE_FILE
+    error; a storage failure is raised (retryable), never counted against the data.
+    """
     if uri.endswith(".parquet"):
-        with store.open_read(uri) as handle:
-            table = pq.ParquetFile(handle)
-            row = 0
-            for batch in table.iter_batches(batch_size=4096):
-                for obj in batch.to_pylist():
-                    yield f"{uri}#{row}", obj
-                    row += 1
+        yield from _iter_parquet(store, uri)
         return
-    for number, line in iter_lines(store, uri):
-        try:
-            yield f"{uri}:{number}", json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            yield f"{uri}:{number}", RecordError(MALFORMED, f"not valid JSON ({err.__class__.__name__}: {err})")
+    try:
+        for number, line in iter_lines(store, uri):
+            try:
+                yield f"{uri}:{number}", decode_line(line)
+            except LineError as err:
+                yield f"{uri}:{number}", RecordError(MALFORMED, str(err))
+    except UnreadableFileError as err:
+        yield f"{uri}:{err.line + 1}", RecordError(UNREADABLE_FILE, err.detail)
 
 
-def to_prompt(messages: list[Message], source: str, tools: tuple[dict[str, Any], ...] | None) -> PromptRecord:
+def iter_item(store: ObjectStore, item: str) -> Iterator[tuple[str, Any]]:
+    """(where, object or RecordError) for one work item: a source file, a saved dataset's Arrow file, or
+    a Hub row range; dataset rows pass the same row checks as Parquet rows."""
+    if not is_dataset_item(item):
+        yield from iter_source(store, item)
+        return
+    for where, row in iter_dataset_item(store, item, _parquet_rows):
+        yield where, _json_row(row)
+
+
+def to_prompt(
+    messages: list[Message], source: str, tools: tuple[dict[str, Any], ...] | None, source_id: str | None = None
+) -> PromptRecord:
     # The last assistant turn (if any) is what the target will regenerate, so it is not part of the prompt.
     while messages and messages[-1].role == "assistant":
         messages = messages[:-1]
     if not any(m.role == "user" and m.content.strip() for m in messages):
         raise RecordError(EMPTY_PROMPT, "no user message with text")
-    return PromptRecord(id=record_id(messages, tools), messages=tuple(messages), tools=tools, source=source)
+    return PromptRecord(
+        id=record_id(messages, tools), messages=tuple(messages), tools=tools, source=source, source_id=source_id
+    )
 
 
 def to_completion(
-    messages: list[Message], source: str, tools: tuple[dict[str, Any], ...] | None
+    messages: list[Message], source: str, tools: tuple[dict[str, Any], ...] | None, finish_reason: str | None = None,
+    source_id: str | None = None,
 ) -> CompletionRecord:
     if messages[-1].role != "assistant":
         raise RecordError(NO_FINAL_ASSISTANT, f"last message is from {messages[-1].role!r}, not the assistant")
     prompt = messages[:-1]
     if not any(m.role == "user" and m.content.strip() for m in prompt):
         raise RecordError(EMPTY_PROMPT, "no user message with text before the assistant turn")
-    return CompletionRecord(id=record_id(prompt, tools), messages=tuple(messages), tools=tools, source=source)
+    # The source's finish_reason goes to the quality gate like the engine's: a "length" answer is truncated.
+    return CompletionRecord(id=record_id(prompt, tools), messages=tuple(messages), tools=tools, source=source,
+                            finish_reason=finish_reason, source_id=source_id)
 
 
 @dataclass
@@ -119,7 +248,8 @@ class _Tally:
         counter[reason] += 1
         kept = self.examples.setdefault(reason, [])
         if len(kept) < 5:
-            kept.append(f"{where}: {message}")
+            # Printable and valid Unicode whatever the data held: examples go into logs and the manifest.
+            kept.append(printable(f"{where}: {message}"[:500]))
 
     def accounting(self) -> Accounting:
         return Accounting(
@@ -133,10 +263,22 @@ class _Tally:
         )
 
 
+def _convert(obj: Any, where: str, kind: Kind, layout: Layout) -> PromptRecord | CompletionRecord:
+    if isinstance(obj, RecordError):
+        raise obj
+    obj, source_id = layout.conversation(obj)
+    messages, tools = parse_messages(obj), parse_tools(obj)
+    if kind is Kind.prompts:
+        return to_prompt(messages, where, tools, source_id)
+    return to_completion(messages, where, tools, finish_reason=parse_finish_reason(obj), source_id=source_id)
+
+
 def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
-    convert = to_prompt if spec.kind is Kind.prompts else to_completion
     tally = _Tally()
     seen: set[str] = set()
+    seen_ids: set[str] = set()  # source ids; memory grows with the shard, like `seen`
+    id_counter = tally.failures if spec.on_duplicate_id == "refuse" else tally.skips
+    unexpected = 0
     part, writer = 0, None
 
     def roll() -> None:
@@ -150,22 +292,38 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
         part, writer = part + 1, None
 
     for uri in ctx.items:
-        for where, obj in iter_source(ctx.store, uri):
+        for where, obj in iter_item(ctx.store, uri):
             tally.input_records += 1
             try:
-                if isinstance(obj, RecordError):
-                    raise obj
-                record = convert(parse_messages(obj), where, parse_tools(obj))
+                record = _convert(obj, where, spec.kind, spec.layout)
+                line = encode_line(record.model_dump(mode="json", exclude_none=True))
             except RecordError as err:
                 tally.reject(tally.failures, err.reason, where, str(err))
                 continue
+            except MemoryError:
+                raise
+            except Exception as err:  # one record's values only: no IO happens in this block
+                # A record no check above foresaw must cost that record, not the import (and a retry).
+                unexpected += 1
+                log.warning("%s: unexpected %s converting a record", where, type(err).__name__,
+                            exc_info=unexpected <= 3)
+                tally.reject(tally.failures, MALFORMED, where, f"unusable record ({type(err).__name__}: "
+                             f"{excerpt(str(err))})")
+                continue
+            source_id, repeated = record.source_id, record.source_id in seen_ids
+            if source_id is not None:
+                seen_ids.add(source_id)
             if record.id in seen:
                 tally.reject(tally.skips, DUPLICATE, where, f"same content as an earlier record ({record.id})")
+                continue
+            if repeated:  # new content (else it was a duplicate above) under an id already taken
+                tally.reject(id_counter, DUPLICATE_ID, where, f"id {source_id!r} was used by an earlier record "
+                             "with other content")
                 continue
             seen.add(record.id)
             if writer is None:
                 writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
-            writer.write(record.model_dump(mode="json", exclude_none=True))
+            writer.write_line(line)
             tally.succeeded += 1
             if writer.records >= RECORDS_PER_PART:
                 roll()
@@ -200,6 +358,12 @@ def build_import_manifest(spec: ImportSpec, producer: Producer, merged: MergedOu
 
 
 def list_sources(store: ObjectStore, prefix: str) -> list[str]:
+    """The work items of a source: its files, a saved dataset's Arrow files, or a Hub dataset's row ranges."""
+    if is_hub_source(prefix):
+        return hub_items(parse_hub_source(prefix))
+    saved = saved_dataset_files(store, prefix)
+    if saved is not None:
+        return saved
     sources = [uri for uri in store.list(prefix) if uri.endswith(SOURCE_SUFFIXES)]
     if not sources:
         raise BadInputError(f"no {', '.join(SOURCE_SUFFIXES)} files under {prefix}")
