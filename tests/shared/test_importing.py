@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_shared.errors import BadInputError
-from dflash_shared.importing import ImportSpec, run_import
+from dflash_shared.importing import ImportConfig, ImportSpec, run_import
 from dflash_shared.jsonl import iter_lines
+from dflash_shared.layouts import Layout
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind, Producer
 from dflash_shared.records import CompletionRecord, PromptRecord
@@ -131,3 +132,72 @@ def test_no_source_files_is_bad_input(tmp_path, store: ObjectStore) -> None:  # 
     spec = ImportSpec(kind=Kind.prompts, source_prefix=str(tmp_path), output_prefix=str(tmp_path / "o"), run_id="r")
     with pytest.raises(BadInputError, match="no .jsonl"):
         run_import(store, spec, PRODUCER)
+
+
+# --- the source's own ids --------------------------------------------------------------------------
+
+
+def with_id(record_id: object, i: int, answer: str = "Fine.") -> dict:
+    return {"id": record_id, **conversation(i, answer)}
+
+
+def import_local(tmp_path, store: ObjectStore, records: list, kind: Kind = Kind.completions,  # type: ignore[no-untyped-def]
+                 **spec: object) -> tuple:
+    prefix, out = str(tmp_path / "external"), str(tmp_path / f"out-{kind.value}")
+    store.write_bytes(join(prefix, "x.jsonl"), jsonl(records))
+    model = PromptRecord if kind is Kind.prompts else CompletionRecord
+    run_import(store, ImportSpec(kind=kind, source_prefix=prefix, output_prefix=out, run_id="r", **spec),  # type: ignore[arg-type]
+               PRODUCER)
+    return load_manifest(store, out, kind).manifest.accounting, read_records(store, out, kind, model)
+
+
+@pytest.mark.parametrize("kind", [Kind.completions, Kind.prompts])
+def test_source_ids_of_every_scalar_type_become_strings(tmp_path, store: ObjectStore, kind: Kind) -> None:  # type: ignore[no-untyped-def]
+    ids = ["conv-a", 7, 2.5, True, None, -0.0, 2**63 - 1]
+    records = [with_id(value, i) for i, value in enumerate(ids)] + [conversation(50, "no id at all")]
+    malformed = [with_id({"nested": 1}, 90), with_id([1, 2], 91), with_id("", 92)]
+    acc, got = import_local(tmp_path, store, records + malformed, kind, max_bad_fraction=0.5)
+    assert [r.source_id for r in got] == ["conv-a", "7", "2.5", "true", None, "-0.0", "9223372036854775807", None]
+    assert acc.failures_by_reason == {"malformed_record": 3}
+    assert "'id' is a dict, not a string or number" in acc.examples["malformed_record"][0]
+    assert "'id' is a list" in acc.examples["malformed_record"][1]
+
+
+def test_a_repeated_id_with_other_content_keeps_the_first(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    records = [
+        with_id("a", 1),
+        with_id("a", 2),          # same id, other prompt: duplicate_id
+        with_id("b", 3),
+        with_id("b", 3),          # same id, same content: an ordinary duplicate
+        with_id("c", 1),          # content of "a" again under a new id: a duplicate, and "c" is now taken
+        with_id("c", 4),          # "c" with new content: duplicate_id
+        with_id(5, 5),
+        with_id("5", 6),          # 5 and "5" are one id once written as a string
+    ]
+    acc, got = import_local(tmp_path, store, records)
+    assert [(r.source_id, r.messages[1].content) for r in got] == [
+        ("a", "What is 1 + 1?"), ("b", "What is 3 + 3?"), ("5", "What is 5 + 5?")]
+    assert acc.skips_by_reason == {"duplicate_id": 3, "duplicate": 2} and acc.failed == 0
+    assert "id 'a' was used by an earlier record with other content" in acc.examples["duplicate_id"][0]
+    assert acc.examples["duplicate_id"][0].startswith(join(str(tmp_path / "external"), "x.jsonl") + ":2: ")
+
+
+def test_refuse_mode_counts_repeated_ids_as_failures(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    records = [with_id(i % 8, i) for i in range(10)]  # ids 0 and 1 come back with other content
+    acc, got = import_local(tmp_path, store, records, on_duplicate_id="refuse", max_bad_fraction=0.25)
+    assert len(got) == 8 and acc.failures_by_reason == {"duplicate_id": 2} and acc.skipped == 0
+    with pytest.raises(BadInputError, match="2 of 10 records") as err:
+        import_local(tmp_path / "strict", store, records, on_duplicate_id="refuse", max_bad_fraction=0.1)
+    assert err.value.counts == {"duplicate_id": 2}
+
+
+def test_import_config_builds_the_spec_it_documents() -> None:
+    config = ImportConfig(source="s", output="o", on_duplicate_id="refuse", id_field="uuid",
+                          prompt_field="question", response_field="answer")
+    spec = config.spec(Kind.completions)
+    assert spec.on_duplicate_id == "refuse"
+    assert spec.layout == Layout(id_field="uuid", prompt_field="question", response_field="answer")
+    with pytest.raises(ValueError, match="response_field is set without prompt_field"):
+        ImportConfig(source="s", output="o", response_field="answer")
+    with pytest.raises(ValueError, match="one layout"):
+        ImportConfig(source="s", output="o", messages_field="turns", prompt_field="q")

@@ -74,6 +74,9 @@ class PromptRecord(_Record):
         default=None, description="Tool definitions offered to the model (OpenAI function schema)."
     )
     source: str | None = Field(default=None, description="Where the record came from (file and line).")
+    source_id: str | None = Field(
+        default=None, description="The source's own id of the conversation (as a string), when it had one."
+    )
 
 
 class CompletionRecord(_Record):
@@ -96,6 +99,9 @@ class CompletionRecord(_Record):
     enable_thinking: bool | None = Field(default=None, description="Whether thinking mode was requested.")
     sampling: dict[str, Any] | None = Field(default=None, description="Sampling parameters used.")
     source: str | None = Field(default=None, description="Where the record came from (file and line).")
+    source_id: str | None = Field(
+        default=None, description="The source's own id of the conversation (its prompt's, for generated ones)."
+    )
 
     @property
     def final_assistant(self) -> Message:
