@@ -58,6 +58,7 @@ def tokenized_for(store: ObjectStore, root: str, target_dir: Path, records: int 
     completions = write_completions(store, join(root, "completions"),
                                     [completion(conversation(i)) for i in range(records)])
     output = join(root, "tokenized")
+    # No held-out split: the train-stage tests need every record's tokens for their steps.
     run_tokenize(TokenizeConfig(input=completions, output=output, tokenizer=str(target_dir), workers=1,
-                                num_shards=1), store)
+                                num_shards=1, heldout_fraction=0), store)
     return output

@@ -14,7 +14,7 @@ from dflash_shared.manifests import DrafterSection, Kind, TokenizedSection
 from dflash_shared.settings import parse_settings
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.config import TrainConfig, debug
-from dflash_train.stage import resolve_drafter, run
+from dflash_train.stage import build_manifest, resolve_drafter, run
 from tests.train.train_fixtures import (
     SMALL_MASK_ID,
     identity_of,
@@ -75,6 +75,68 @@ def test_presets_and_drafter_resolution(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(ConfigError, match="repeats a layer"):
         resolve_drafter(shaped.model_copy(update={"drafter_overrides": {"target_layer_ids": [1, 1]}}),
                         str(tiny_target()), section)
+
+
+class _Rank0:
+    """The distributed environment of a single process, as plan_data needs it."""
+
+    rank, world_size = 0, 1
+
+    @staticmethod
+    def all_gather_object(obj: object) -> list[object]:
+        return [obj]
+
+
+class _RecordingStore(ObjectStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.downloaded: list[str] = []
+
+    def download_to(self, uri: str, local_path: str) -> None:
+        self.downloaded.append(uri)
+        super().download_to(uri, local_path)
+
+
+def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
+    from dflash_train.data import ShardCache, StepLoader
+    from dflash_train.stage import plan_data, resolve
+
+    store = _RecordingStore()
+    train_docs = synthetic_docs(30, max_len=60)  # token ids below 1,100
+    # Held-out documents use ids no training document has: one of them in a batch would show.
+    heldout_docs = [([5000 + t for t in ids], mask) for ids, mask in synthetic_docs(8, seed=1, max_len=60)]
+    data = write_tokenized(store, str(tmp_path / "tok"), train_docs, identity_of(tiny_target()), shards=2,
+                           heldout=heldout_docs)
+    config = debug(data, str(tmp_path / "out"), str(tiny_target()), scratch_dir=str(tmp_path / "scratch"),
+                   max_length=64, batch_tokens=128)
+    resolved = resolve(config, store, str(tiny_target()))
+    heldout_uris = {s.uri for s in resolved.source.manifest.shards if s.split == "heldout"}
+    assert len(heldout_uris) == 1 and len(resolved.train_shards) == 2
+    cache = ShardCache(store, str(tmp_path / "cache"), 2**30)
+    plan = plan_data(resolved, store, cache, _Rank0())
+    steps = 2 * plan.rows_per_epoch // resolved.rows_per_step  # two epochs
+    loader = StepLoader(plan, cache, resolved.rows_per_step, 1, 0, 1, 0, steps)
+    seen: set[int] = set()
+    try:
+        for item in loader:
+            for batch in item.micro:
+                seen.update(batch.input_ids.flatten().tolist())
+    finally:
+        loader.close()
+        cache.close()
+    assert not {t for t in seen if t >= 5000}, "a held-out document reached a training batch"
+    assert {t for ids, _ in train_docs for t in ids} <= seen
+    assert store.downloaded and not heldout_uris & set(store.downloaded)
+    # The drafter manifest counts the held-out records as left out of training on purpose.
+    accounting = build_manifest(resolved, _FakeCheckpoint(str(tmp_path / "ckpt")), {}, {}).accounting
+    assert (accounting.input_records, accounting.succeeded, accounting.skipped) == (38, 30, 8)
+    assert accounting.skips_by_reason == {"heldout": 8}
+
+
+class _FakeCheckpoint:
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.marker = type("Marker", (), {"files": {}})()
 
 
 @pytest.mark.slow

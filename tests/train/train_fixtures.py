@@ -28,6 +28,7 @@ import numpy as np
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.manifests import (
     Accounting,
+    HeldoutSplit,
     Kind,
     Manifest,
     Producer,
@@ -129,14 +130,18 @@ def synthetic_docs(count: int, seed: int = 0, min_len: int = 24, max_len: int = 
 
 
 def write_tokenized(store: ObjectStore, prefix: str, docs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                    target: TargetIdentity, shards: int = 1, max_length: int = 4096) -> str:
-    """A tokenized manifest over `docs` split into `shards` Arrow files (document i is in shard i % shards)."""
+                    target: TargetIdentity, shards: int = 1, max_length: int = 4096,
+                    heldout: Sequence[tuple[Sequence[int], Sequence[int]]] = ()) -> str:
+    """A tokenized manifest over `docs` split into `shards` Arrow files (document i is in shard i % shards),
+    plus `heldout` documents in one held-out shard (data/heldout/) when given."""
     written = []
-    for index in range(shards):
-        part = list(docs)[index::shards]
+    parts = [(f"part-{index:05d}-0000.arrow", "train", list(docs)[index::shards]) for index in range(shards)]
+    if heldout:
+        parts.append(("heldout/part-00000-0000.arrow", "heldout", list(heldout)))
+    for index, (name, split, part) in enumerate(parts):
         lengths = [len(ids) for ids, _ in part]
         seqs = Sequences(
-            ids=[f"doc-{index}-{i}" for i in range(len(part))],
+            ids=[f"{split}-{index}-{i}" for i in range(len(part))],
             input_ids=np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in part]),
             loss_mask=np.concatenate([np.asarray(mask, dtype=np.int8) for _, mask in part]),
             offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
@@ -147,19 +152,25 @@ def write_tokenized(store: ObjectStore, prefix: str, docs: Sequence[tuple[Sequen
         with pa.ipc.new_stream(sink, seqs.to_record_batch().schema) as writer:
             writer.write_batch(seqs.to_record_batch())
         data = sink.getvalue().to_pybytes()
-        uri = join(prefix, "data", f"part-{index:05d}-0000.arrow")
+        uri = join(prefix, "data", name)
         store.write_bytes(uri, data)
         written.append(Shard(uri=uri, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), records=len(part),
-                             tokens=sum(lengths)))
-    total = sum(len(ids) for ids, _ in docs)
+                             tokens=sum(lengths), split=split))  # type: ignore[arg-type]
+    everything = [*docs, *heldout]
+    total = sum(len(ids) for ids, _ in everything)
+    split_of = HeldoutSplit(fraction=0.01, min_records=len(heldout), input_records=len(everything),
+                            effective_fraction=len(heldout) / max(1, len(everything)), records=len(heldout),
+                            tokens=sum(len(ids) for ids, _ in heldout),
+                            loss_tokens=sum(int(sum(m)) for _, m in heldout))
     manifest = Manifest(
         kind=Kind.tokenized,
         run_id="test-run",
         producer=Producer(stage="tokenize"),
         shards=written,
-        accounting=Accounting(input_records=len(docs), succeeded=len(docs), failed=0, skipped=0),
+        accounting=Accounting(input_records=len(everything), succeeded=len(everything), failed=0, skipped=0),
         section=TokenizedSection(target=target, mode="token_exact", mask_policy="final_turn", max_length=max_length,
-                                 total_tokens=total, loss_tokens=sum(int(sum(m)) for _, m in docs)),
+                                 total_tokens=total, loss_tokens=sum(int(sum(m)) for _, m in everything),
+                                 heldout=split_of),
     )
     store.write_bytes(join(prefix, "manifest.json"), manifest.to_json())
     return prefix
@@ -219,8 +230,9 @@ def target_generated(store: ObjectStore, root: str, count: int = 64) -> str:
     identity = identity_of(target_dir)
     src = write_completions(store, join(root, "completions"), records, shards=2, target=identity)
     out = join(root, "tokenized")
+    # Every answer trains: the learning test measures the drafter on this data itself.
     run_tokenize(TokenizeConfig(input=src, output=out, tokenizer=str(target_dir), workers=1, max_length=512,
-                                max_bad_fraction=0.5), store)
+                                max_bad_fraction=0.5, heldout_fraction=0), store)
     return out
 
 

@@ -110,7 +110,9 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
         m = source.manifest
         section = m.section
         assert isinstance(section, TokenizedSection)
-        return (f"tokenized {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records, "
-                f"{section.total_tokens:,} tokens; tokenizer and chat template match the target {config.target}")
+        heldout = section.heldout.records if section.heldout else 0
+        return (f"tokenized {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records "
+                f"({heldout:,} held out for evaluation), {section.total_tokens:,} tokens; tokenizer and chat template "
+                f"match the target {config.target}")
 
     return checks.add("input_manifest", input_manifest)

@@ -1,7 +1,8 @@
 """The train stage: a tokenized manifest and a target model in, a trained drafter and its manifest out.
 
 Per rank (torchrun process): join the process group, copy the target to local scratch (one copy per
-node), refuse data made with another tokenizer or chat template, resolve the drafter config, plan the data,
+node), refuse data made with another tokenizer or chat template, resolve the drafter config, plan the data
+(the train split only: the held-out shards are the evaluation's and are never downloaded here),
 load the frozen target (whole, or FSDP-sharded), resume from the newest complete checkpoint, train, and
 on rank 0 write the drafter manifest LAST (the commit point). A rerun after the manifest exists does
 nothing; a rerun before it continues from the last checkpoint.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_shared.errors import ConfigError
+from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.logs import setup_logging
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, manifest_uri, write_manifest
@@ -154,11 +155,18 @@ class Resolved:
         assert isinstance(section, TokenizedSection)
         return section
 
+    @property
+    def train_shards(self) -> list[Shard]:
+        """The shards training reads: never the held-out split."""
+        return self.source.manifest.split_shards("train")
+
 
 def resolve(config: TrainConfig, store: ObjectStore, target_dir: str) -> Resolved:
     source = open_input(store, config, target_dir)
     section = source.manifest.section
     assert isinstance(section, TokenizedSection)
+    if not source.manifest.split_shards("train"):
+        raise BadInputError(f"{source.uri} holds no training shards (every record is held out for evaluation)")
     drafter = resolve_drafter(config, target_dir, section)
     max_length = config.max_length or section.max_length
     rows_per_step = config.batch_tokens // max_length
@@ -177,7 +185,8 @@ def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str,
     identity = resolved.section.target
     identity = identity.model_copy(update={"special_tokens": identity.special_tokens.model_copy(
         update={"mask": cfg.mask_token_id})})
-    records = source.manifest.total_records
+    trained = sum(s.records for s in resolved.train_shards)
+    heldout = source.manifest.total_records - trained
     resolved_config = {**public_dict(config), "resolved": {"drafter": cfg.model_dump(mode="json"),
                                                            "max_length": resolved.max_length,
                                                            "rows_per_step": resolved.rows_per_step, **extra}}
@@ -188,7 +197,8 @@ def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str,
         inputs=[source.as_input()],
         shards=[Shard(uri=join(checkpoint.uri, name), bytes=entry.bytes, sha256=entry.sha256, records=0)
                 for name, entry in sorted(checkpoint.marker.files.items())],
-        accounting=Accounting(input_records=records, succeeded=records, failed=0, skipped=0),
+        accounting=Accounting(input_records=trained + heldout, succeeded=trained, failed=0, skipped=heldout,
+                              skips_by_reason={"heldout": heldout} if heldout else {}),
         section=DrafterSection(
             target=identity,
             target_layer_ids=list(cfg.target_layer_ids),
@@ -230,6 +240,15 @@ def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
         distributed.shutdown(env)
 
 
+def plan_data(resolved: Resolved, store: ObjectStore, cache: Any, env: Any) -> Any:
+    """The run's data plan over the train split (counted by the ranks together, or read back on a resume)."""
+    from dflash_train import data
+
+    return data.build_plan(store, join(resolved.config.output, "train", "plan.json"), resolved.train_shards,
+                           resolved.source.sha256, cache, resolved.max_length, resolved.config.seed, env.rank,
+                           env.world_size, env.all_gather_object)
+
+
 def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str | None:
     import torch
 
@@ -245,9 +264,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
     os.makedirs(scratch, exist_ok=True)
     cache = data.ShardCache(store, os.path.join(root, "shards"), int(config.cache_gib * 2**30), config.verify_shards)
     try:
-        plan = data.build_plan(store, join(config.output, "train", "plan.json"), resolved.source.manifest.shards,
-                               resolved.source.sha256, cache, resolved.max_length, config.seed, env.rank,
-                               env.world_size, env.all_gather_object)
+        plan = plan_data(resolved, store, cache, env)
         steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         dtype = optim.target_dtype(config, env.device)
         with torch.device("meta"):
