@@ -33,7 +33,8 @@ IDS = qwen_special_ids("qwen3")
 
 
 def prompt(*messages: Message, tools: tuple[dict[str, Any], ...] | None = None) -> PromptRecord:
-    return PromptRecord(id=record_id(messages, tools), messages=messages, tools=tools, source="unit:1")
+    return PromptRecord(id=record_id(messages, tools), messages=messages, tools=tools, source="unit:1",
+                        source_id="conv-7")
 
 
 def user(text: str) -> Message:
@@ -222,6 +223,7 @@ def test_build_outcome_fills_every_field(tok: Any) -> None:
     rec = outcome.record
     assert rec is not None
     assert rec.id == record.id and rec.source == "unit:1"
+    assert rec.source_id == "conv-7"  # the user's own id survives generation, to join results back
     assert rec.messages[:-1] == record.messages
     assert rec.final_assistant == Message(role="assistant", content="4", reasoning_content="add")
     assert rec.prompt_token_ids == tuple(rendered.token_ids)

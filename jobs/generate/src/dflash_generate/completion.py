@@ -206,5 +206,6 @@ def build_outcome(
         enable_thinking=enable_thinking,
         sampling=sampling,
         source=rendered.record.source,
+        source_id=rendered.record.source_id,
     )
     return GenerationOutcome(prompt_id=rendered.record.id, record=record, thinking_closed=split.closed)
