@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from dflash_shared.errors import BadInputError
+from dflash_shared.importing import ImportSpec, run_import
 from dflash_shared.manifest_io import ManifestError, load_manifest
-from dflash_shared.manifests import Kind, TokenizedSection
+from dflash_shared.manifests import Kind, Producer, TokenizedSection
 from dflash_shared.records import Message
 from dflash_shared.storage import ObjectStore, join
 from dflash_tokenize.arrow_shards import read_shard
@@ -248,3 +250,31 @@ def test_mask_token_must_be_an_embedding_row(tmp_path: Path, store: ObjectStore,
     run(config(src, str(tmp_path / "t2"), model, mask_token_id=151669), store)
     manifest = load_manifest(store, str(tmp_path / "t2"), Kind.tokenized).manifest
     assert manifest.section.target.special_tokens.mask == 151669  # type: ignore[union-attr]
+
+
+def test_source_ids_reach_the_shards(tmp_path: Path, store: ObjectStore, tok_dir: Path) -> None:
+    """Imported conversations keep the user's ids through tokenize, held-out rows too: rows join back."""
+    ids: list[object] = [f"conv-{i}" if i % 3 else i for i in range(12)] + [None]
+    lines = [{"messages": [m.template_dict() for m in conversation(i)], **({"id": v} if v is not None else {})}
+             for i, v in enumerate(ids)]
+    source = str(tmp_path / "external")
+    store.write_bytes(join(source, "chats.jsonl"), b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    imported = str(tmp_path / "c")
+    run_import(store, ImportSpec(Kind.completions, source, imported, "r"), Producer(stage="import"))
+    out = str(tmp_path / "t")
+    run(config(imported, out, tok_dir, heldout_fraction=0.5), store)
+    manifest = load_manifest(store, out, Kind.tokenized).manifest
+    assert {s.split for s in manifest.shards} == {"train", "heldout"}
+    got = {row["source_id"] for row in rows(store, out)}
+    assert got == {None if v is None else str(v) for v in ids}
+    # The nullable column loads with datasets beside the trainer's columns.
+    ds = datasets.Dataset.from_file(manifest.shards[0].uri)
+    assert ds.features["source_id"].dtype == "string"
+
+
+def test_source_ids_in_token_exact_mode(tmp_path: Path, store: ObjectStore, tok_dir: Path, chat: ChatFormat) -> None:
+    # Generated completions carry their prompt's source_id; the array-speed parser keeps it like pydantic.
+    records = [engine_like(chat, conversation(i), source_id=f"row-{i}" if i else None) for i in range(4)]
+    src = write_completions(store, str(tmp_path / "c"), records, target=target_for(chat))
+    run(config(src, str(tmp_path / "t"), tok_dir), store)
+    assert [r["source_id"] for r in rows(store, str(tmp_path / "t"))] == [None, "row-1", "row-2", "row-3"]

@@ -8,7 +8,7 @@ trainer can stream and cache them one at a time.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -21,6 +21,8 @@ SCHEMA = pa.schema(
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
         pa.field("length", pa.int32(), nullable=False),
         pa.field("loss_tokens", pa.int32(), nullable=False),
+        # The conversation's id in the user's own data (null when it had none): joins rows back to it.
+        pa.field("source_id", pa.string(), nullable=True),
     ],
     metadata={b"dflash.format": b"tokenized.v1"},
 )
@@ -34,6 +36,7 @@ class Sequences:
     input_ids: np.ndarray  # int32, all sequences concatenated
     loss_mask: np.ndarray  # int8, same length
     offsets: np.ndarray  # int64, len(ids) + 1
+    source_ids: list[str | None] | None = None  # the records' source_id, in order; None: all null
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -74,17 +77,22 @@ class Sequences:
                 pa.ListArray.from_arrays(offsets, _numeric(self.loss_mask, pa.int8())),
                 _numeric(self.lengths, pa.int32()),
                 _numeric(self.loss_tokens(), pa.int32()),
+                _strings(self.source_ids if self.source_ids is not None else [None] * len(self.ids)),
             ],
             schema=SCHEMA,
         )
 
 
-def _strings(values: list[str]) -> pa.Array:
-    encoded = [value.encode("utf-8") for value in values]
+def _strings(values: Sequence[str | None]) -> pa.Array:
+    """A string array built from buffers (pa.array() would import pandas); None items become nulls."""
+    encoded = [b"" if value is None else value.encode("utf-8") for value in values]
     offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     data = pa.py_buffer(b"".join(encoded))
-    return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets), data])
+    valid = np.fromiter((value is not None for value in values), dtype=bool, count=len(values))
+    nulls = len(values) - int(valid.sum())
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    return pa.Array.from_buffers(pa.string(), len(encoded), [bitmap, pa.py_buffer(offsets), data], null_count=nulls)
 
 
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int8(): np.int8}

@@ -13,8 +13,8 @@ from typing import Literal
 
 import numpy as np
 import orjson
-from pydantic import ValidationError
 
+from dflash_shared.jsonl import printable
 from dflash_shared.quality import MALFORMED, OVER_MAX_LENGTH, QualityPolicy, classify
 from dflash_shared.records import CompletionRecord
 from dflash_tokenize.arrow_shards import Sequences
@@ -104,8 +104,10 @@ def _parse(lines: list[tuple[str, bytes]]) -> tuple[list[Parsed], list[tuple[str
     for where, line in lines:
         try:
             parsed.append(Parsed(where, CompletionRecord.model_validate(orjson.loads(line))))
-        except (orjson.JSONDecodeError, ValidationError) as err:
-            rejected.append((where, MALFORMED, malformed_detail(err)))
+        except MemoryError:
+            raise
+        except Exception as err:  # orjson's and pydantic's errors, and any other one line's values cause
+            rejected.append((where, MALFORMED, malformed_detail(err, line)))
     return parsed, rejected
 
 
@@ -130,6 +132,7 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
     order = {where: i for i, (where, _) in enumerate(lines)}
 
     kept_ids: list[str] = []
+    kept_source_ids: list[str | None] = []
     id_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
     truncated = 0
@@ -157,9 +160,11 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
                 ids, mask = ids[: s.max_length], mask[: s.max_length]
                 truncated += 1
         if reason is not None:
-            rejected.append((where, reason, f"record {record.id}: {reason}, {ids.size} tokens"))
+            origin = f" (from {printable(record.source)[:300]})" if record.source else ""
+            rejected.append((where, reason, f"record {record.id}{origin}: {reason}, {ids.size} tokens"))
             continue
         kept_ids.append(record.id)
+        kept_source_ids.append(record.source_id)
         id_parts.append(ids)
         mask_parts.append(mask)
         bucket = length_bucket(ids.size)
@@ -174,5 +179,6 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
         input_ids=np.concatenate(id_parts) if id_parts else np.zeros(0, np.int32),
         loss_mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.int8),
         offsets=offsets,
+        source_ids=kept_source_ids,
     )
     return BatchResult(sequences, rejected, truncated, histogram)
