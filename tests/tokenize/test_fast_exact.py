@@ -48,7 +48,7 @@ def per_record(lines: list[tuple[str, bytes]], chat: ChatFormat, verify: int) ->
         try:
             parsed.append((where, CompletionRecord.model_validate(orjson.loads(raw))))
         except (orjson.JSONDecodeError, ValidationError) as err:
-            rejected.append((where, MALFORMED, malformed_detail(err)))
+            rejected.append((where, MALFORMED, malformed_detail(err, raw)))
     out: list[Tokenized | MaskingError] = []
     for _, record in parsed:
         try:

@@ -9,7 +9,8 @@ The verdict on every record is the per-record path's, message for message: a lin
 prove equivalent (not an object, a record lacking either id list, ids that are not JSON integers within
 int32, or a record whose validation without its ids fails) is validated whole by pydantic and tokenised
 by `token_exact`, as before. Integers are what pydantic keeps as they are; booleans mixed into an
-integer list become 1 and 0 in both paths.
+integer list become 1 and 0 in both paths. A line that fails in any way, foreseen or not, is a MALFORMED
+verdict naming the error and quoting the line, never an exception out of the batch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
+from dflash_shared.jsonl import excerpt, printable
 from dflash_shared.quality import MALFORMED
 from dflash_shared.records import CompletionRecord
 from dflash_tokenize.chat import ChatFormat
@@ -33,12 +35,18 @@ from dflash_tokenize.masking import MaskingError, Tokenized, token_exact, try_re
 assert array("i").itemsize == 4, "array('i') is not 32-bit here"
 
 
-def malformed_detail(err: orjson.JSONDecodeError | ValidationError) -> str:
-    """The one-line reason a line is not a record, as the stage reports it."""
+def malformed_detail(err: Exception, line: bytes | None = None) -> str:
+    """The one-line reason a line is not a record, as the stage reports it, with a quote of the line."""
+    at = 0
     if isinstance(err, orjson.JSONDecodeError):
-        return str(err).splitlines()[0]
-    first = err.errors()[0]
-    return f"{err.error_count()} schema error(s), first: {first['loc']}: {first['msg']}"
+        detail, at = str(err).splitlines()[0], err.pos
+    elif isinstance(err, ValidationError):
+        first = err.errors()[0]
+        detail = f"{err.error_count()} schema error(s), first: {first['loc']}: {first['msg']}"
+    else:  # nothing known raises here; if something does, it costs the line, not the stage
+        detail = f"unexpected {type(err).__name__}: {str(err)[:200]}"
+    detail = printable(detail)
+    return detail if line is None else f"{detail}: {excerpt(line, start=at - 20)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +111,10 @@ def parse_lines(lines: list[tuple[str, bytes]]) -> tuple[list[Parsed], list[tupl
         try:
             obj = orjson.loads(line)
             item = _fast(where, obj) or Parsed(where, CompletionRecord.model_validate(obj))
-        except (orjson.JSONDecodeError, ValidationError) as err:
-            rejected.append((where, MALFORMED, malformed_detail(err)))
+        except MemoryError:
+            raise
+        except Exception as err:  # orjson's and pydantic's errors, and any other one line's values cause
+            rejected.append((where, MALFORMED, malformed_detail(err, line)))
             continue
         parsed.append(item)
     return parsed, rejected
