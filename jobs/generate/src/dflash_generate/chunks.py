@@ -14,7 +14,6 @@ only at the shard, never at which pod reads it, so the outcome is the same for a
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_shared.errors import BadInputError
-from dflash_shared.jsonl import iter_lines
+from dflash_shared.jsonl import LineError, decode_line, excerpt, iter_lines, printable
 from dflash_shared.manifests import Accounting, Shard
 from dflash_shared.quality import MALFORMED
 from dflash_shared.records import PromptRecord
@@ -151,14 +150,21 @@ class Rejected:
 
 
 def parse_prompt(line: bytes) -> PromptRecord | Rejected:
+    """One prompts line -> its record, or why it is malformed (with a quote of it); never an exception,
+    so no value in a line can stop the stage."""
     try:
-        return PromptRecord.model_validate(json.loads(line))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return Rejected(MALFORMED, f"not valid JSON ({err})", skipped=False)
+        return PromptRecord.model_validate(decode_line(line))
+    except LineError as err:  # not JSON, or JSON no tokenizer can take (lone surrogates, NaN, ...)
+        return Rejected(MALFORMED, str(err), skipped=False)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "record"
-        return Rejected(MALFORMED, f"not a prompt record ({where}: {first['msg']})", skipped=False)
+        where = printable(".".join(str(p) for p in first["loc"]) or "record")
+        return Rejected(MALFORMED, f"not a prompt record ({where}: {first['msg']}): {excerpt(line)}", skipped=False)
+    except MemoryError:
+        raise
+    except Exception as err:  # unforeseen: it costs this line, not the stage
+        return Rejected(MALFORMED, f"unusable prompt line ({type(err).__name__}: {excerpt(str(err))}): "
+                                   f"{excerpt(line)}", skipped=False)
 
 
 @dataclass
