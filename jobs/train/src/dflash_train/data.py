@@ -72,17 +72,38 @@ class ShardTable:
         missing = [name for name in _COLUMNS if name not in table.column_names]
         if missing:
             raise BadInputError(f"shard {uri} lacks column(s) {missing}; has {table.column_names}")
-        ids = table.column("input_ids").combine_chunks()
-        mask = table.column("loss_mask").combine_chunks()
-        offsets = ids.offsets.to_numpy().astype(np.int64)
-        if not np.array_equal(offsets, mask.offsets.to_numpy()):
-            raise BadInputError(f"shard {uri}: input_ids and loss_mask rows differ in length")
-        return cls(
-            ids=ids.values.to_numpy(zero_copy_only=False),
-            mask=mask.values.to_numpy(zero_copy_only=False),
-            offsets=offsets,
-            lengths=np.diff(offsets),
-        )
+
+        def integer_lists(name: str) -> tuple[np.ndarray, np.ndarray]:
+            """(values, offsets from 0) of a list-of-integers column without nulls; BadInputError otherwise."""
+            kind = table.schema.field(name).type
+            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
+                    pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type)):
+                raise BadInputError(f"shard {uri}: column {name} is {kind}, not a list of integers")
+            column = table.column(name).combine_chunks()
+            values = column.flatten()  # honours a sliced array's offset, unlike .values
+            if column.null_count or values.null_count:
+                raise BadInputError(f"shard {uri}: column {name} holds nulls")
+            offsets = column.offsets.to_numpy().astype(np.int64) if len(column) else np.zeros(1, np.int64)
+            return values.to_numpy(zero_copy_only=False), offsets - offsets[0]
+
+        # Any failure decoding the rows is the shard's: bad input (exit 65), never a crash a retry repeats.
+        try:
+            ids, offsets = integer_lists("input_ids")
+            mask, mask_offsets = integer_lists("loss_mask")
+            if not np.array_equal(offsets, mask_offsets):
+                raise BadInputError(f"shard {uri}: input_ids and loss_mask rows differ in length")
+            lengths = np.diff(offsets)
+            if not np.array_equal(table.column("length").to_numpy(zero_copy_only=False), lengths):
+                raise BadInputError(f"shard {uri}: its length column disagrees with the input_ids rows")
+            if ids.size and ids.min() < 0:
+                raise BadInputError(f"shard {uri}: input_ids holds a negative token id ({ids.min()})")
+            if mask.size and (mask.min() < 0 or mask.max() > 1):
+                raise BadInputError(f"shard {uri}: loss_mask holds values other than 0 and 1")
+        except (BadInputError, MemoryError):
+            raise
+        except Exception as err:
+            raise BadInputError(f"shard {uri}: rows cannot be decoded ({type(err).__name__}: {err})") from err
+        return cls(ids=ids, mask=mask, offsets=offsets, lengths=lengths)
 
     def __len__(self) -> int:
         return len(self.lengths)
