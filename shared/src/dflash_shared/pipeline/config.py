@@ -263,7 +263,10 @@ class SourceData(_Frozen):
         description="prompts: conversations to regenerate with the target (import -> generate -> tokenize); "
         "completions: finished conversations used as they are (import -> tokenize)."
     )
-    uri: str = Field(description="Prefix holding .jsonl(.zst|.gz) or .parquet conversation files.")
+    uri: str = Field(
+        description="The import's source: a prefix of .jsonl(.zst|.gz) or .parquet conversation files, or a folder "
+        "written by datasets' save_to_disk (the stage images do not ship datasets, which a hf:// source needs)."
+    )
 
 
 class StorageAccess(_Frozen):
