@@ -1,10 +1,11 @@
-"""`import`: external JSONL/Parquet conversations -> a prompts or completions manifest.
+"""`import`: external JSONL/Parquet conversations or Hugging Face datasets -> a prompts or completions manifest.
 
 Users bring conversations made elsewhere (the origin case: 1,805 JSONL files, 902K records). Files under the
-source prefix are sharded over workers like any stage input; each record is validated, given a content id,
-de-duplicated, and written as `PromptRecord` or `CompletionRecord` lines. Every record is accounted for:
-malformed ones are counted with their file and line, never silently dropped, and too many of them fail the
-import instead of handing garbage to a GPU stage.
+source prefix (or a dataset's Arrow files or row ranges, see dataset_sources) are sharded over workers like any
+stage input; each record is mapped from its chat layout (layouts), validated, given a content id, de-duplicated
+by content and by its own id (kept as `source_id`), and written as `PromptRecord` or `CompletionRecord` lines.
+Every record is accounted for: malformed ones are counted with their file and line, never silently dropped, and
+too many of them fail the import instead of handing garbage to a GPU stage.
 """
 
 from __future__ import annotations
