@@ -11,11 +11,15 @@ A stage defines its config once, as a `StageSettings` subclass with a descriptio
 `DFLASH_TOKENIZE_MAX_LENGTH=8192` from the environment, else the default. The flags come from the model
 (pydantic-settings' CLI source), so there is no second parser to drift from it. Unknown flags, and
 unknown environment variables carrying the stage's prefix (a typo there would otherwise be ignored
-silently), are refused with a `ConfigError` that names them.
+silently), are refused with a `ConfigError` that names them and suggests the nearest valid name.
+
+Booleans take every form people type: `--resume`, `--no-resume`, `--resume false`, `--resume=0`, and in the
+environment `DFLASH_TRAIN_RESUME=no`; true/false, 1/0, yes/no and on/off, in any case.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -41,7 +45,8 @@ class StageSettings(BaseSettings):
 
     Subclasses set `model_config = SettingsConfigDict(env_prefix="DFLASH_<STAGE>_")`. Nested models
     can be set from the environment with '__' (`DFLASH_TRAIN_OPTIM__LR=3e-4`) or from the command line
-    with dots (`--optim.lr 3e-4`). Booleans are flags: `--resume` / `--no-resume`.
+    with dots (`--optim.lr 3e-4`). Booleans are flags (`--resume` / `--no-resume`) that also take a value
+    (`--resume false`, `--resume=1`).
     """
 
     model_config = SettingsConfigDict(
@@ -70,6 +75,58 @@ def env_name(cls: type[BaseSettings], field: str) -> str:
     return (env_prefix(cls) + field).upper()
 
 
+_TRUE_WORDS = frozenset({"true", "1", "yes", "y", "on"})
+_FALSE_WORDS = frozenset({"false", "0", "no", "n", "off"})
+
+
+def _bool_flags(cls: type[BaseModel], prefix: str = "") -> set[str]:
+    """Flag names (without '--', nested ones dotted) of every boolean field, optional ones included."""
+    names: set[str] = set()
+    for name, field in cls.model_fields.items():
+        annotation = field.annotation
+        members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+        dotted = prefix + name.replace("_", "-")
+        if bool in members:
+            names.add(dotted)
+        for member in members:
+            if isinstance(member, type) and issubclass(member, BaseModel):
+                names |= _bool_flags(member, dotted + ".")
+    return names
+
+
+def normalize_bool_flags(cls: type[BaseModel], args: Sequence[str]) -> list[str]:
+    """Rewrite `--flag VALUE` and `--flag=VALUE` of boolean fields into `--flag` / `--no-flag`.
+
+    The CLI source only knows the bare and `--no-` forms; users type the others (and the environment takes
+    them), so they are translated here rather than refused as an "unknown flag false".
+    """
+    flags = _bool_flags(cls)
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in flags:
+            if not eq and i + 1 < len(args) and args[i + 1].lower() in _TRUE_WORDS | _FALSE_WORDS:
+                eq, value = "=", args[i + 1]
+                i += 1
+            if eq:
+                if value.lower() in _TRUE_WORDS:
+                    arg = f"--{name}"
+                elif value.lower() in _FALSE_WORDS:
+                    arg = f"--no-{name}"
+                else:
+                    raise ConfigError(f"--{name} is a boolean: give true/false, 1/0, yes/no or on/off, got {value!r}")
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _nearest(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _reject_unknown_env(cls: type[BaseSettings]) -> None:
     prefix = env_prefix(cls).upper()
     if not prefix:
@@ -82,8 +139,11 @@ def _reject_unknown_env(cls: type[BaseSettings]) -> None:
         if key.upper().startswith(prefix) and key.upper()[len(prefix) :].split(delimiter)[0] not in fields
     )
     if unknown:
-        known = ", ".join(env_name(cls, name) for name in cls.model_fields)
-        raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}; {cls.__name__} reads {known}")
+        valid = [env_name(cls, name) for name in cls.model_fields]
+        hints = "".join(_nearest(key.upper(), valid) for key in unknown[:1])
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(unknown)}{hints}; {cls.__name__} reads {', '.join(valid)}"
+        )
 
 
 def _describe_validation(cls: type[BaseSettings], err: ValidationError) -> str:
@@ -105,7 +165,7 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None = None, prog: str | 
 
     `argv` excludes the program name; None means `sys.argv[1:]`. `--help` prints the flags and exits 0.
     """
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = normalize_bool_flags(cls, list(sys.argv[1:] if argv is None else argv))
     _reject_unknown_env(cls)
     try:
         # Passed as a dict: type checkers only know the fields as keyword arguments of a settings class.
@@ -120,8 +180,11 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None = None, prog: str | 
         if "unrecognized arguments:" in message:
             extra = message.split("unrecognized arguments:", 1)[1].split()
             flags = [a for a in extra if a.startswith("-")] or extra
-            valid = ", ".join(flag_name(name) for name in cls.model_fields)
-            raise ConfigError(f"unknown flag(s) {', '.join(flags)}; {cls.__name__} accepts {valid}") from err
+            valid = [flag_name(name) for name in cls.model_fields]
+            hint = _nearest(flags[0].split("=", 1)[0], valid) if flags else ""
+            raise ConfigError(
+                f"unknown flag(s) {', '.join(flags)}{hint}; {cls.__name__} accepts {', '.join(valid)}"
+            ) from err
         raise ConfigError(f"invalid command line for {cls.__name__}: {redact(message)}") from err
     except ValidationError as err:
         raise ConfigError(_describe_validation(cls, err)) from err
@@ -164,9 +227,13 @@ def settings_reference_markdown(cls: type[BaseSettings]) -> str:
         "| Setting | Type | Default | Environment variable | Description |",
         "|---|---|---|---|---|",
     ]
+    bool_flags = _bool_flags(cls)
     for name, field in cls.model_fields.items():
+        flag = f"`{flag_name(name)}`"
+        if name.replace("_", "-") in bool_flags:
+            flag = f"`{flag_name(name)}`, `--no-{name.replace('_', '-')}`, `{flag_name(name)} true|false`"
         cells = [
-            f"`{flag_name(name)}`",
+            flag,
             f"`{_type_name(field.annotation)}`",
             _default_text(field),
             f"`{env_name(cls, name)}`",
