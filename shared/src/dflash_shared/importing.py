@@ -10,8 +10,11 @@ too many of them fail the import instead of handing garbage to a GPU stage.
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import logging
+import math
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -152,15 +155,39 @@ def _parquet_rows(batch: Any) -> Iterator[Any]:
             yield RecordError(MALFORMED, f"row cannot be read ({type(err).__name__}: {excerpt(str(err))})")
 
 
+def _jsonable(value: Any) -> Any:
+    """An Arrow value as JSON holds it, the way pandas' to_json writes one: NaN and infinities as null, dates
+    and times as ISO text, decimals as text, binary as its UTF-8 text (null when it is no text: an image).
+    A column the importer never reads (a timestamp, a score, an image) must not cost the row."""
+    if value is None or isinstance(value, str | bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):  # tuples: the (key, value) pairs of a map column
+        return [_jsonable(item) for item in value]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | datetime.timedelta):
+        return str(value)
+    raise TypeError(f"a {type(value).__name__} value has no JSON form")
+
+
 def _json_row(row: Any) -> Any:
-    """A Parquet row as the JSON value a JSONL line would hold, through the same checks."""
+    """A Parquet or dataset row as the JSON value a JSONL line would hold, through the same checks."""
     if isinstance(row, RecordError):
         return row
     try:
-        return decode_line(json.dumps(row, ensure_ascii=False, allow_nan=False))
+        return decode_line(json.dumps(_jsonable(row), ensure_ascii=False, allow_nan=False))
     except LineError as err:
         return RecordError(MALFORMED, str(err))
-    except (TypeError, ValueError) as err:  # bytes, decimals, dates, NaN: not JSON values
+    except (TypeError, ValueError, RecursionError) as err:
         return RecordError(MALFORMED, f"row is not JSON ({type(err).__name__}: {excerpt(str(err))})")
 
 
