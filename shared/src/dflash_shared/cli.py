@@ -13,11 +13,12 @@ thread so `finally` blocks and context managers commit or abort their work befor
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -115,3 +116,22 @@ def run_stage_main(stage: str, fn: Callable[[], int | None]) -> NoReturn:
         code = report_failure(stage, exc)
     logging.shutdown()
     sys.exit(int(code))
+
+
+Command = Callable[[], int | None]
+
+
+def select_command(prog: str, commands: Mapping[str, Command], command: str) -> Command:
+    """The subcommand named `command`. `--help` prints the usage and exits 0; no or an unknown command exits 64."""
+    usage = f"usage: {prog} {{{'|'.join(commands)}}} [--flag value ...]  (--help on each command)"
+    if command in ("-h", "--help", "help"):
+        print(usage)
+        sys.exit(0)
+    if command not in commands:
+        close = difflib.get_close_matches(command, list(commands), n=1)
+        if command:
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            print(f"{prog}: unknown command {command!r}{hint}", file=sys.stderr)
+        print(usage, file=sys.stderr)
+        sys.exit(int(ExitCode.USAGE))
+    return commands[command]

@@ -10,7 +10,7 @@ from dflash_generate.checks import build_preflight
 from dflash_generate.config import GenerateConfig
 from dflash_generate.serve_check import serve_check_command
 from dflash_generate.stage import STAGE, run, worker_shard
-from dflash_shared.cli import run_stage_main
+from dflash_shared.cli import run_stage_main, select_command
 from dflash_shared.importing import ImportConfig, run_import
 from dflash_shared.logs import setup_logging
 from dflash_shared.manifests import Kind
@@ -18,8 +18,6 @@ from dflash_shared.provenance import producer
 from dflash_shared.runner import resolve_shard
 from dflash_shared.settings import parse_settings, public_dict
 from dflash_shared.storage import ObjectStore
-
-USAGE = "usage: dflash-generate {import|preflight|run|serve-check} [--flag value ...]  (--help on each command)"
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -45,10 +43,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     commands = {"import": import_, "preflight": preflight, "run": run_,
                 "serve-check": lambda: serve_check_command(rest)}
-    if command not in commands:
-        print(USAGE, file=sys.stderr)
-        sys.exit(64)
-    run_stage_main(f"{STAGE} {command}", commands[command])
+    chosen = select_command("dflash-generate", commands, command)
+    run_stage_main(f"{STAGE} {command}", chosen)
 
 
 if __name__ == "__main__":

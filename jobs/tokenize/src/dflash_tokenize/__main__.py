@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from dflash_shared.cli import run_stage_main
+from dflash_shared.cli import run_stage_main, select_command
 from dflash_shared.importing import import_command
 from dflash_shared.logs import setup_logging
 from dflash_shared.manifests import Kind
@@ -14,8 +14,6 @@ from dflash_shared.settings import parse_settings
 from dflash_tokenize.checks import build_preflight
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import STAGE, run
-
-USAGE = "usage: dflash-tokenize {import|preflight|run} [--flag value ...]  (--help on each command)"
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -36,10 +34,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         run(config)
 
     commands = {"import": import_, "preflight": preflight, "run": run_}
-    if command not in commands:
-        print(USAGE, file=sys.stderr)
-        sys.exit(64)
-    run_stage_main(f"{STAGE} {command}", commands[command])
+    chosen = select_command("dflash-tokenize", commands, command)
+    run_stage_main(f"{STAGE} {command}", chosen)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,10 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from dflash_shared.cli import run_stage_main
+from dflash_shared.cli import run_stage_main, select_command
 from dflash_shared.settings import parse_settings
 
 STAGE = "train"
-USAGE = "usage: dflash-train {preflight|run|export|evaluate} [--flag value ...]  (--help on each command)"
-
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
@@ -43,10 +41,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         evaluate_command(rest)
 
     commands = {"preflight": preflight, "run": run_, "export": export, "evaluate": evaluate}
-    if command not in commands:
-        print(USAGE, file=sys.stderr)
-        sys.exit(64)
-    run_stage_main(f"{STAGE} {command}", commands[command])
+    chosen = select_command("dflash-train", commands, command)
+    run_stage_main(f"{STAGE} {command}", chosen)
 
 
 if __name__ == "__main__":
