@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from dflash_shared import dataset_sources
 from dflash_shared.conversations import RecordError
 from dflash_shared.dataset_sources import HubDataset, load_hub, parse_hub_source
 from dflash_shared.errors import BadInputError, ConfigError
-from dflash_shared.importing import ImportConfig, list_sources, run_import
+from dflash_shared.importing import ImportConfig, import_command, list_sources, run_import
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.layouts import Layout
 from dflash_shared.manifest_io import load_manifest
@@ -177,8 +177,9 @@ def test_malformed_hub_sources_say_the_form(source: str) -> None:
         parse_hub_source(source)
 
 
-def test_hub_dataset_is_loaded_pinned_with_the_token_and_sharded(tmp_path: Path, store: ObjectStore,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_dataset_is_loaded_pinned_with_the_token_and_sharded(
+    tmp_path: Path, store: ObjectStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     quiet_datasets(monkeypatch, tmp_path)
     # A folder named like the repo: datasets reads it in place of the Hub; only the download is left out.
     repo = tmp_path / "hub" / "org" / "name" / "data"
@@ -202,8 +203,10 @@ def test_hub_dataset_is_loaded_pinned_with_the_token_and_sharded(tmp_path: Path,
         f"{source}#rows-000000000000-000000000003", f"{source}#rows-000000000003-000000000006",
         f"{source}#rows-000000000006-000000000007"]
     assert run(store, source, out, index=0, count=2) is None
-    load_hub.cache_clear()  # the second worker is another process
-    assert run(store, source, out, index=1, count=2) is not None
+    load_hub.cache_clear()  # the second worker is another process, started by the CLI
+    caplog.set_level(logging.INFO)
+    import_command(["--source", source, "--output", out, "--run-id", "r", "--shard-index", "1", "--num-shards", "2"],
+                   Kind.completions, "dflash-tokenize import", ["dflash-shared"])
     load_hub.cache_clear()
     assert calls[0] == (("org/name", None), {"revision": "v1.0", "split": "train", "token": "hf_not_a_real_token"})
     assert len(calls) == 2  # once per worker: listing and reading share the load
@@ -211,8 +214,11 @@ def test_hub_dataset_is_loaded_pinned_with_the_token_and_sharded(tmp_path: Path,
     # Worker 0 read rows 0-2 and 6, worker 1 rows 3-5; each record names its row in the split.
     assert [r.source for r in records] == [f"{source}#{i}" for i in (0, 1, 2, 6, 3, 4, 5)]
     assert [r.source_id for r in records] == [f"c{i}" for i in (0, 1, 2, 6, 3, 4, 5)]
-    written = b"".join(store.read_bytes(uri) for uri in store.list(out) if not uri.endswith(".zst"))
-    assert b"hf_not_a_real_token" not in written and json.loads(store.read_bytes(join(out, "manifest.json")))
+    # The manifest records the resolved config, which has no token field; no file and no log line has it.
+    manifest = json.loads(store.read_bytes(join(out, "manifest.json")))
+    assert manifest["producer"]["config"]["source"] == source
+    assert b"hf_not_a_real_token" not in b"".join(store.read_bytes(uri) for uri in store.list(out))
+    assert "hf_not_a_real_token" not in caplog.text and "rows-000000000003" in caplog.text
 
 
 def test_hub_source_without_datasets_says_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,4 +226,3 @@ def test_hub_source_without_datasets_says_to_install_it(monkeypatch: pytest.Monk
     load_hub.cache_clear()
     with pytest.raises(ConfigError, match=r"install datasets \(pip install datasets\)"):
         list_sources(ObjectStore(), "hf://org/name@v1")
-    assert os.environ.get("HF_TOKEN") != "hf_not_a_real_token"
