@@ -5,7 +5,8 @@ train package installed, because the serving check needs the engine and the rest
 
 `offline_evaluation` runs the real chain once per session on a moto S3 bucket: drafter manifest +
 checkpoint (as training writes them) -> `dflash-train export` -> `dflash-train evaluate` on held-out
-prompts. The serving-check tests start from its output.
+prompts (on the dense target: the held-out split of a tokenized manifest, which evaluate picks by default,
+plus a small user prompt set). The serving-check tests start from its output.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 from dflash_shared.storage import ObjectStore, join
 from tests.evaluate import eval_fixtures as ef
+from tests.evaluate import heldout_fixtures as hf
 
 # Outside the generate environment (no torch, no train package) there is nothing here to run.
 if importlib.util.find_spec("torch") is None or importlib.util.find_spec("dflash_train") is None:
@@ -138,8 +140,10 @@ def session_bucket(moto_endpoint: str) -> Iterator[str]:
     yield f"s3://{name}"
 
 
-def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_prompts: int) -> OfflineRun:
-    """export + evaluate (float32, debug preset) of a trained drafter on S3, as the stages run them."""
+def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_prompts: int,
+                   split_data: bool = False) -> OfflineRun:
+    """export + evaluate (float32, debug preset) of a trained drafter on S3, as the stages run them; with
+    `split_data` the prompts are a tokenized manifest's held-out split (the default one) and a prompt set."""
     from dflash_train.evaluate import run as run_evaluate
     from dflash_train.evaluate_config import EvaluateConfig, ExportConfig
     from dflash_train.export import run_export
@@ -147,13 +151,18 @@ def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_pro
     store = ObjectStore()
     root = join(bucket, f"run-{ef.arch_of(target_dir)}")
     drafter = ef.write_trained(store, join(root, "drafter"), checkpoint, target_dir)
-    prompts = ef.write_prompts(store, join(root, "heldout"), ef.heldout_texts())
+    if split_data:
+        prompts = hf.write_split_tokenized(store, join(root, "tokenized"), target_dir)
+        sets = {"mixed": hf.write_prompt_set(store, join(root, "sets", "mixed.jsonl"))}
+    else:
+        prompts, sets = ef.write_prompts(store, join(root, "heldout"), ef.heldout_texts()), {}
     export = join(root, "export")
     run_export(ExportConfig(drafter=drafter, output=export, target=str(target_dir), dtype="float32",
                             speculators=True), store)
     evaluation = join(root, "evaluation-offline")
     run_evaluate(EvaluateConfig(preset="debug", drafter=export, prompts=prompts, target=str(target_dir),
-                                output=evaluation, min_tau=2.0, threads=1, lossless_prompts=lossless_prompts),
+                                output=evaluation, min_tau=2.0, threads=1, lossless_prompts=lossless_prompts,
+                                prompt_sets=sets),
                  store)
     return OfflineRun(store, root, drafter, export, prompts, evaluation, checkpoint)
 
@@ -161,7 +170,7 @@ def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_pro
 @pytest.fixture(scope="session")
 def offline_run(session_bucket: str, tiny_target_dir: Path, trained_checkpoint: Path) -> OfflineRun:
     """The session's evaluation of the trained dense-target drafter."""
-    return _offline_chain(session_bucket, tiny_target_dir, trained_checkpoint, lossless_prompts=2)
+    return _offline_chain(session_bucket, tiny_target_dir, trained_checkpoint, lossless_prompts=2, split_data=True)
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,16 @@ def test_manifest_holds_the_offline_numbers(offline_run: Any) -> None:
     assert section.tau_histogram == report.trained.tau_histogram
     assert sum(section.tau_histogram.values()) == report.trained.steps
     kinds = [i.kind for i in loaded.manifest.inputs]
-    assert kinds == [Kind.drafter, Kind.prompts]
-    assert loaded.manifest.accounting.succeeded == 16
+    assert kinds == [Kind.drafter, Kind.tokenized]
+    # The default split of the run's tokenized data: held out of training.
+    assert section.prompt_split == report.prompt_split == "heldout"
+    # The prompt set's tau beside it; its unusable line is a failed record, named by file and line.
+    mixed = report.prompt_sets["mixed"]
+    assert section.metrics == {"tau_mixed": mixed.acceptance.tau, "prompts_mixed": 3, "bad_lines_mixed": 1}
+    assert mixed.acceptance.prompts == 3 and mixed.acceptance.tau > 1
+    acc = loaded.manifest.accounting
+    assert (acc.succeeded, acc.failed, acc.failures_by_reason) == (16 + 3, 1, {"bad_prompt_line": 1})
+    assert mixed.bad_lines == acc.examples["bad_prompt_line"] and mixed.bad_lines[0].startswith(f"{mixed.uri}:3: ")
     assert loaded.manifest.run_id == "eval-test"
 
 
@@ -53,7 +61,7 @@ def test_report_matches_its_per_prompt_results(offline_run: Any, heldout_prompts
     assert report.lossless_checked == 2 and report.lossless_mismatches == []
     steps = [n for r in report.results for n in r.accepted]
     assert report.trained.tau == pytest.approx(1 + sum(steps) / len(steps))
-    # Prompt records are rendered with the target's chat template, thinking off, as the engine renders them.
+    # Exactly the held-out shard's prompts (the train shard beside it holds others), in order.
     assert [r.prompt_token_ids for r in report.results] == heldout_prompts
     for r in report.results:
         assert 1 + sum(n + 1 for n in r.accepted) >= len(r.output_token_ids) == 64
@@ -116,21 +124,24 @@ def test_prompts_of_another_template_are_refused(offline_run: Any, tiny_target_d
 
 
 def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_target_dir: Path) -> None:
-    """Completions give their recorded prompt ids, tokenized rows everything before the first trained token;
-    skipped and refused records are accounted for by reason."""
+    """Completions give their recorded prompt ids, tokenized rows everything before the first trained token
+    (of the held-out split unless the train split is asked for); skipped and refused records are accounted
+    for by reason."""
     import pyarrow as pa
 
+    from dflash_shared.errors import BadInputError
     from dflash_shared.manifest_io import load_manifest as load
     from dflash_shared.manifests import (
         Accounting,
         CompletionsSection,
+        HeldoutSplit,
         Manifest,
         Producer,
         Shard,
         TokenizedSection,
     )
     from dflash_shared.records import CompletionRecord, Message
-    from dflash_train.evaluate import PromptSource, pick_prompts
+    from dflash_train.eval_prompts import ChatRenderer, PromptSource, pick_prompts, prompt_split
     from dflash_train.evaluate_config import EvaluateConfig
     from tests.evaluate.eval_fixtures import target_identity
 
@@ -150,25 +161,44 @@ def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_tar
         section=CompletionsSection(target=ident, has_token_ids=True)).to_json())
     config = EvaluateConfig(drafter="d", prompts=comp, target="t", output="o", skip_prompts=1, max_prompt_tokens=6,
                             num_prompts=5)
-    source = PromptSource(store, load(store, comp, Kind.completions), str(tiny_target_dir), False)
-    picked, acc = pick_prompts(source, config)
+    render = ChatRenderer(str(tiny_target_dir), False)
+    completions = load(store, comp, Kind.completions)
+    assert prompt_split(completions, "heldout") == "all"  # only tokenized data is split
+    picked, acc = pick_prompts(PromptSource(store, completions, render), config)
     assert picked == [("c1", [1, 2, 3, 4])]
     assert acc.skips_by_reason == {"before_start": 1, "too_long": 2} and acc.examples["too_long"] == ["c2", "c3"]
 
+    def arrow_shard(name: str, split: str, rows: dict[str, list]) -> Shard:
+        batch = pa.RecordBatch.from_pydict(rows)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        store.write_bytes(join(tok, name), sink.getvalue().to_pybytes())
+        return Shard(uri=join(tok, name), bytes=store.size(join(tok, name)), sha256=store.sha256(join(tok, name)),
+                     records=len(rows["id"]), split=split)  # type: ignore[arg-type]
+
+    def tokenized(shards: list[Shard], heldout: int) -> Any:
+        split = HeldoutSplit(fraction=0.5, min_records=0, input_records=3, effective_fraction=0.5, records=heldout,
+                             tokens=3 * heldout, loss_tokens=heldout)
+        store.write_bytes(join(tok, "manifest.json"), Manifest(
+            kind=Kind.tokenized, run_id="r", producer=Producer(stage="tokenize"), shards=shards,
+            accounting=Accounting(input_records=3, succeeded=3, failed=0, skipped=0),
+            section=TokenizedSection(target=ident, mode="token_exact", mask_policy="final_turn", max_length=8,
+                                     total_tokens=9, loss_tokens=5, heldout=split)).to_json())
+        return load(store, tok, Kind.tokenized)
+
     tok = str(tmp_path / "tokenized")
-    batch = pa.RecordBatch.from_pydict({"id": ["t0", "t1"], "input_ids": [[7, 8, 9, 10], [11, 12]],
-                                        "loss_mask": [[0, 0, 1, 1], [1, 1]]})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    store.write_bytes(join(tok, "part-0.arrow"), sink.getvalue().to_pybytes())
-    shard = Shard(uri=join(tok, "part-0.arrow"), bytes=store.size(join(tok, "part-0.arrow")),
-                  sha256=store.sha256(join(tok, "part-0.arrow")), records=2)
-    store.write_bytes(join(tok, "manifest.json"), Manifest(
-        kind=Kind.tokenized, run_id="r", producer=Producer(stage="tokenize"), shards=[shard],
-        accounting=Accounting(input_records=2, succeeded=2, failed=0, skipped=0),
-        section=TokenizedSection(target=ident, mode="token_exact", mask_policy="final_turn", max_length=8,
-                                 total_tokens=6, loss_tokens=4)).to_json())
-    source = PromptSource(store, load(store, tok, Kind.tokenized), str(tiny_target_dir), False)
-    picked, acc = pick_prompts(source, EvaluateConfig(drafter="d", prompts=tok, target="t", output="o"))
+    train = arrow_shard("part-0.arrow", "train", {"id": ["t0", "t1"], "input_ids": [[7, 8, 9, 10], [11, 12]],
+                                                  "loss_mask": [[0, 0, 1, 1], [1, 1]]})
+    held = arrow_shard("heldout/part-0.arrow", "heldout", {"id": ["h0"], "input_ids": [[3, 4, 5]],
+                                                           "loss_mask": [[0, 0, 1]]})
+    loaded = tokenized([train, held], heldout=1)
+    config = EvaluateConfig(drafter="d", prompts=tok, target="t", output="o")
+    assert config.split == "heldout" and prompt_split(loaded, config.split) == "heldout"
+    picked, acc = pick_prompts(PromptSource(store, loaded, render, "heldout"), config)
+    assert picked == [("h0", [3, 4])] and acc.succeeded == 1
+    picked, acc = pick_prompts(PromptSource(store, loaded, render, "train"), config)
     assert picked == [("t0", [7, 8])] and acc.skips_by_reason == {"empty_prompt": 1}
+    # Data tokenized without a split has nothing held out: refused, with the ways out named.
+    with pytest.raises(BadInputError, match="holds no held-out records.*--split train"):
+        prompt_split(tokenized([train], heldout=0), "heldout")

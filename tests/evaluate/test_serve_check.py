@@ -119,6 +119,8 @@ def test_manifest_records_engine_tau_beside_offline_tau(chain: Any, served: tupl
     assert uri == join(output, "manifest.json")
     assert section.engine_tau == check.engine.tau
     assert section.tau == offline.manifest.section.tau
+    # The same prompts as the offline evaluation: on the dense run, the held-out split of its tokenized data.
+    assert section.prompt_split == offline.manifest.section.prompt_split == check.prompt_split
     assert [i.kind for i in loaded.manifest.inputs] == [Kind.evaluation, Kind.drafter]
     assert loaded.manifest.inputs[0].sha256 == offline.sha256
 

@@ -2,7 +2,8 @@
 
 Reads the offline evaluation (`dflash-train evaluate`: its manifest, and `evaluation.json` with the exact
 prompt token ids, budget, stop ids, block size and dtype it used) and the export it names, then starts
-vLLM on the target twice, at the SAME dtype:
+vLLM on the target twice, at the SAME dtype, on the same prompts (by default the held-out split of the
+run's tokenized data, which training never read; the committed manifest keeps the offline `prompt_split`):
 1. with `speculative_config={"method": "dflash", "model": EXPORT, "num_speculative_tokens": B - 1}`,
    generating greedily on the same prompts; acceptance is read from the engine's own counters
    (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
@@ -121,6 +122,7 @@ class OfflineReportView(_View):
     max_new_tokens: int
     stop_token_ids: list[int]
     dtype: str
+    prompt_split: str | None = None  # reports written before the split existed lack it
     trained: _AcceptanceView
     results: list[_PromptView]
 
@@ -171,6 +173,8 @@ class ServeCheckReport(BaseModel):
     relative_gap: float = Field(description="|engine tau - offline tau| / offline tau.")
     max_tau_gap: float = Field(description="Tolerance the gap was held to.")
     prompts: int = Field(description="Prompts generated.")
+    prompt_split: str | None = Field(
+        default=None, description="Which prompts: the offline evaluation's (heldout by default).")
     outputs_identical: int = Field(description="Prompts whose speculative and plain outputs are equal.")
     output_mismatches: list[str] = Field(description="Ids of prompts whose two engine outputs differ.")
     output_ties: dict[str, float] = Field(
@@ -341,6 +345,7 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
         log.info("%s exists: serving check already committed", done)
         return done
     offline, drafter, report = _inputs(store, config)
+    log.info("replaying the %d %s prompts of %s", len(report.results), report.prompt_split or "offline", offline.uri)
     export_uri = drafter.manifest.section.export_uri  # type: ignore[union-attr]
     target_id = offline.manifest.section.target  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
@@ -375,6 +380,7 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
         dtype=dtype, offline_dtype=report.dtype, num_speculative_tokens=report.block_size - 1,
         offline_tau=report.trained.tau, engine=acceptance, max_tau_gap=config.max_tau_gap,
         relative_gap=relative_gap(report.trained.tau, acceptance.tau), prompts=len(report.results),
+        prompt_split=report.prompt_split,
         outputs_identical=sum(a.token_ids == b.token_ids for a, b in zip(spec_outputs, plain_outputs, strict=True)),
         output_mismatches=mismatches, output_ties=ties, engine_equals_offline=matched.prompts, matched=matched,
         compared="all" if dtype == report.dtype else "matched",

@@ -1,7 +1,13 @@
 """`dflash-train evaluate`: acceptance of an exported drafter on held-out prompts, with a gate.
 
+The prompts are by default the held-out split of the run's tokenized data: records of the training
+distribution that training never read (`--split train` measures on trained records instead, an optimistic
+figure; a prompts or completions manifest is used whole). User prompt sets (`--prompt-sets`, JSONL files of
+GSM8K/MATH500/HumanEval/MT-Bench-style questions, see `eval_prompts`) are rendered with the target's chat
+template and reported beside them, one tau per set.
+
 The drafter is loaded FROM ITS EXPORT (what the engines will load), the target from its directory, and
-every held-out prompt is decoded greedily by the offline speculative loop (`speculate`). Reported:
+every prompt is decoded greedily by the offline speculative loop (`speculate`). Reported:
 mean acceptance length tau (pooled over all verification steps, as an engine counts it), its histogram,
 acceptance per block position (fraction of steps whose draft was accepted at least that far), tokens per
 target forward; beside them an untrained drafter of the same shape on the first prompts, the per-position
@@ -17,26 +23,33 @@ committed: a loop that is not lossless measures a tau that no engine would repro
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_shared.errors import BadInputError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
-from dflash_shared.jsonl import iter_lines
-from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest, write_manifest
+from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, EvaluationSection, Kind, Manifest, Shard
 from dflash_shared.provenance import producer
-from dflash_shared.records import CompletionRecord, PromptRecord
+from dflash_shared.runner import merge_accounting
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_train.eval_prompts import (
+    ChatRenderer,
+    PickedSet,
+    PromptSetSource,
+    PromptSource,
+    load_prompts_manifest,
+    pick_prompts,
+    prompt_split,
+)
 from dflash_train.evaluate_config import EvaluateConfig
 
 log = logging.getLogger(__name__)
@@ -73,6 +86,14 @@ class PromptResult(_Frozen):
     accepted: list[int] = Field(description="Accepted draft tokens per verification step.")
 
 
+class PromptSetReport(_Frozen):
+    """Acceptance of the exported drafter on one user prompt set."""
+
+    uri: str = Field(description="The set's JSONL file.")
+    acceptance: Acceptance = Field(description="The exported drafter over the set's decoded prompts.")
+    bad_lines: list[str] = Field(description="Lines that could not be used, as 'file:line: why'.")
+
+
 class OfflineReport(_Frozen):
     """Content of `evaluation.json`: settings, per-prompt results and summaries of the offline loop."""
 
@@ -81,6 +102,9 @@ class OfflineReport(_Frozen):
     stop_token_ids: list[int] = Field(description="Ids that end a generation (kept in the output).")
     dtype: str = Field(description="Dtype of target and drafter.")
     drafter_export: str = Field(description="Export directory the drafter was loaded from.")
+    prompt_split: Literal["heldout", "train", "all"] = Field(
+        description="Which prompts `results` are: a tokenized manifest's held-out or train split, or all of a "
+        "prompts or completions manifest.")
     trained: Acceptance = Field(description="The exported drafter.")
     untrained: Acceptance | None = Field(description="An untrained drafter of the same shape, first prompts.")
     training_acceptance_per_position: list[float] = Field(description="Per-slot accuracy logged by training.")
@@ -88,6 +112,7 @@ class OfflineReport(_Frozen):
     lossless_checked: int = Field(description="Prompts also decoded by the target alone.")
     lossless_mismatches: list[str] = Field(description="Ids of prompts whose outputs differed (should be none).")
     results: list[PromptResult] = Field(description="Per-prompt outputs and acceptance.")
+    prompt_sets: dict[str, PromptSetReport] = Field(default_factory=dict, description="Per user prompt set.")
 
 
 def summarize(results: Sequence[Any], block_size: int) -> Acceptance:
@@ -131,87 +156,6 @@ def local_dir(store: ObjectStore, uri: str, scratch: str, name: str) -> str:
     return dest
 
 
-class PromptSource:
-    """Held-out prompts from a prompts, completions or tokenized manifest, as (id, token ids)."""
-
-    def __init__(self, store: ObjectStore, loaded: LoadedManifest, tokenizer_dir: str, enable_thinking: bool) -> None:
-        self.store, self.loaded = store, loaded
-        self.tokenizer_dir, self.enable_thinking = tokenizer_dir, enable_thinking
-        self._tokenizer: Any = None
-
-    def _render(self, messages: Sequence[Any], tools: Sequence[dict[str, Any]] | None) -> list[int]:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        # Rendered to text, then encoded without added specials: what the generate stage and the engine do.
-        text = self._tokenizer.apply_chat_template(
-            [m.template_dict() for m in messages], tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=True, enable_thinking=self.enable_thinking,
-        )
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
-
-    def __iter__(self) -> Any:
-        kind = self.loaded.manifest.kind
-        for shard in self.loaded.manifest.shards:
-            if kind is Kind.tokenized:
-                yield from self._tokenized(shard.uri)
-                continue
-            for number, line in iter_lines(self.store, shard.uri):
-                where = f"{shard.uri}:{number}"
-                try:
-                    data = json.loads(line)
-                    if kind is Kind.prompts:
-                        record = PromptRecord.model_validate(data)
-                        yield record.id, self._render(record.messages, record.tools)
-                    else:
-                        done = CompletionRecord.model_validate(data)
-                        ids = done.prompt_token_ids or self._render(done.messages[:-1], done.tools)
-                        yield done.id, list(ids)
-                except ValueError as err:
-                    raise BadInputError(f"held-out prompt {where} cannot be read: {err}") from err
-
-    def _tokenized(self, uri: str) -> Any:
-        import pyarrow as pa
-
-        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
-            path = os.path.join(tmp, "shard.arrow")
-            self.store.download_to(uri, path)
-            with pa.ipc.open_stream(pa.memory_map(path)) as reader:
-                table = reader.read_all()
-            for rid, ids, mask in zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist(),
-                                      table.column("loss_mask").to_pylist(), strict=True):
-                # The prompt is everything before the first trained (assistant) token.
-                first = next((i for i, m in enumerate(mask) if m), len(ids))
-                yield rid, ids[:first]
-
-
-def pick_prompts(source: PromptSource, config: EvaluateConfig) -> tuple[list[tuple[str, list[int]]], Accounting]:
-    """The evaluated prompts (skip, then take num_prompts usable ones) and how every record read went."""
-    picked: list[tuple[str, list[int]]] = []
-    skips: Counter[str] = Counter()
-    examples: dict[str, list[str]] = {}
-    for index, (rid, ids) in enumerate(source):
-        if len(picked) >= config.num_prompts:
-            break
-        reason = "before_start" if index < config.skip_prompts else None
-        if reason is None and not ids:
-            reason = "empty_prompt"
-        if reason is None and len(ids) > config.max_prompt_tokens:
-            reason = "too_long"
-        if reason is None:
-            picked.append((rid, ids))
-            continue
-        skips[reason] += 1
-        if len(examples.setdefault(reason, [])) < 3:
-            examples[reason].append(rid)
-    if not picked:
-        raise BadInputError(f"no usable held-out prompt in {source.loaded.uri}", counts=dict(skips))
-    accounting = Accounting(input_records=len(picked) + sum(skips.values()), succeeded=len(picked), failed=0,
-                            skipped=sum(skips.values()), skips_by_reason=dict(skips), examples=examples)
-    return picked, accounting
-
-
 def check_target_files(target_dir: str, drafter: LoadedManifest) -> None:
     """The target directory must have the tokenizer and template the drafter was trained with."""
     identity = drafter.manifest.section.target  # type: ignore[union-attr]
@@ -249,8 +193,11 @@ def stop_token_ids(model: Any) -> list[int]:
 
 
 def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, export_uri: str,
-                     final_metrics: dict[str, float], prompts: list[tuple[str, list[int]]]) -> OfflineReport:
-    """Decode `prompts` with the exported drafter (and the baselines); the report of the offline loop."""
+                     final_metrics: dict[str, float], prompts: list[tuple[str, list[int]]],
+                     split: Literal["heldout", "train", "all"] = "all",
+                     sets: dict[str, PickedSet] | None = None) -> OfflineReport:
+    """Decode `prompts` (and each prompt set) with the exported drafter, and the baselines; the report of the
+    offline loop."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -292,6 +239,9 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
         if greedy_reference(model, ids, config.max_new_tokens, stop) != result.tokens:
             log.error("prompt %s: speculative output differs from the target's greedy output", rid)
             mismatches.append(rid)
+    per_set = {name: PromptSetReport(uri=picked.uri, bad_lines=picked.bad_lines,
+                                     acceptance=summarize(decode(drafter, picked.prompts, f"{name}: exported"), block))
+               for name, picked in (sets or {}).items()}
     accuracies = training_accuracies(final_metrics)
     return OfflineReport(
         block_size=block,
@@ -299,6 +249,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
         stop_token_ids=stop,
         dtype=str(dtype).removeprefix("torch."),
         drafter_export=export_uri,
+        prompt_split=split,
         trained=summarize(results, block),
         untrained=untrained,
         training_acceptance_per_position=accuracies,
@@ -307,6 +258,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
         lossless_mismatches=mismatches,
         results=[PromptResult(id=rid, prompt_token_ids=ids, output_token_ids=r.tokens, accepted=r.accepted)
                  for (rid, ids), r in zip(prompts, results, strict=True)],
+        prompt_sets=per_set,
     )
 
 
@@ -326,37 +278,31 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
     if not export_uri:
         raise BadInputError(f"drafter manifest {drafter.uri} names no export_uri: run `dflash-train export` first")
     identity = section.target  # type: ignore[union-attr]
-    prompts_loaded = _load_prompts_manifest(store, config.prompts, identity)
+    prompts_loaded = load_prompts_manifest(store, config.prompts, identity)
+    split = prompt_split(prompts_loaded, config.split)
+    if split == "all" and "split" in config.model_fields_set:
+        log.warning("--split %s ignored: %s is a %s manifest, used whole (only tokenized data is split)",
+                    config.split, prompts_loaded.uri, prompts_loaded.manifest.kind.value)
     with tempfile.TemporaryDirectory(prefix="dflash-evaluate-", dir=config.scratch_dir) as scratch:
         from dflash_train.stage import fetch_target
 
         target_dir = fetch_target(store, config.target, scratch)
         check_target_files(target_dir, drafter)
-        source = PromptSource(store, prompts_loaded, target_dir, identity.enable_thinking)
-        picked, accounting = pick_prompts(source, config)
+        render = ChatRenderer(target_dir, identity.enable_thinking)
+        picked, accounting = pick_prompts(PromptSource(store, prompts_loaded, render, split), config)
+        log.info("%d %s prompts from %s", len(picked), split, prompts_loaded.uri)
+        sets, parts = {}, [accounting]
+        for name, uri in config.prompt_sets.items():
+            # Read (and rendered) before any model loads: an unusable set fails in seconds, not after decoding.
+            source = PromptSetSource(store, name, uri, render)
+            prompts, part = pick_prompts(source, config, skip=0)
+            sets[name], parts = PickedSet(uri, prompts, source.bad), [*parts, part]
+            for line in source.bad:
+                log.warning("prompt set %s: unusable line %s", name, line)
         export_dir = local_dir(store, export_uri, scratch, "export")
         report = evaluate_drafter(config, target_dir, export_dir, export_uri, section.final_metrics,  # type: ignore[union-attr]
-                                  picked)
-    return commit(config, store, report, drafter, prompts_loaded, accounting, identity)
-
-
-def _load_prompts_manifest(store: ObjectStore, uri: str, identity: Any) -> LoadedManifest:
-    for kind in (Kind.prompts, Kind.completions, Kind.tokenized):
-        try:
-            loaded = load_manifest(store, uri, kind, verify=False)
-        except ValueError as err:
-            if getattr(err, "field", None) == "kind":
-                continue
-            raise
-        if kind is not Kind.prompts and getattr(loaded.manifest.section, "target", None) is not None:
-            # Prompts rendered under another template or thinking mode are not the served distribution.
-            check_compatible(loaded.uri, loaded.manifest, {
-                "target.tokenizer_sha256": identity.tokenizer_sha256,
-                "target.chat_template_sha256": identity.chat_template_sha256,
-                "target.enable_thinking": identity.enable_thinking,
-            })
-        return loaded
-    raise BadInputError(f"{uri} is not a prompts, completions or tokenized manifest")
+                                  picked, split, sets)
+    return commit(config, store, report, drafter, prompts_loaded, merge_accounting(parts), identity)
 
 
 def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, drafter: LoadedManifest,
@@ -366,9 +312,16 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, dr
     report_uri = join(config.output, REPORT_NAME)
     store.write_bytes(report_uri, data)
     trained, untrained = report.trained, report.untrained
-    log.info("offline tau %.3f over %d prompts / %d steps (untrained %s); per position %s", trained.tau,
-             trained.prompts, trained.steps, f"{untrained.tau:.3f}" if untrained else "not run",
+    log.info("offline tau %.3f over %d %s prompts / %d steps (untrained %s); per position %s", trained.tau,
+             trained.prompts, report.prompt_split, trained.steps, f"{untrained.tau:.3f}" if untrained else "not run",
              [round(a, 3) for a in trained.acceptance_per_position])
+    metrics: dict[str, float] = {}
+    for name, result in report.prompt_sets.items():
+        got = result.acceptance
+        log.info("prompt set %s: tau %.3f over %d prompts / %d steps, %d unusable line(s) (%s)", name, got.tau,
+                 got.prompts, got.steps, len(result.bad_lines), result.uri)
+        metrics.update({f"tau_{name}": got.tau, f"prompts_{name}": got.prompts,
+                        f"bad_lines_{name}": len(result.bad_lines)})
     if report.lossless_mismatches:
         raise BadInputError(
             f"the speculative loop is not lossless: {len(report.lossless_mismatches)} of {report.lossless_checked}"
@@ -398,6 +351,8 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, dr
             engine_tau=None,
             acceptance_per_position=trained.acceptance_per_position,
             tau_histogram=trained.tau_histogram,
+            prompt_split=report.prompt_split,
+            metrics=metrics,
         ),
     )
     write_manifest(store, config.output, manifest)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.settings import StageSettings
+from dflash_train.eval_prompts import check_names
 
 ExportDtype = Literal["bfloat16", "float32"]
 
@@ -49,13 +50,28 @@ class EvaluateConfig(StageSettings):
     )
     drafter: str = Field(description="Export prefix written by `dflash-train export` (or its manifest.json URI).")
     prompts: str = Field(
-        description="Held-out prompts: a prompts, completions or tokenized prefix (or manifest.json URI). "
-        "Completions and tokenized records contribute their prompt part only."
+        description="Prompts to decode: a tokenized prefix (the run's own: its `split` is used), or a prompts or "
+        "completions prefix (all of it), or a manifest.json URI. Completions and tokenized records contribute "
+        "their prompt part only."
+    )
+    split: Literal["heldout", "train"] = Field(
+        default="heldout",
+        description="Which split of a tokenized `prompts` manifest to decode: heldout (records training never "
+        "read) or train (records it trained on: an optimistic tau).",
+    )
+    prompt_sets: dict[str, str] = Field(
+        default_factory=dict,
+        description="User prompt sets, name -> JSONL file (local or s3://), e.g. gsm8k=/data/gsm8k.jsonl,mtbench="
+        "/data/mt.jsonl; one prompt a line: 'messages', MT-Bench 'turns' (first turn), GSM8K 'question', MATH500 "
+        "'problem' or HumanEval 'prompt'. Each set's first num_prompts are decoded and reported as tau_<name>.",
     )
     target: str = Field(description="Target model directory or s3:// prefix (copied to local scratch).")
     output: str = Field(description="Evaluation prefix, e.g. <run>/evaluation-offline.")
     run_id: str | None = Field(default=None, description="Run id; defaults to the drafter manifest's.")
-    num_prompts: int = Field(default=64, ge=1, description="Prompts evaluated (the first ones, in shard order).")
+    num_prompts: int = Field(
+        default=64, ge=1,
+        description="Prompts evaluated (the first usable ones, in shard order); as many from each prompt set.",
+    )
     skip_prompts: int = Field(default=0, ge=0, description="Prompts skipped before the evaluated ones.")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated per prompt.")
     max_prompt_tokens: int = Field(
@@ -82,6 +98,12 @@ class EvaluateConfig(StageSettings):
     )
     threads: int | None = Field(default=None, ge=1, description="CPU threads for torch (default: torch's choice).")
     scratch_dir: str | None = Field(default=None, description="Local scratch for a copied target or export.")
+
+    @field_validator("prompt_sets")
+    @classmethod
+    def _set_names(cls, sets: dict[str, str]) -> dict[str, str]:
+        check_names(sets)
+        return sets
 
     @model_validator(mode="before")
     @classmethod

@@ -171,8 +171,8 @@ def _evaluate_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str
 
 
 def _evaluate_defaults(run: RunConfig, lay: RunLayout, settings: JobSettings) -> dict[str, Any]:
-    # The run's own tokenized data: prompts of the training distribution, but seen in training, so the
-    # measured acceptance is optimistic; a run file points `prompts` at held-out data for a fair figure.
+    # The run's own tokenized data, of which evaluate decodes the held-out split (records of the training
+    # distribution that training never read); `split: train` in a run file measures on trained records instead.
     return {"prompts": lay.tokenized, **_on_gpus(run, lay, settings)}
 
 
