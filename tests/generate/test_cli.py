@@ -16,6 +16,7 @@ from dflash_shared.manifests import Kind, PromptsSection
 from dflash_shared.records import PromptRecord
 from dflash_shared.storage import ObjectStore, join
 from tests.generate.stage_support import ONE_ARCH, varied_prompts, write_prompts
+from tests.support import exit_policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,3 +80,14 @@ def test_preflight_checks_model_input_and_node(s3_bucket: str, store: ObjectStor
     assert failed.returncode == 65, failed.stderr
     assert f"FAIL model: model {empty} lacks tokenizer.json, *.safetensors weights" in failed.stderr
     assert "FAIL input_manifest: manifest " + join(s3_bucket, "nothing", "manifest.json") in failed.stderr
+
+
+@pytest.mark.parametrize("case", exit_policy.CASES)
+def test_unusable_storage_exits_69_in_run_as_in_preflight(case: str, s3_bucket: str, store: ObjectStore) -> None:
+    from tests.support.tiny_target import build_tiny_target
+
+    write_prompts(store, join(s3_bucket, "prompts"), varied_prompts(2))
+    bucket = exit_policy.bucket_for(case, s3_bucket)
+    argv = [sys.executable, "-m", "dflash_generate", "run", "--input", f"{bucket}/prompts",
+            "--output", f"{bucket}/completions", "--model", str(build_tiny_target("qwen3"))]
+    exit_policy.assert_environment_exit(exit_policy.run_case(argv, case, REPO), case)

@@ -90,3 +90,16 @@ def test_wait_returns_once_the_manifest_exists_and_fails_after_the_timeout(s3_bu
 
     assert wait_for_manifest(store, uri, timeout_s=3600, poll_s=30, sleep=sleep) == ExitCode.OK
     assert polls == [30, 30]
+
+
+def test_status_of_an_unreadable_store_fails_once_with_exit_69(moto_endpoint: str, tmp_path: Path) -> None:
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = "s3://no-such-bucket-dflash-status/runs"
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps(data), encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "dflash_shared.pipeline", "status", "--config", str(run_file)],
+                          capture_output=True, text=True, env={**os.environ}, cwd=REPO_ROOT, timeout=60, check=False)
+    assert proc.returncode == ExitCode.ENVIRONMENT, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "cannot read the run's storage" in errors[0] and "NoSuchBucket" in errors[0]
+    assert "unknown" not in proc.stdout

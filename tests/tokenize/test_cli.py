@@ -15,6 +15,7 @@ import pytest
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore
+from tests.support import exit_policy
 from tests.support.qwen_assets import shared_tokenizer_dir
 from tests.tokenize.stage_fixtures import completion, conversation, write_completions
 
@@ -139,3 +140,18 @@ def test_kill_9_mid_run_then_rerun_is_identical(tmp_path: Path, tok: str, store:
     manifest = load_manifest(store, str(crashed), Kind.tokenized).manifest
     ids = [row for shard in manifest.shards for row in [shard.records]]
     assert sum(ids) == 2400 == manifest.accounting.succeeded
+
+
+@pytest.mark.parametrize("case", exit_policy.CASES)
+@pytest.mark.parametrize("command", ["import", "run"])
+def test_unusable_storage_exits_69_in_run_as_in_preflight(
+    command: str, case: str, tok: str, s3_bucket: str, store: ObjectStore
+) -> None:
+    bucket = exit_policy.bucket_for(case, s3_bucket)
+    if command == "import":
+        args = ["import", "--source", f"{bucket}/external", "--output", f"{bucket}/completions"]
+    else:
+        write_completions(store, f"{s3_bucket}/completions", [completion(conversation(0))])
+        args = ["run", "--input", f"{bucket}/completions", "--output", f"{bucket}/tokenized", "--tokenizer", tok]
+    proc = exit_policy.run_case([sys.executable, "-m", "dflash_tokenize", *args], case, REPO)
+    exit_policy.assert_environment_exit(proc, case)

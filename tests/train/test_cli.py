@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_shared.storage import ObjectStore, join
+from tests.support import exit_policy
 from tests.train.test_stage import other_template_target
 from tests.train.train_fixtures import identity_of, synthetic_docs, tiny_target, write_tokenized
 
@@ -59,3 +60,12 @@ def test_run_refuses_incompatible_data_with_bad_input(data: str, tmp_path: Path)
     assert result.returncode == 65, result.stderr
     error = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(error) == 1 and "target.chat_template_sha256" in error[0] and join(data, "manifest.json") in error[0]
+
+
+@pytest.mark.parametrize("case", exit_policy.CASES)
+def test_unusable_storage_exits_69_in_run_as_in_preflight(case: str, s3_bucket: str, store: ObjectStore) -> None:
+    write_tokenized(store, join(s3_bucket, "tokenized"), synthetic_docs(4), identity_of(tiny_target()))
+    bucket = exit_policy.bucket_for(case, s3_bucket)
+    argv = [sys.executable, "-m", "dflash_train", "run", "--preset", "debug", "--input", f"{bucket}/tokenized",
+            "--output", f"{bucket}/drafter", "--target", str(tiny_target())]
+    exit_policy.assert_environment_exit(exit_policy.run_case(argv, case, Path.cwd()), case)

@@ -58,10 +58,26 @@ def _is(exc: BaseException | None, module: str, name: str) -> bool:
     return mod is not None and isinstance(exc, getattr(mod, name))
 
 
+def _environment_storage_failure(exc: BaseException) -> bool:
+    """True when `exc`, or an exception it was raised from, is a StorageError no retry can heal."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # cause chains are short; the bound guards against cycles
+        if seen is None:
+            return False
+        if _is(seen, "dflash_shared.storage", "StorageError") and getattr(seen, "is_environment", False):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def exit_code_for(exc: BaseException) -> ExitCode:
     """The exit status for an exception that reached the entrypoint."""
     if isinstance(exc, Preempted):
         return ExitCode.PREEMPTED
+    if _environment_storage_failure(exc):
+        # Missing or refused credentials, a missing bucket, an endpoint nobody answers on: ENVIRONMENT in
+        # `run` exactly as in `preflight`, so the Job's policy treats them alike.
+        return ExitCode.ENVIRONMENT
     if _is(exc, "dflash_shared.manifest_io", "ManifestError"):
         # A manifest that could not be read because storage failed (network, throttling) is a transient
         # failure, not bad input; an absent manifest or an absent shard is bad input.

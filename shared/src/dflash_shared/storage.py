@@ -42,6 +42,25 @@ _EXISTS_CODES = frozenset(
 )
 
 
+# Failures no retry of the same pod can heal: credentials missing or refused, a bucket that does not exist,
+# an endpoint nobody answers on. They exit ENVIRONMENT (69) in every command, as preflight does.
+ENVIRONMENT_CODES = frozenset(
+    {
+        "NoCredentials",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "403",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidToken",
+        "NoSuchBucket",
+        "EndpointConnectionError",
+        "InvalidBucketName",
+    }
+)
+
+
 class StorageError(RuntimeError):
     """A storage operation failed; the message names the operation and URI, never credentials."""
 
@@ -51,6 +70,11 @@ class StorageError(RuntimeError):
         super().__init__(message)
         self.uri = uri
         self.code = code
+
+    @property
+    def is_environment(self) -> bool:
+        """The store cannot be used from here at all (see ENVIRONMENT_CODES), as opposed to a transient failure."""
+        return self.code in ENVIRONMENT_CODES
 
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):
@@ -166,7 +190,7 @@ class ObjectStore:
     def __init__(
         self,
         *,
-        max_attempts: int = 8,
+        max_attempts: int | None = None,
         part_size: int = 16 * 2**20,
         page_size: int = 1000,
     ) -> None:
@@ -176,7 +200,8 @@ class ObjectStore:
             )
         if not 1 <= page_size <= 1000:
             raise ValueError(f"page_size={page_size} must be between 1 and 1000")
-        self.max_attempts = max_attempts
+        # The standard AWS variable wins over the default, as it does for every AWS SDK and the CLI.
+        self.max_attempts = max_attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 8)
         self.part_size = part_size
         self.page_size = page_size
         self._client: S3Client | None = None
@@ -248,8 +273,9 @@ class ObjectStore:
                 code="NoCredentials",
             )
         if not isinstance(exc, botocore.exceptions.ClientError):
+            # EndpointConnectionError, ReadTimeoutError, ...: the class name is the code.
             return StorageError(
-                f"S3 {op} failed for {uri}: {self._scrub(str(exc))}", uri=uri
+                f"S3 {op} failed for {uri}: {self._scrub(str(exc))}", uri=uri, code=type(exc).__name__
             )
         err = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

@@ -116,8 +116,10 @@ def run_status(run: RunConfig, store: ObjectStore) -> list[StageStatus]:
         try:
             out.append(stage_status(store, stage.name, stage.output_kind, stage.output_prefix(lay), shards))
         except StorageError as err:
-            out.append(StageStatus(stage.name, stage.output_kind.value, stage.output_prefix(lay), "unknown",
-                                   shard_count=shards, detail=str(err)))
+            # One failure for the whole run: a store that cannot be read for one stage cannot for the others,
+            # and a table of "unknown" rows would read as a run that has not started.
+            raise StorageError(f"cannot read the run's storage at {lay.run_prefix}: {err}", uri=err.uri,
+                               code=err.code) from err
     return out
 
 
