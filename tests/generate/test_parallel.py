@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,3 +63,20 @@ def test_each_engine_process_runs_its_own_worker(tmp_path: Path, monkeypatch: py
     assert shards and shards <= {"2", "3"}, err  # workers 2 and 3 of 4, never the pod's own index
     failing = set(re.findall(r"\[generate shard=(\d+)\][^\n]*cannot be read", err))
     assert failing and failing <= {"2", "3"}, err  # a child names the missing manifest
+
+
+def test_engine_processes_die_with_a_killed_pod_process() -> None:
+    psutil = pytest.importorskip("psutil")
+    sleeper = "[([sys.executable, '-c', 'import time; time.sleep(120)'], dict(os.environ))]"
+    parent = subprocess.Popen([PY, "-c", f"import os, sys; from dflash_generate.parallel import supervise; "
+                               f"supervise({sleeper})"])
+    pod = psutil.Process(parent.pid)
+    deadline = time.monotonic() + 60
+    while not pod.children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engines = pod.children()
+    assert engines, "the engine process did not start"
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    _, alive = psutil.wait_procs(engines, timeout=15)
+    assert not alive, f"engine processes outlived the killed pod process: {[p.pid for p in alive]}"

@@ -155,3 +155,21 @@ def test_unusable_storage_exits_69_in_run_as_in_preflight(
         args = ["run", "--input", f"{bucket}/completions", "--output", f"{bucket}/tokenized", "--tokenizer", tok]
     proc = exit_policy.run_case([sys.executable, "-m", "dflash_tokenize", *args], case, REPO)
     exit_policy.assert_environment_exit(proc, case)
+
+
+def test_workers_die_with_a_killed_stage(tmp_path: Path, tok: str, store: ObjectStore) -> None:
+    psutil = pytest.importorskip("psutil")
+    src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(4000)], shards=4)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_tokenize", "run", "--input", src, "--output",
+                             str(tmp_path / "out"), "--tokenizer", tok, "--workers", "2", "--batch-records", "16"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stage = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    while len(stage.children()) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = stage.children()
+    assert len(workers) >= 2 and proc.poll() is None, "the pool did not start before the run ended"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"workers outlived the killed stage: {[p.pid for p in alive]}"

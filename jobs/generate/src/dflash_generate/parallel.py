@@ -24,6 +24,7 @@ from dflash_generate.engine import engine_flavour
 from dflash_shared.errors import BadInputError, ConfigError, Preempted, PreflightError
 from dflash_shared.exit_codes import ExitCode, describe
 from dflash_shared.manifests import MANIFEST_NAME
+from dflash_shared.processes import die_with_this_process
 from dflash_shared.storage import ObjectStore, join
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def supervise(commands: Sequence[tuple[list[str], dict[str, str]]], poll_s: floa
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for argv, env in commands:
-            procs.append(subprocess.Popen(argv, env=env))
+            procs.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_this_process()))
         while any(p.poll() is None for p in procs):
             if any(p.returncode in _FATAL for p in procs):
                 log.error("an engine process failed with bad config or input: stopping the others")

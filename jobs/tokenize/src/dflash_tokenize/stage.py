@@ -225,7 +225,7 @@ def ordered_map(resolved: Resolved, workers: int, batches: Iterator[Any]) -> Ite
     context = multiprocessing.get_context("fork") if fork else None
     chat = resolved.chat if fork else None
     with ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
-                             initargs=(settings, True, chat)) as pool:
+                             initargs=(settings, True, chat, os.getpid())) as pool:
         # Start the workers before reading starts its download threads: a fork copies only the calling
         # thread, and a lock another thread held at that instant would stay locked in the child. The
         # inherited objects are frozen for the fork so that the workers' garbage collections neither

@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 
 from dflash_shared.jsonl import printable
+from dflash_shared.processes import die_with_parent
 from dflash_shared.quality import MALFORMED, OVER_MAX_LENGTH, QualityPolicy, classify
 from dflash_shared.records import CompletionRecord
 from dflash_tokenize.arrow_shards import Sequences
@@ -61,9 +62,15 @@ _chat: ChatFormat | None = None
 _settings: WorkerSettings | None = None
 
 
-def init_worker(settings: WorkerSettings, single_threaded: bool, chat: ChatFormat | None = None) -> None:
-    """Process initialiser: load the tokenizer once per process (or reuse the caller's, in-process)."""
+def init_worker(settings: WorkerSettings, single_threaded: bool, chat: ChatFormat | None = None,
+                parent_pid: int | None = None) -> None:
+    """Process initialiser: load the tokenizer once per process (or reuse the caller's, in-process).
+
+    In a pool worker (`parent_pid` given) the worker first ties its life to the stage process's.
+    """
     global _chat, _settings
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     if single_threaded:
         # Parallelism comes from the process pool; rayon threads inside each process would oversubscribe.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
