@@ -39,13 +39,13 @@ from dflash_shared.jsonl import (
     JSONL_SUFFIXES,
     JsonlZstWriter,
     LineError,
+    StorageReads,
     UnreadableFileError,
     decode_line,
     encode_line,
     excerpt,
     iter_lines,
     printable,
-    storage_reads,
 )
 from dflash_shared.layouts import Layout
 from dflash_shared.manifests import (
@@ -194,8 +194,9 @@ def _json_row(row: Any) -> Any:
 def _iter_parquet(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
     row = 0
     with store.open_read(uri) as handle:
+        source = StorageReads(handle, uri)
         try:
-            batches = pq.ParquetFile(storage_reads(handle, uri)).iter_batches(batch_size=4096)
+            batches = pq.ParquetFile(source).iter_batches(batch_size=4096)
             for batch in batches:
                 for obj in _parquet_rows(batch):
                     yield f"{uri}#{row}", _json_row(obj)
@@ -203,6 +204,7 @@ def _iter_parquet(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
         except StorageError:
             raise
         except (OSError, ValueError) as err:  # pyarrow: not Parquet, a corrupt page or footer
+            source.raise_failure()
             detail = printable(str(err))[:200]
             yield f"{uri}#{row}", RecordError(
                 UNREADABLE_FILE, f"cannot be read after row {row} ({type(err).__name__}: {detail})")
@@ -277,7 +279,7 @@ class _Tally:
         kept = self.examples.setdefault(reason, [])
         if len(kept) < 5:
             # Printable and valid Unicode whatever the data held: examples go into logs and the manifest.
-            kept.append(printable(f"{where}: {message}"[:500]))
+            kept.append(printable(f"{where}: {message}")[:500])
 
     def accounting(self) -> Accounting:
         return Accounting(

@@ -142,16 +142,25 @@ def decode_line(line: bytes | str) -> Any:
     return obj
 
 
-class _StorageReads(io.RawIOBase):
-    """The raw object stream, each failed read re-raised as a StorageError: what fails beneath the
-    decompressor is storage (retryable); what the decompressor itself raises is the file's bytes."""
+class StorageReads(io.RawIOBase):
+    """The raw object stream, each failed read re-raised as a StorageError and kept in `failure`.
+
+    What fails beneath a decoder (zstd, gzip, Parquet) is storage, which a retry may cure; what the decoder
+    raises by itself is the file's bytes. pyarrow does not always pass a Python exception through (its
+    Parquet footer read reports a failed read as missing magic bytes), so a caller that catches a decoder
+    error asks `failure` whether storage failed underneath.
+    """
 
     def __init__(self, raw: BinaryIO, uri: str) -> None:
         super().__init__()
         self._raw, self._uri = raw, uri
+        self.failure: StorageError | None = None
 
     def _failed(self, err: Exception) -> StorageError:
-        return StorageError(f"reading {self._uri} failed: {type(err).__name__}: {err}", uri=self._uri)
+        if not isinstance(err, StorageError):
+            err = StorageError(f"reading {self._uri} failed: {type(err).__name__}: {err}", uri=self._uri)
+        self.failure = err
+        return err
 
     def readable(self) -> bool:
         return True
@@ -162,34 +171,28 @@ class _StorageReads(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         try:
             return self._raw.readinto(buffer)  # type: ignore[attr-defined,no-any-return]
-        except StorageError:
-            raise
         except Exception as err:
             raise self._failed(err) from err
 
     def read(self, size: int = -1) -> bytes:
         try:
             return self._raw.read(size)
-        except StorageError:
-            raise
         except Exception as err:
             raise self._failed(err) from err
 
     def seek(self, offset: int, whence: int = 0) -> int:
         try:
             return self._raw.seek(offset, whence)
-        except StorageError:
-            raise
         except Exception as err:
             raise self._failed(err) from err
 
     def tell(self) -> int:
         return self._raw.tell()
 
-
-def storage_reads(raw: BinaryIO, uri: str) -> BinaryIO:
-    """`raw` with its read failures raised as StorageError (see _StorageReads)."""
-    return _StorageReads(raw, uri)  # type: ignore[return-value]
+    def raise_failure(self) -> None:
+        """Raise the storage failure seen underneath, if any (call it where a decoder error is caught)."""
+        if self.failure is not None:
+            raise self.failure
 
 
 def iter_lines(store: ObjectStore, uri: str) -> Iterator[tuple[int, bytes]]:
@@ -201,7 +204,7 @@ def iter_lines(store: ObjectStore, uri: str) -> Iterator[tuple[int, bytes]]:
     codec = codec_for(uri)
     number = 0
     with store.open_read(uri) as raw:
-        source = storage_reads(raw, uri)
+        source = StorageReads(raw, uri)
         stream: Any = pa.CompressedInputStream(pa.PythonFile(source, mode="r"), codec) if codec else source
         # Reads of 64 KiB: a stream that breaks takes the lines of the read that broke with it, so a small
         # read keeps nearly all lines before the break (and is no slower than 1 MiB ones).
@@ -214,6 +217,7 @@ def iter_lines(store: ObjectStore, uri: str) -> Iterator[tuple[int, bytes]]:
         except StorageError:
             raise
         except (OSError, ValueError) as err:  # pyarrow's codec errors (ArrowIOError, ArrowInvalid)
+            source.raise_failure()
             raise UnreadableFileError(uri, number, err) from err
 
 
