@@ -13,6 +13,7 @@ Extra counters (tokens, bytes, failures) ride along with `update(n, tokens=...)`
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ logger = logging.getLogger("dflash.progress")
 # Short forms keep rates compact ("45.6 krec/s"); other units are used as given.
 _SHORT_UNITS = {"records": "rec", "tokens": "tok", "bytes": "B", "sequences": "seq", "prompts": "prompt"}
 _TTY_REFRESH_S = 0.2
+INTERVAL_ENV = "DFLASH_PROGRESS_INTERVAL_S"
 
 
 def _si(value: float) -> tuple[str, str]:
@@ -74,7 +76,7 @@ class Progress:
         total: int | None,
         unit: str,
         desc: str,
-        interval_s: float = 30.0,
+        interval_s: float | None = None,
         *,
         stream: TextIO | None = None,
         is_tty: bool | None = None,
@@ -84,7 +86,8 @@ class Progress:
         self.total = total
         self.unit = unit
         self.desc = desc
-        self.interval_s = interval_s
+        # 30 s suits a log store shared by many pods; a person watching a local run wants it sooner.
+        self.interval_s = interval_s if interval_s is not None else float(os.environ.get(INTERVAL_ENV) or 30.0)
         self.stream = stream if stream is not None else sys.stderr
         self.is_tty = is_tty if is_tty is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self.enabled = enabled

@@ -3,7 +3,7 @@
     render --config run.toml [--stage tokenize] [--format yaml|json] [--out DIR]
     submit --config run.toml [--stage tokenize] [--dry-run] [--kubectl PATH]
     status --config run.toml [--json]
-    local  --config run.toml [--stage tokenize] [--repo DIR]
+    local  --config run.toml [--stage tokenize] [--repo DIR] [--log-dir DIR] [--verbose]
     wait   --manifest s3://.../manifest.json [--timeout-seconds N] [--poll-seconds S]
 
 `render` prints the run's objects as a multi-document stream (or writes a kustomize base with --out);
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
     local.add_argument("--repo", type=Path, default=Path.cwd(), help="checkout holding .venv, .venv-generate, ...")
     local.add_argument("--stage", action="append", help="only this stage (repeatable)")
+    local.add_argument("--log-dir", type=Path, default=None,
+                       help="where each stage's full output goes (default: <repo>/logs/<run_id>)")
+    local.add_argument("--verbose", action="store_true", help="print every line of every stage, engines' included")
     wait = sub.add_parser("wait", help="wait for an input manifest (init container)")
     wait.add_argument("--manifest", required=True, help="manifest URI to wait for")
     wait.add_argument("--timeout-seconds", type=float, default=2 * 86400, help="give up (exit 65) after this")
@@ -116,7 +119,8 @@ def _status(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace) -> int:
     from dflash_shared.pipeline.local import run_local_and_report
 
-    return run_local_and_report(load_run_config(args.config), args.repo.resolve(), args.stage)
+    return run_local_and_report(load_run_config(args.config), args.repo.resolve(), args.stage, args.log_dir,
+                                args.verbose)
 
 
 def _wait(args: argparse.Namespace) -> int:

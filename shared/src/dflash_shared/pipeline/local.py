@@ -5,6 +5,9 @@ rendered Jobs; only the process launcher differs. Each stage runs in the Python 
 package (the images' contents, as virtual environments), preflight first, once per shard index with
 JOB_COMPLETION_INDEX set, like the pods of an Indexed Job. A stage whose manifest already exists is skipped,
 so rerunning a run resumes it; a stage killed midway resumes from its committed shards.
+
+With a `Console` (the `local` command always gives one), each stage's output goes to its own log file and the
+console shows the stages, their progress and their verdicts (see `dflash_shared.pipeline.console`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import describe
 from dflash_shared.pipeline.config import RunConfig
+from dflash_shared.pipeline.console import Console, run_logged
 from dflash_shared.pipeline.jobs import env_value, storage_env
 from dflash_shared.pipeline.layout import layout
 from dflash_shared.pipeline.stages import IMAGE_ENTRYPOINT, StageDef, plan, stage_config
@@ -73,18 +77,24 @@ def run_local(
     environments: Mapping[str, str] | None = None,
     only: Sequence[str] | None = None,
     extra_env: Mapping[str, str] | None = None,
+    console: Console | None = None,
+    log_dir: Path | None = None,
 ) -> list[StageRun]:
-    """Run (or resume) every stage of `run`; raises StageFailedError with the stage's exit code on failure."""
+    """Run (or resume) every stage of `run`; raises StageFailedError with the stage's exit code on failure.
+
+    Without a console the stages write to this process's stdout and stderr; with one, to files in `log_dir`.
+    """
     store = ObjectStore()
     lay = layout(run.root, run.run_id)
     envs = {**IMAGE_ENVIRONMENTS, **(environments or {})}
+    logs = log_dir or repo / "logs" / run.run_id
     done: list[StageRun] = []
-    for stage in plan(run):
-        if only and stage.name not in only:
-            continue
+    stages = [stage for stage in plan(run) if not only or stage.name in only]
+    for number, stage in enumerate(stages, 1):
         manifest = stage.output_manifest(lay)
+        say = console.say if console is not None else log.info
         if store.exists(manifest):
-            log.info("stage %s: complete (%s), skipped", stage.name, manifest)
+            say(f"[{number}/{len(stages)}] {stage.name}: complete, skipped ({manifest})")
             done.append(StageRun(stage.name, True, 0.0, manifest))
             continue
         python = str(repo / envs[stage.image] / "bin" / "python")
@@ -95,20 +105,32 @@ def run_local(
         start = time.monotonic()
         for index in range(shards):
             env[INDEX_ENV] = str(index)
+            log_path = logs / f"{stage.name}-{index}.log"
+            if console is not None:
+                # Lines reach the console as they are written, and progress comes often enough to watch.
+                env.update(PYTHONUNBUFFERED="1", DFLASH_PROGRESS_INTERVAL_S="10")
+                console.say(f"[{number}/{len(stages)}] {stage.name}" + (f" shard {index + 1}/{shards}" if shards > 1
+                            else "") + f": running (log: {log_path})")
             for command in local_commands(stage, python):
-                log.info("stage %s shard %d/%d: %s", stage.name, index, shards, " ".join(command[2:]))
-                code = subprocess.run(command, env=env, cwd=repo, check=False).returncode
+                if console is None:
+                    log.info("stage %s shard %d/%d: %s", stage.name, index, shards, " ".join(command[2:]))
+                    code = subprocess.run(command, env=env, cwd=repo, check=False).returncode
+                else:
+                    code = run_logged(command, env, repo, log_path, console)
                 if code != 0:
                     raise StageFailedError(stage.name, index, code)
         if not store.exists(manifest):
             raise StageFailedError(stage.name, shards - 1, 1)
-        done.append(StageRun(stage.name, False, time.monotonic() - start, manifest))
+        seconds = time.monotonic() - start
+        say(f"[{number}/{len(stages)}] {stage.name}: done in {seconds:.0f} s ({manifest})")
+        done.append(StageRun(stage.name, False, seconds, manifest))
     return done
 
 
-def run_local_and_report(config: RunConfig, repo: Path, only: Sequence[str] | None = None) -> int:
+def run_local_and_report(config: RunConfig, repo: Path, only: Sequence[str] | None = None,
+                         log_dir: Path | None = None, verbose: bool = False) -> int:
     try:
-        runs = run_local(config, repo, only=only)
+        runs = run_local(config, repo, only=only, console=Console(verbose=verbose), log_dir=log_dir)
     except StageFailedError as err:
         print(f"pipeline stopped: {err}; rerun the same command to resume", file=sys.stderr)
         return err.code
