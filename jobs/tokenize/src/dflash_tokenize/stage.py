@@ -267,7 +267,9 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
     workers = config.workers or len(os.sched_getaffinity(0))
     by_uri = {shard.uri: shard for shard in resolved.source.manifest.shards}
     batches = line_batches(ctx.store, [by_uri[uri] for uri in ctx.items], ctx.scratch_dir, config.batch_records)
-    with Progress(total=None, unit="rec", desc=f"tokenize shard {ctx.index}") as progress:
+    # Every line of this shard's files is one record (bad ones included), so the manifest's counts give the total.
+    total = sum(by_uri[uri].records for uri in ctx.items)
+    with Progress(total=total, unit="records", desc=f"tokenize shard {ctx.index}") as progress:
         for result in ordered_map(resolved, workers, batches):
             train, heldout = split.partition(result.sequences, resolved.heldout_fraction)
             writer.write(train)

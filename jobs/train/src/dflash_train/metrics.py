@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dflash_shared.progress import human_count
+from dflash_shared.progress import human_count, human_duration
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.distributed import DistEnv, peak_memory_bytes
 from dflash_train.loss import expected_acceptance_length, per_position_accuracy
@@ -72,12 +72,13 @@ class MetricWindow:
         return metrics
 
 
-def format_line(step: int, total: int, m: dict[str, float]) -> str:
+def format_line(step: int, total: int, m: dict[str, float], eta_s: float | None = None) -> str:
     accs = [m[k] for k in sorted((k for k in m if k.startswith("acc_")), key=lambda k: int(k[4:]))]
     shown = " ".join(f"{a:.2f}" for a in accs[:8]) + (" ..." if len(accs) > 8 else "")
-    return (f"step {step}/{total} loss {m['loss']:.4f} tau {m['tau']:.2f} acc[1..] {shown} lr {m['lr']:.2e} "
-            f"gnorm {m['grad_norm']:.3f} {human_count(m['tokens_per_s'])} tok/s "
-            f"peak mem {m['peak_memory_gib_max']:.2f} GiB (max over ranks)")
+    eta = f", ETA {human_duration(eta_s)}" if eta_s is not None else ""
+    return (f"step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) loss {m['loss']:.4f} tau {m['tau']:.2f} "
+            f"acc[1..] {shown} lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {human_count(m['tokens_per_s'])} tok/s "
+            f"peak mem {m['peak_memory_gib_max']:.2f} GiB (max over ranks){eta}")
 
 
 class MetricsSink:
@@ -87,6 +88,7 @@ class MetricsSink:
         self.env = env
         self.local_dir = os.path.join(local_dir, run_tag)
         self._writer: Any = None
+        self._first: tuple[int, float] | None = None
         if env.is_main and enabled_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -96,7 +98,13 @@ class MetricsSink:
     def write(self, step: int, total: int, metrics: dict[str, float]) -> None:
         if not self.env.is_main:
             return
-        log.info(format_line(step, total, metrics))
+        now = time.monotonic()
+        if self._first is None:
+            # The ETA runs from the first step this process logged (a resumed run starts its clock there).
+            self._first = (step, now)
+        first_step, first_time = self._first
+        eta = (now - first_time) / (step - first_step) * (total - step) if step > first_step else None
+        log.info(format_line(step, total, metrics, eta))
         if self._writer is not None:
             for name, value in metrics.items():
                 group = "perf" if name.startswith(("peak_", "tokens_", "label_", "steps_")) else "train"
