@@ -614,3 +614,23 @@ def test_batch_returns_errors_in_place(native: Case) -> None:
     assert isinstance(results[0], masking.Tokenized) and isinstance(results[2], masking.Tokenized)
     assert isinstance(results[1], MaskingError) and results[1].reason == masking.NO_FINAL_ASSISTANT
     assert results[0].input_ids == results[2].input_ids
+
+
+def test_a_record_the_template_refuses_is_an_error_in_place(native: Case) -> None:
+    # Real templates raise_exception on conversations they refuse (Qwen's "System message must be at the
+    # beginning."): that record's MaskingError, never an exception that stops the batch.
+    base = native.chat
+    refusing = ChatFormat(
+        base.tokenizer.to_str().encode(),
+        "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be at the beginning.') }}{%- endif %}{%- endfor %}"
+        + base.chat_template,
+        base.template_tokens,
+    )
+    good = _record(Message(role="user", content="Q"), Message(role="assistant", content="A"), rid="good")
+    late_system = _record(Message(role="user", content="Q"), Message(role="system", content="Be brief."),
+                          Message(role="assistant", content="A"), rid="late-system")
+    results = masking.try_render_batch([good, late_system, good], refusing, enable_thinking=True)
+    assert isinstance(results[0], masking.Tokenized) and isinstance(results[2], masking.Tokenized)
+    assert isinstance(results[1], MaskingError) and results[1].reason == masking.TEMPLATE_REFUSED
+    assert "System message must be at the beginning." in str(results[1])

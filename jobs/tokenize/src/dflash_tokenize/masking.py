@@ -70,6 +70,8 @@ NO_END_OF_TURN = "no_end_of_turn"
 TOKEN_STRADDLES = "token_straddles_span"
 PROMPT_MISMATCH = "prompt_ids_mismatch"
 LITERAL_UNRESOLVED = "literal_specials_unresolved"
+# The chat template raised on the record (its own raise_exception, or a value it cannot handle).
+TEMPLATE_REFUSED = "template_refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +132,18 @@ def _render_one(
     tools = getattr(record, "tools", None)
     tools = [dict(t) for t in tools] if tools else None
     dicts = [message_dict(m) for m in record.messages]
-    full = chat.render_dicts(dicts, enable_thinking=thinking, tools=tools, **template_kwargs)
-    prompt = chat.render_dicts(
-        dicts[:-1], add_generation_prompt=True, enable_thinking=thinking, tools=tools, **template_kwargs
-    )
+    try:
+        full = chat.render_dicts(dicts, enable_thinking=thinking, tools=tools, **template_kwargs)
+        prompt = chat.render_dicts(
+            dicts[:-1], add_generation_prompt=True, enable_thinking=thinking, tools=tools, **template_kwargs
+        )
+    except MemoryError:
+        raise
+    except Exception as err:
+        # Real templates raise_exception on conversations they refuse (a system turn after the first): the
+        # record's fault, counted, never a crash of the whole batch.
+        raise MaskingError(record.id, TEMPLATE_REFUSED,
+                           f"the chat template refuses it ({type(err).__name__}: {str(err)[:200]})") from err
     if not full.startswith(prompt):
         at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), len(full))
         raise MaskingError(
