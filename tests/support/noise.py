@@ -112,10 +112,10 @@ _messy_shapes = _record_shapes(maybe)
 
 
 @st.composite
-def _one_fault(draw: st.DrawFn) -> Any:
+def one_fault(draw: st.DrawFn, valid: st.SearchStrategy[Any]) -> Any:
     """A record of the right shape with exactly one value, at any depth, replaced by any JSON value: a fault
     that no earlier check can mask, wherever it is."""
-    record = draw(_valid_shapes)
+    record = draw(valid)
     slots: dict[int, list[tuple[Any, Any]]] = {}
 
     def walk(node: Any, depth: int) -> None:
@@ -135,13 +135,44 @@ def _one_fault(draw: st.DrawFn) -> Any:
 
 # Deferred: the composed strategies' own repr runs to megabytes, and hypothesis would build it per test.
 records: st.SearchStrategy[Any] = st.deferred(
-    lambda: st.one_of(_one_fault(), _one_fault(), _one_fault(), _valid_shapes, _messy_shapes, json_values))
+    lambda: st.one_of(*[one_fault(_valid_shapes)] * 3, _valid_shapes, _messy_shapes, json_values))
+
+
+# CompletionRecord lines as a hand-made or damaged completions shard holds them: the record model's fields,
+# messages of the Message model, token ids of every odd kind.
+_message_model = st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+    "content": clean_text,
+}, optional={
+    "reasoning_content": clean_text,
+    "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries({
+        "name": clean_text, "arguments": st.one_of(clean_text, st.dictionaries(clean_text, clean_text, max_size=2)),
+    })}), max_size=1),
+    "name": clean_text,
+})
+_token_ids = st.lists(st.one_of(st.integers(0, 151_000), st.integers(0, 151_000), st.integers(-5, 2**40),
+                                st.booleans(), st.floats(0, 10)), max_size=12)
+_completion_shapes = st.fixed_dictionaries({
+    "id": clean_text,
+    "messages": st.tuples(st.lists(_message_model, max_size=2), _message_model.map(lambda m: {**m, "role": "user"}),
+                          _message_model.map(lambda m: {**m, "role": "assistant"})).map(lambda t: [*t[0], t[1], t[2]]),
+}, optional={
+    "prompt_token_ids": _token_ids,
+    "completion_token_ids": _token_ids,
+    "finish_reason": finish_reasons,
+    "enable_thinking": st.booleans(),
+    "tools": st.lists(st.dictionaries(clean_text, json_values, max_size=2), max_size=1),
+    "source": clean_text,
+})
+completion_records: st.SearchStrategy[Any] = st.deferred(
+    lambda: st.one_of(*[one_fault(_completion_shapes)] * 2, _completion_shapes, json_values))
 
 
 @st.composite
-def noisy_lines(draw: st.DrawFn) -> bytes:
-    """One line (no newline in it) holding a drawn record's JSON, perhaps damaged on purpose."""
-    obj = draw(records)
+def noisy_lines(draw: st.DrawFn, values: str = "conversations") -> bytes:
+    """One line (no newline in it) holding a drawn record's JSON, perhaps damaged on purpose; `values` says
+    which records: external "conversations" (import, prompts) or "completions" (tokenize's input)."""
+    obj = draw(records if values == "conversations" else completion_records)
     rendered = json.dumps(obj, ensure_ascii=draw(st.booleans()))
     # surrogatepass: a lone surrogate in a string becomes the (invalid) UTF-8 bytes a careless writer emits.
     data = rendered.encode("utf-8", "surrogatepass")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa  # type: ignore[import-untyped]
 
+from dflash_shared.jsonl import printable
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
@@ -110,7 +112,8 @@ class GateCounts:
         self.bad[reason] += 1
         kept = self.examples.setdefault(reason, [])
         if len(kept) < self.examples_per_reason:
-            kept.append(f"{item}: {detail}" if detail else item)
+            # Ids and details may quote the data: escaped, so that a log line or the manifest stays readable.
+            kept.append(printable(f"{item}: {detail}" if detail else item)[:500])
 
     def observe_good(self, count: int) -> None:
         self.seen += count
