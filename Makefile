@@ -46,9 +46,11 @@ test-fast: $(VENV_STAMP) ## Unit tests only: no image builds, no vLLM, no long r
 test-images: $(VENV_STAMP) image-tools ## Build the images and run the image tests
 	$(PY) -m pytest -m image tests/images $(PYTEST_ARGS)
 
-lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library
+lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library, zizmor and the schema over the CI workflows
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy shared/src/dflash_shared
+	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
 docs: $(VENV_STAMP) ## Regenerate the README's configuration reference from the config models
 	$(PY) scripts/update_readme.py
