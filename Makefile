@@ -5,28 +5,67 @@ VENV := .venv
 VENV_STAMP := $(VENV)/.stamp
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Where the environment builds write their output (pip's notes on every package, which a person need not read).
+# `make V=1 ...` streams it instead.
+LOGS := build/logs
+V ?=
 
 .DEFAULT_GOAL := help
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
+# ---------------------------------------------------------------- tools
+# uv, pinned, in the project's own tool environment (.tools, gitignored): nothing is installed into the machine's
+# Python, and every machine builds .venv with the same uv. A uv already on PATH is not used on its own: its
+# version is whatever that machine has. `make UV=/path/to/uv ...` picks one explicitly (then .tools is not made).
+UV_VERSION := 0.13.9
+TOOLS := .tools
+TOOLS_UV_STAMP := $(TOOLS)/.uv-$(UV_VERSION)
+UV ?= $(TOOLS)/bin/uv
+UV_DEP := $(if $(filter $(TOOLS)/bin/uv,$(UV)),$(TOOLS_UV_STAMP))
+
+$(TOOLS_UV_STAMP):
+	@mkdir -p $(LOGS)
+	@echo "tools: uv $(UV_VERSION) into $(TOOLS) (log: $(LOGS)/tools.log)"
+	@{ [ -x $(TOOLS)/bin/python ] || $(PYTHON) -m venv $(TOOLS); } > $(LOGS)/tools.log 2>&1 \
+	  && $(TOOLS)/bin/python -m pip install --disable-pip-version-check --quiet uv==$(UV_VERSION) \
+	     >> $(LOGS)/tools.log 2>&1 \
+	  || { cat $(LOGS)/tools.log >&2; exit 1; }
+	@rm -f $(TOOLS)/.uv-*
+	@touch $@
+
+tools: $(UV_DEP) ## Install the pinned uv into .tools (every target that needs it does this itself)
+
 # ---------------------------------------------------------------- environments
+# logged NAME, COMMAND: runs COMMAND with its output in $(LOGS)/NAME.log, then prints the log's last line (the
+# script's own summary); on failure, its last 40 lines and the path. V=1 streams the output instead.
+define logged
+	@mkdir -p $(LOGS)
+	@if [ -n "$(V)" ]; then $(2); else \
+	  echo "$(1): log in $(LOGS)/$(1).log"; \
+	  if $(2) > $(LOGS)/$(1).log 2>&1; then tail -n 1 $(LOGS)/$(1).log; \
+	  else status=$$?; tail -n 40 $(LOGS)/$(1).log >&2; echo "$(1): FAILED, full log: $(LOGS)/$(1).log" >&2; \
+	    exit $$status; fi; \
+	fi
+endef
+
 # The torch-free environment (shared library, tokenize stage, k8s and image tests), rebuilt whenever a
-# requirements or project file changes. uv is fast here because nothing in it needs torch.
-$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml
-	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
-	uv venv --quiet --allow-existing -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip install --quiet -r requirements/dev.in
+# requirements or project file changes. uv is fast here because nothing in it needs torch. (uv is an order-only
+# prerequisite: a new uv does not rebuild the environment.)
+$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml \
+		| $(UV_DEP)
+	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(VENV)
+	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -r requirements/dev.in
 	@touch $@
 
 venv: $(VENV_STAMP) ## Create the development environment (.venv)
 
 venv-generate: ## Create .venv-generate (vLLM on CPU) for the generate stage
-	bash scripts/venv-generate.sh
+	$(call logged,venv-generate,bash scripts/venv-generate.sh)
 
 venv-train: ## Create .venv-train (PyTorch on CPU) for the train stage
-	bash scripts/venv-train.sh
+	$(call logged,venv-train,bash scripts/venv-train.sh)
 
 image-tools: ## Install podman/buildah/debootstrap when missing
 	bash docker/build-images.sh --ensure-tools
@@ -71,8 +110,8 @@ build-image: ## Build one image: make build-image IMAGE=tokenizer
 base-image: ## Build the local debootstrap base image (used where no registry is reachable)
 	bash docker/base/make-local-base.sh
 
-lock: ## Regenerate every stage's hash-pinned lock file
-	bash docker/lock.sh
+lock: | $(UV_DEP) ## Regenerate every stage's hash-pinned lock file
+	UV=$(UV) bash docker/lock.sh
 
 # ---------------------------------------------------------------- benchmarks
 bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer library's limit
@@ -86,5 +125,5 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_train_data.py
 	.venv-train/bin/python bench/bench_target_features.py
 
-.PHONY: help demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
+.PHONY: help tools demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
 	build-image base-image lock bench-tokenize bench-train bench-eval
