@@ -37,7 +37,7 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Accounting, Kind, Producer
 from dflash_shared.records import CompletionRecord, PromptRecord
 from dflash_shared.storage import ObjectStore, StorageError, join
-from tests.support.noise import PROPERTY, noisy_lines, valid_record
+from tests.support.noise import PROPERTY, known_crashers, noisy_lines, valid_record, with_crashers
 
 PRODUCER = Producer(stage="import")
 VALID = 3
@@ -122,6 +122,7 @@ def test_every_jsonl_line_is_counted_and_every_valid_record_kept(source: tuple[b
 
 
 @settings(PROPERTY, max_examples=200)
+@with_crashers(valid_record(0), kind=Kind.completions)
 @given(line=noisy_lines(), kind=st.sampled_from([Kind.completions, Kind.prompts]))
 def test_a_line_is_a_record_or_a_reason_never_an_exception(line: bytes, kind: Kind) -> None:
     """The per-line path alone, at more examples: decode, convert, encode as process_import does."""
@@ -135,6 +136,17 @@ def test_a_line_is_a_record_or_a_reason_never_an_exception(line: bytes, kind: Ki
         assert err.reason and str(err).isprintable()
         return
     check_written([written], kind)
+
+
+@pytest.mark.parametrize("crasher", known_crashers(valid_record(VALID)), ids=range(10))
+def test_each_known_crasher_is_one_malformed_record(crasher: bytes) -> None:
+    """The lines that made `import` exit 1 (retryable) before: now one malformed record each, beside valid ones."""
+    lines = [json.dumps(valid_record(k)).encode() for k in range(VALID)]
+    acc, written, source = import_files({"a.jsonl": b"\n".join([lines[0], crasher, *lines[1:]]) + b"\n"})
+    assert (acc.input_records, acc.succeeded, acc.failures_by_reason) == (VALID + 1, VALID, {"malformed_record": 1})
+    (example,) = acc.examples["malformed_record"]
+    assert example.startswith(f"{join(source, 'a.jsonl')}:2: ") and example.isprintable() and len(example) < 400
+    assert marker_counts(written) == [1] * VALID
 
 
 # ------------------------------------------------------------------------------------------- Parquet

@@ -13,10 +13,11 @@ The properties themselves live beside each reader's tests.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, example, settings
 from hypothesis import strategies as st
 
 # Deterministic and quick: CI runs the same examples every time, a few seconds per property.
@@ -30,6 +31,7 @@ TRICKY_TEXT = ["\ud800", "\udfff", "\ud83d", "\udc00\ud800", "\x00", "\x1b[31m",
 TRICKY_BYTES = [b"\\ud800", b"\\udc00\\ud800", b"\\uDFFF", b"\xed\xa0\x80", b"\xff", b"\xc3", b"\xe2\x82",
                 b"NaN", b"Infinity", b"-Infinity", b"\x00", b"\\u0000", b'"', b"]", b"{", b"\\", b"\r"]
 
+_SURROGATE_BYTES = [b"\\ud800", b"\\udfff", b"\xed\xa0\x80", b"\\udc00\\ud800"]
 _SURROGATES = [t for t in TRICKY_TEXT if any(0xD800 <= ord(c) <= 0xDFFF for c in t)]
 # Text that survives decoding (any code point but a surrogate, and the tricky pieces that are Unicode) ...
 clean_text = st.lists(st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=4),
@@ -166,19 +168,37 @@ _completion_shapes = st.fixed_dictionaries({
 })
 completion_records: st.SearchStrategy[Any] = st.deferred(
     lambda: st.one_of(*[one_fault(_completion_shapes)] * 2, _completion_shapes, json_values))
+# PromptRecord lines, as a prompts shard holds them: a conversation that ends with a user turn.
+_prompt_shapes = st.fixed_dictionaries({
+    "id": clean_text,
+    "messages": st.tuples(st.lists(_message_model, max_size=2), _message_model.map(lambda m: {**m, "role": "user"})
+                          ).map(lambda t: [*t[0], t[1]]),
+}, optional={
+    "tools": st.lists(st.dictionaries(clean_text, json_values, max_size=2), max_size=1),
+    "source": clean_text,
+    "source_id": clean_text,
+})
+prompt_records: st.SearchStrategy[Any] = st.deferred(
+    lambda: st.one_of(*[one_fault(_prompt_shapes)] * 2, _prompt_shapes, json_values))
 
 
 @st.composite
 def noisy_lines(draw: st.DrawFn, values: str = "conversations") -> bytes:
     """One line (no newline in it) holding a drawn record's JSON, perhaps damaged on purpose; `values` says
-    which records: external "conversations" (import, prompts) or "completions" (tokenize's input)."""
-    obj = draw(records if values == "conversations" else completion_records)
+    which records: external "conversations" (import's input), "prompts" (generate's) or "completions"
+    (tokenize's)."""
+    obj = draw({"conversations": records, "prompts": prompt_records, "completions": completion_records}[values])
     rendered = json.dumps(obj, ensure_ascii=draw(st.booleans()))
     # surrogatepass: a lone surrogate in a string becomes the (invalid) UTF-8 bytes a careless writer emits.
     data = rendered.encode("utf-8", "surrogatepass")
     # Undamaged about half the time: the record's own faults need lines that parse to be reached.
-    damage = draw(st.sampled_from(["none"] * 6 + ["cut", "splice", "bytes", "deep", "deep_inside", "number"]))
-    if damage == "cut" and data:
+    damage = draw(st.sampled_from(["none"] * 6 + ["cut", "splice", "bytes", "surrogate", "deep", "deep_inside",
+                                                  "number"]))
+    starts = [m.end() for m in re.finditer(rb'": "', data)]  # where string values begin
+    if damage == "surrogate" and starts:  # a lone surrogate inside a string value: valid JSON, not Unicode
+        at = draw(st.sampled_from(starts))
+        data = data[:at] + draw(st.sampled_from(_SURROGATE_BYTES)) + data[at:]
+    elif damage == "cut" and data:
         data = data[: draw(st.integers(0, len(data) - 1))]
     elif damage == "splice":
         at = draw(st.integers(0, len(data)))
@@ -207,3 +227,43 @@ def valid_record(k: int) -> dict[str, Any]:
         {"role": "user", "content": f"Question ⟦valid {k}⟧: what is {k} squared?"},
         {"role": "assistant", "content": f"<think>\n{k} times {k}\n</think>\n\nIt is {k * k}."},
     ]}
+
+
+def known_crashers(base: dict[str, Any]) -> list[bytes]:
+    """Lines that crashed a reader before it was hardened, each `base` (a valid record with a user turn)
+    with one fault: for `@example`s, so every run tries them whatever the random draws."""
+    good = json.dumps(base).encode()
+    user = next(m for m in base["messages"] if m.get("role") == "user")
+    quoted = json.dumps(user["content"]).encode()
+
+    def user_text(raw: bytes) -> bytes:
+        return good.replace(quoted, b'"x' + raw + b'"', 1)
+
+    def tool_value(raw: bytes) -> bytes:
+        return json.dumps({**base, "tools": [{"n": 1}]}).encode().replace(b'"n": 1', b'"n": ' + raw)
+
+    parts = {**base, "messages": [{**m, "content": [{"type": "text", "text": 5}]} if m is user else m
+                                  for m in base["messages"]]}
+    return [
+        user_text(b"\\ud800"),            # a lone surrogate, escaped
+        user_text(b"\xed\xa0\x80"),      # a lone surrogate as the (invalid) UTF-8 bytes careless writers emit
+        user_text(b"\\udfff\\ud800"),   # a surrogate pair in the wrong order
+        tool_value(b"9" * 5000),            # past Python's 4300-digit int limit
+        tool_value(b"1" * 30),              # past 64 bits
+        tool_value(b"NaN"),
+        tool_value(b"1e400"),
+        tool_value(b"[" * 5000 + b"]" * 5000),  # past the recursion limit
+        tool_value(b"[" * 500 + b"]" * 500),    # parsed, but past what a later json.dumps can serialise
+        json.dumps(parts).encode(),         # a content part whose text is a number
+    ]
+
+
+def with_crashers(base: dict[str, Any], wrap: Callable[[bytes], Any] = lambda line: line, name: str = "line",
+                  **fixed: Any) -> Callable[[Any], Any]:
+    """Decorator: a hypothesis `@example` per known crasher built on `base`, passed as `name` (through
+    `wrap`), with `fixed` for the test's other arguments."""
+    def decorate(test: Any) -> Any:
+        for line in known_crashers(base):
+            test = example(**{name: wrap(line)}, **fixed)(test)
+        return test
+    return decorate

@@ -18,11 +18,12 @@ from dflash_shared.quality import MALFORMED, GateCounts, QualityPolicy
 from dflash_tokenize import worker
 from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.fast_exact import parse_lines
-from tests.support.noise import PROPERTY, noisy_lines
+from tests.support.noise import PROPERTY, noisy_lines, with_crashers
 from tests.support.qwen_assets import shared_tokenizer_dir
 from tests.tokenize.stage_fixtures import completion, conversation, engine_like
 
 lines_of_a_batch = st.lists(noisy_lines("completions"), min_size=1, max_size=6)
+BASE = {"id": "c", "messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def check_rejections(rejected: list[tuple[str, str, str]]) -> None:
 
 
 @PROPERTY
+@with_crashers(BASE, wrap=lambda line: [line], name="lines")
 @given(lines=lines_of_a_batch)
 def test_both_parsers_give_every_line_a_verdict_and_agree(lines: list[bytes]) -> None:
     batch = numbered(lines)
