@@ -28,8 +28,8 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json")
 # Deeper than this is no conversation or tool schema; orjson (the tokenize stage's reader) stops at 1024
 # and Python's own json recursion near 1000.
 MAX_DEPTH = 100
-# A JSON escape of a UTF-16 surrogate half: only lines holding one can decode to a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# A JSON escape of a UTF-16 surrogate half: only lines holding one unpaired can decode to a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # The integers orjson reads exactly (larger ones it turns into floats).
 _INT_RANGE = (-(2**63), 2**64 - 1)
 
@@ -109,6 +109,24 @@ def _too_deep(obj: Any) -> bool:
     return False
 
 
+def _unpaired_surrogate_escape(text: str) -> bool:
+    """Whether `text` escapes a surrogate half outside a high-low pair. Pairs are common (json.dumps escapes
+    every emoji as one), so they are told apart here, cheaply, before any costlier check; an escaped
+    backslash before "ud800" may answer True, which the check after it sorts out."""
+    pending = -1  # end of a high half still waiting for its low half
+    for match in _SURROGATE_ESCAPE.finditer(text):
+        low = match.group()[3] in "cdefCDEF"
+        if pending != -1:
+            if not low or match.start() != pending:  # the waiting high half has no low one
+                return True
+            pending = -1
+        elif low:  # a low half without a high one
+            return True
+        else:
+            pending = match.end()
+    return pending != -1
+
+
 def decode_line(line: bytes | str) -> Any:
     """One JSON line -> its value; LineError (a clear reason and a safe excerpt) for anything unusable.
 
@@ -133,7 +151,7 @@ def decode_line(line: bytes | str) -> Any:
         raise LineError(f"nested deeper than {MAX_DEPTH} levels: {excerpt(text)}") from None
     if isinstance(obj, dict | list) and text.count("[") + text.count("{") > MAX_DEPTH and _too_deep(obj):
         raise LineError(f"nested deeper than {MAX_DEPTH} levels: {excerpt(text)}")
-    if _SURROGATE_ESCAPE.search(text):
+    if _unpaired_surrogate_escape(text):
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as err:
