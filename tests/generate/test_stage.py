@@ -77,7 +77,8 @@ def runs(engine: Any, tiny_target_dir: Path, bucket: str, tmp_path_factory: pyte
     store = ObjectStore()
     local = tmp_path_factory.mktemp("generate")
     out = {}
-    for thinking, root in ((True, str(local)), (False, join(bucket, "run"))):
+    # One S3 prefix per target: the bucket outlives this fixture, which runs once per target architecture.
+    for thinking, root in ((True, str(local)), (False, join(bucket, "run", tiny_target_dir.name))):
         src = write_prompts(store, join(root, "prompts"), PROMPTS, shards=2)
         config = stage_config(src, join(root, "completions"), tiny_target_dir, enable_thinking=thinking)
         assert run(config, store, engine=engine) == join(root, "completions", "manifest.json")
@@ -126,7 +127,7 @@ def test_manifest_records_target_sampling_and_throughput(runs: dict[bool, str], 
     assert (section.max_new_tokens, section.max_model_len) == (16, MAX_MODEL_LEN)
     records = completions(store, runs[thinking])
     assert section.output_tokens == sum(len(r.completion_token_ids or ()) for r in records) > 0
-    assert section.throughput["output_tokens_per_s_per_gpu"] > 0 and section.throughput["engine_seconds"] > 0
+    assert section.throughput["output_tokens_per_s_per_cpu_engine"] > 0 and section.throughput["engine_seconds"] > 0
     assert m.accounting.input_records == m.accounting.succeeded == len(PROMPTS)
     assert m.inputs[0].uri == join(runs[thinking].rsplit("/", 1)[0], "prompts", "manifest.json")
     # Chunk files of 3 prompts, in input order; a receipt commits each.

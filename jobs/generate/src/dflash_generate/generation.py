@@ -19,7 +19,7 @@ from typing import Any
 
 from dflash_generate.chunks import Chunk, ChunkReceipt, PromptReader, Rejected, load_receipts, receipt_uri
 from dflash_generate.completion import GenerationOutcome
-from dflash_generate.engine import VllmEngine
+from dflash_generate.engine import VllmEngine, engine_flavour
 from dflash_shared.errors import BadInputError
 from dflash_shared.jsonl import JsonlZstWriter
 from dflash_shared.manifests import Accounting, SpecialTokens
@@ -51,17 +51,19 @@ class WorkerPlan:
 
 
 class GenerationProgress(Progress):
-    """The shared progress line, plus the output tokens per second of each GPU the engine uses."""
+    """The shared progress line, plus the output tokens per second of each GPU the engine uses (on the CPU
+    build: of the engine process, which is what a CPU run compares)."""
 
-    def __init__(self, total: int, desc: str, gpus: int) -> None:
+    def __init__(self, total: int, desc: str, gpus: int, on_gpu: bool = True) -> None:
         super().__init__(total=total, unit="prompts", desc=desc)
-        self.gpus = max(gpus, 1)
+        self.gpus = max(gpus, 1) if on_gpu else 1
+        self.per = "per GPU" if on_gpu else "per CPU engine process"
         self._started = time.monotonic()
 
     def _per_gpu(self) -> str:
         elapsed = time.monotonic() - self._started
         rate = self.extra.get("output_tokens", 0) / elapsed / self.gpus if elapsed > 0 else 0.0
-        return f", {human_rate(rate, 'tok')} per GPU"
+        return f", {human_rate(rate, 'tok')} {self.per}"
 
     def line(self, now: float | None = None) -> str:
         return super().line(now) + self._per_gpu()
@@ -215,7 +217,7 @@ def generate_chunks(
     with engine_provider() as engine:
         # Started after the engine, so rates and ETA measure generation, not model loading.
         progress = GenerationProgress(sum(c.size for c in pending), f"generate worker {ctx.index}",
-                                      plan.gpus_per_engine)
+                                      plan.gpus_per_engine, on_gpu=engine_flavour() == "cuda")
         committer.restart_clock()
         stream = engine.stream(requests(), plan.enable_thinking, plan.sampling, plan.max_inflight)
         with progress, contextlib.closing(stream):

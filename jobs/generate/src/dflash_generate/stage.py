@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from dflash_generate.chunks import Chunk, PromptReader, plan_chunks
 from dflash_generate.config import GenerateConfig, GenerationSettings
-from dflash_generate.engine import VllmEngine
+from dflash_generate.engine import VllmEngine, engine_flavour
 from dflash_generate.generation import EngineProvider, WorkerPlan, process_shard
 from dflash_generate.model_source import ModelFiles, ModelSource
 from dflash_generate.sampling import SamplingConfig
@@ -178,7 +178,9 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
     if seconds > 0:
         throughput.update(
             output_tokens_per_s_per_engine=round(output_tokens / seconds, 3),
-            output_tokens_per_s_per_gpu=round(output_tokens / seconds / config.tensor_parallel_size, 3),
+            **({"output_tokens_per_s_per_gpu": round(output_tokens / seconds / config.tensor_parallel_size, 3)}
+               if engine_flavour() == "cuda" else
+               {"output_tokens_per_s_per_cpu_engine": round(output_tokens / seconds, 3)}),
             prompts_per_s_per_engine=round(float(totals.get("completions", 0)) / seconds, 4),
         )
     return Manifest(
