@@ -88,6 +88,21 @@ def test_gate_failure_exits_65_with_a_report(tmp_path: Path, tok: str, store: Ob
     assert "empty_response: 45" in proc.stderr
 
 
+def test_a_gate_failure_names_the_settings_that_change_the_verdict(tmp_path: Path, tok: str,
+                                                                   store: ObjectStore) -> None:
+    # Ordinary chat data without reasoning, tokenized with the import default (thinking on).
+    records = [completion(conversation(i, thinking=False)) for i in range(12)]
+    src = write_completions(store, str(tmp_path / "c"), records)
+    proc = cli("run", "--input", src, "--output", str(tmp_path / "t"), "--tokenizer", tok)
+    assert proc.returncode == 65
+    assert "thinking_missing: 12" in proc.stderr
+    assert "--enable-thinking false / DFLASH_TOKENIZE_ENABLE_THINKING=false" in proc.stderr
+    assert "--max-bad-fraction <fraction> / DFLASH_TOKENIZE_MAX_BAD_FRACTION=<fraction>" in proc.stderr
+    fixed = cli("run", "--input", src, "--output", str(tmp_path / "t"), "--tokenizer", tok, "--enable-thinking",
+                "false")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+
+
 def test_preflight_reports_every_broken_check(tmp_path: Path) -> None:
     proc = cli("preflight", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o"),
                "--tokenizer", str(tmp_path / "no-tokenizer"), "--disk-need-gib", "100000")

@@ -56,10 +56,10 @@ from dflash_shared.manifests import (
     Producer,
     PromptsSection,
 )
-from dflash_shared.quality import MALFORMED
+from dflash_shared.quality import MALFORMED, fix_hints
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, run_shard
-from dflash_shared.settings import StageSettings
+from dflash_shared.settings import StageSettings, env_prefix
 from dflash_shared.storage import ObjectStore, StorageError
 
 SOURCE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
@@ -364,7 +364,8 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
         raise BadInputError(
             f"{accounting.failed} of {accounting.input_records} records in shard {ctx.index} are unusable "
             f"(limit {spec.max_bad_fraction:.0%}): {accounting.failures_by_reason}; e.g. "
-            + "; ".join(ex for exs in accounting.examples.values() for ex in exs[:2]),
+            + "; ".join(ex for exs in accounting.examples.values() for ex in exs[:2])
+            + "\n" + fix_hints(accounting.failures_by_reason, env_prefix(ImportConfig), ImportConfig.model_fields),
             counts=accounting.failures_by_reason,
             examples=accounting.examples,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -132,6 +133,37 @@ class GateCounts:
             lines.append(f"  {reason}: {count} ({count / max(self.seen, 1):.1%})")
             lines.extend(f"    e.g. {example}" for example in self.examples.get(reason, []))
         return "\n".join(lines)
+
+
+# The setting that changes each verdict, as a person would type it: (field, value, when it is the right fix).
+# A gate failure names these so that a user whose data is fine for another setting learns which one.
+_FIXES: dict[str, tuple[str, str, str]] = {
+    THINKING_MISSING: ("enable_thinking", "false", "the data has no thinking and should be trained without it"),
+    THINKING_UNCLOSED: ("allow_truncated", "true", "unfinished thoughts are what you want to train on"),
+    TRUNCATED: ("allow_truncated", "true", "answers cut at the length limit are acceptable training data"),
+    REPETITIVE: ("reject_repetitive", "false", "the repetition is intended (a looping test model)"),
+    TOO_SHORT: ("min_content_tokens", "1", "short answers are genuine"),
+    OVER_MAX_LENGTH: ("max_length", "<longer>", "longer sequences fit your training budget"),
+}
+
+
+def _setting(field: str, value: str, env_prefix: str) -> str:
+    flag = "--" + field.replace("_", "-")
+    return f"{flag} {value} / {env_prefix}{field.upper()}={value}"
+
+
+def fix_hints(reasons: Iterable[str], env_prefix: str, fields: Iterable[str]) -> str:
+    """How to change the verdict for each of `reasons` (only settings the stage has, `fields`), then the limit."""
+    known = set(fields)
+    lines = []
+    for reason in reasons:
+        fix = _FIXES.get(reason)
+        if fix is not None and fix[0] in known:
+            field, value, when = fix
+            lines.append(f"  {reason}: if {when}, set {_setting(field, value, env_prefix)}")
+    if "max_bad_fraction" in known:
+        lines.append(f"  or accept more bad records: {_setting('max_bad_fraction', '<fraction>', env_prefix)}")
+    return "\n".join(["To change the verdict:", *lines]) if lines else ""
 
 
 def gate_exceeded(counts: GateCounts, max_bad_fraction: float) -> bool:

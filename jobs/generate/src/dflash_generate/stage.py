@@ -31,8 +31,9 @@ from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.manifest_io import LoadedManifest, load_manifest
 from dflash_shared.manifests import Accounting, CompletionsSection, Kind, Manifest, SpecialTokens, TargetIdentity
 from dflash_shared.provenance import producer
+from dflash_shared.quality import fix_hints
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
-from dflash_shared.settings import public_dict
+from dflash_shared.settings import env_prefix, public_dict
 from dflash_shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -159,9 +160,11 @@ def engine_provider(resolved: Resolved, engine: VllmEngine | None) -> EngineProv
 def check_bad_fraction(what: str, acc: Accounting, limit: float) -> None:
     """BadInputError when more prompts than `limit` failed (malformed, empty, too long, refused)."""
     if acc.input_records and acc.failed / acc.input_records > limit:
+        hints = fix_hints(sorted(acc.failures_by_reason, key=acc.failures_by_reason.__getitem__, reverse=True),
+                          env_prefix(GenerateConfig), GenerateConfig.model_fields)
         raise BadInputError(
             f"{what}: {acc.failed} of {acc.input_records} prompts could not be generated (limit {limit:.0%}): "
-            f"{acc.failures_by_reason}",
+            f"{acc.failures_by_reason}" + (f"\n{hints}" if hints else ""),
             counts=acc.failures_by_reason,
             examples=acc.examples,
         )

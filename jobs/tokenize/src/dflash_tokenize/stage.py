@@ -40,9 +40,9 @@ from dflash_shared.manifests import (
 )
 from dflash_shared.progress import Progress
 from dflash_shared.provenance import producer
-from dflash_shared.quality import GateCounts, gate_exceeded
+from dflash_shared.quality import GateCounts, fix_hints, gate_exceeded
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
-from dflash_shared.settings import public_dict
+from dflash_shared.settings import env_prefix, public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_tokenize import split, worker
 from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter
@@ -289,7 +289,8 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
     heldout_writer.close_current()
     if gate_exceeded(gate, config.max_bad_fraction):
         raise BadInputError(
-            f"tokenize shard {ctx.index}: too much bad input (limit {config.max_bad_fraction:.0%}). " + gate.report(),
+            f"tokenize shard {ctx.index}: too much bad input (limit {config.max_bad_fraction:.0%}). " + gate.report()
+            + "\n" + fix_hints(gate.bad, env_prefix(TokenizeConfig), TokenizeConfig.model_fields),
             counts=dict(gate.bad),
             examples=gate.examples,
         )
