@@ -4,8 +4,9 @@ It builds a tiny random target with the real Qwen vocabulary, writes a run file 
 a local directory (an s3:// root works the same against any endpoint), and runs every stage with
 `python -m dflash_shared.pipeline local`: the same wiring and settings the Kubernetes Jobs get, each stage in
 its own environment. A rerun skips the stages that are complete. It ends with a summary read from the
-manifests: records and tokens per stage, the loss curve, acceptance before and after training, and the
-acceptance the serving engine (vLLM with the exported drafter) counted on the same prompts.
+manifests: records and tokens per stage, the loss curve, acceptance before and after training on the prompts
+held out of training, and the acceptance the serving engine (vLLM with the exported drafter) counted on the same
+prompts.
 
 `--target` (or DFLASH_DEMO_TARGET) picks the target architecture: `qwen3` (default: a dense 4-layer Qwen3)
 or `qwen3_6` (an 8-layer Qwen3.6-architecture hybrid: Gated DeltaNet beside gated full attention, in the
@@ -39,10 +40,14 @@ QUALITY = {"allow_truncated": True, "reject_repetitive": False}
 GENERATE = {"max_new_tokens": 96, "max_model_len": 512, "enforce_eager": True, "temperature": 0.0,
             "presence_penalty": 0.0, "repetition_penalty": 1.0, "dtype": "bfloat16", "chunk_records": 16,
             "gpu_memory_utilization": 0.3, **QUALITY}
-TOKENIZE = {"max_length": 512, "workers": 1, **QUALITY}
-# The debug presets: a small drafter, CPU, fp32; enough steps over the 48 completions to learn their loops.
+# About a fifth of the 80 prompts are held out of training (a hash of each record's content id picks them: 15 of
+# these), and the evaluation decodes those: acceptance on prompts the drafter never saw.
+TOKENIZE = {"max_length": 512, "workers": 1, "heldout_min_records": 20, **QUALITY}
+# The debug presets: a small drafter, CPU, fp32; enough steps over the 65 trained completions to learn their loops.
 TRAIN = {"preset": "debug", "epochs": 8, "max_steps": 48, "checkpoint_every": 16}
-EVALUATE = {"preset": "debug", "num_prompts": 16, "max_new_tokens": 48, "device": "cpu"}
+# Every held-out prompt by the trained drafter, the first 4 also by an untrained one (whose drafts are never
+# accepted: one target forward per token, the slow part of the evaluation on CPU).
+EVALUATE = {"preset": "debug", "num_prompts": 16, "baseline_prompts": 4, "max_new_tokens": 48, "device": "cpu"}
 # vLLM on the CPU, replaying the evaluation's prompts with the exported drafter and without it. On the hybrid
 # target it runs bfloat16 (the CPU build's only dtype for Gated DeltaNet) against the float32 evaluation.
 SERVE_CHECK = {"enforce_eager": True, "gpu_memory_utilization": 0.3}

@@ -1,4 +1,5 @@
-"""Print what a run produced, read from its manifests: records and tokens per stage, loss, acceptance."""
+"""Print what a run produced, read from its manifests: records and tokens per stage, loss, acceptance (and on
+which prompts: the held-out split that training never read, by default)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dflash_shared.manifests import (
     DrafterSection,
     EvaluationSection,
     Kind,
+    Shard,
     TokenizedSection,
 )
 from dflash_shared.pipeline.config import load_run_config
@@ -48,6 +50,16 @@ def serving_note(store: ObjectStore, shards: list[str]) -> str:
     return f" ({check['dtype']} vs {check['offline_dtype']}; {alike})"
 
 
+SPLIT_NAMES = {"heldout": "held-out", "train": "trained-on"}
+
+
+def evaluated_prompts(section: EvaluationSection, shards: list[Shard]) -> str:
+    """'16 held-out prompts': how many prompts the offline figures are over, and which ones."""
+    report = next((s for s in shards if s.uri.endswith("evaluation.json")), None)
+    words = [str(report.records) if report is not None else "", SPLIT_NAMES.get(section.prompt_split or "", "")]
+    return " ".join([*(w for w in words if w), "prompts"])
+
+
 def main(run_file: str) -> int:
     run = load_run_config(Path(run_file))
     lay = layout(run.root, run.run_id)
@@ -69,12 +81,17 @@ def main(run_file: str) -> int:
         if isinstance(section, CompletionsSection):
             line += f"; {section.output_tokens:,} output tokens"
         if isinstance(section, TokenizedSection):
-            line += f"; {section.total_tokens:,} tokens, {section.loss_tokens:,} trained"
+            held = section.heldout
+            trained = section.loss_tokens - (held.loss_tokens if held else 0)
+            line += f"; {section.total_tokens:,} tokens, {trained:,} trained"
+            if held is not None:
+                line += f"; {held.records} records ({held.tokens:,} tokens) held out for evaluation"
         if isinstance(section, DrafterSection):
             metrics = ", ".join(f"{k} {v:.3f}" for k, v in sorted(section.final_metrics.items()))
             line += f"; {metrics}"
         if isinstance(section, EvaluationSection):
-            line += f"; tau {section.tau:.2f} trained vs {section.tau_untrained or 0:.2f} untrained"
+            line += (f"; tau {section.tau:.2f} trained vs {section.tau_untrained or 0:.2f} untrained on "
+                     f"{evaluated_prompts(section, m.shards)}")
             if section.engine_tau is not None:
                 line += f", engine tau {section.engine_tau:.2f}"
                 line += serving_note(store, [shard.uri for shard in m.shards])

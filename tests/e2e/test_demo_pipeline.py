@@ -113,9 +113,9 @@ def jsonl_ids(store: ObjectStore, loaded: LoadedManifest) -> list[str]:
     return [json.loads(line)["id"] for shard in loaded.manifest.shards for _, line in iter_lines(store, shard.uri)]
 
 
-def arrow_ids(store: ObjectStore, loaded: LoadedManifest) -> list[str]:
+def arrow_ids(store: ObjectStore, loaded: LoadedManifest, split: str | None = None) -> list[str]:
     ids: list[str] = []
-    for shard in loaded.manifest.shards:
+    for shard in loaded.manifest.shards if split is None else loaded.manifest.split_shards(split):  # type: ignore[arg-type]
         table = pa.ipc.open_stream(pa.BufferReader(store.read_bytes(shard.uri))).read_all()
         assert table.num_rows == shard.records, f"{shard.uri}: {table.num_rows} rows, the manifest says {shard.records}"
         ids.extend(table.column("id").to_pylist())
@@ -146,6 +146,14 @@ def check_nothing_lost_or_repeated(store: ObjectStore, loaded: dict[str, LoadedM
     assert len(set(token_ids)) == len(token_ids), "tokenized shards repeat a record id"
     assert set(token_ids) <= set(completion_ids), "tokenized shards hold ids that have no completion"
     assert len(token_ids) == tokenized.succeeded == generated.succeeded - tokenized.failed - tokenized.skipped
+    # The held-out split: its own shards, no id on both sides, and exactly the prompts the evaluation decoded.
+    heldout, train = set(arrow_ids(store, loaded["tokenized"], "heldout")), set(arrow_ids(store, loaded["tokenized"],
+                                                                                          "train"))
+    assert heldout and not heldout & train and heldout | train == set(token_ids)
+    assert len(heldout) == loaded["tokenized"].manifest.section.heldout.records  # type: ignore[union-attr]
+    (report,) = [s.uri for s in loaded["evaluation"].manifest.shards if s.uri.endswith("evaluation.json")]
+    evaluated = {r["id"] for r in json.loads(store.read_bytes(report))["results"]}
+    assert evaluated == heldout, f"the evaluation decoded {len(evaluated)} prompts, {len(heldout)} are held out"
 
 
 def check_generate_resumed(store: ObjectStore, run: str, committed: dict[str, bytes], rerun_log: str) -> None:
@@ -185,11 +193,14 @@ def check_lineage_and_acceptance(store: ObjectStore, run: str, summary: str) -> 
         assert upstream_uri in named, f"{folder} does not name {upstream_uri}: {named}"
         assert named[upstream_uri] == hashlib.sha256(store.read_bytes(upstream_uri)).hexdigest()
     evaluation = loaded["evaluation"].manifest.section
-    assert evaluation.tau > (evaluation.tau_untrained or 1.0)  # type: ignore[union-attr]
+    # On prompts training never read, the drafter still at least doubles the untrained one's acceptance.
+    assert evaluation.prompt_split == "heldout"  # type: ignore[union-attr]
+    assert evaluation.tau_untrained is not None and evaluation.tau >= 2 * evaluation.tau_untrained  # type: ignore[union-attr]
     # The serving check: vLLM with the exported drafter counted about the same acceptance as the offline loop.
     serving = loaded["serving"].manifest.section
     assert serving.engine_tau is not None and serving.tau == evaluation.tau  # type: ignore[union-attr]
     assert "tau" in summary and "engine tau" in summary  # the summary was printed
+    assert re.search(r"untrained on \d+ held-out prompts", summary), summary[-2000:]
     return loaded
 
 
