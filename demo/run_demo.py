@@ -20,6 +20,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,9 @@ EVALUATE = {"preset": "debug", "num_prompts": 16, "baseline_prompts": 4, "max_ne
 # vLLM on the CPU, replaying the evaluation's prompts with the exported drafter and without it. On the hybrid
 # target it runs bfloat16 (the CPU build's only dtype for Gated DeltaNet) against the float32 evaluation.
 SERVE_CHECK = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
+# vLLM's CPU build sizes its KV cache from free memory unless told (6 GiB here for a 512-token context); 1 GiB
+# holds every sequence these stages run at once, and sets the demo's peak memory.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 TARGETS = ("qwen3", "qwen3_6")
 TARGET_ENV = "DFLASH_DEMO_TARGET"
 # Per target: run id (it names the Jobs: lowercase letters, digits, '-'), model folder, and what differs from
@@ -75,6 +80,8 @@ def run_file(model: Path, root: str, overrides: dict[str, Any], target: str = "q
         name: {**ON_CPU, "config": {**config, **own.get(name, {}), **overrides.get(name, {})}}
         for name, config in defaults.items()
     }
+    for name in ("generate", "serve-check"):
+        stages[name]["env"] = ENGINE_ENV
     return {
         "run_id": PER_TARGET[target]["run_id"],
         "root": root,
@@ -100,6 +107,7 @@ def main() -> int:
     parser.add_argument("--overrides", type=Path, default=None, help="JSON file of per-stage config overrides.")
     parser.add_argument("--target", choices=TARGETS, default=os.environ.get(TARGET_ENV, "qwen3"),
                         help=f"Target architecture (default: ${TARGET_ENV}, else qwen3).")
+    parser.add_argument("--verbose", action="store_true", help="Print every line of every stage (engines' too).")
     args = parser.parse_args()
     if args.target not in TARGETS:  # argparse checks choices on the command line, not on a default from the env
         parser.error(f"{TARGET_ENV}={args.target!r}: expected one of {', '.join(TARGETS)}")
@@ -112,14 +120,77 @@ def main() -> int:
     config = run_file(model, root, overrides, args.target)
     run_path = out / ("run.json" if args.target == "qwen3" else f"run-{args.target}.json")
     run_path.write_text(json.dumps(config, indent=2) + "\n")
-    python = sys.executable
-    code = subprocess.run([python, "-m", "dflash_shared.pipeline", "local", "--config", str(run_path)],
-                          cwd=REPO, check=False).returncode
+    logs = out / "logs" / args.target
+    transcript = logs / "console.log"
+    console_before = _line_count(transcript)
+    command = [sys.executable, "-m", "dflash_shared.pipeline", "local", "--config", str(run_path),
+               "--log-dir", str(logs), *(["--verbose"] if args.verbose else [])]
+    started = time.monotonic()
+    with PeakMemory() as memory:
+        code = subprocess.run(command, cwd=REPO, check=False).returncode
     if code != 0:
         return code
+    wall_s = time.monotonic() - started
     # The trainer's environment: the summary reads the loss curve from its TensorBoard files.
     trainer_python = str(REPO / ".venv-train" / "bin" / "python")
-    return subprocess.run([trainer_python, str(DEMO / "summary.py"), str(run_path)], cwd=REPO, check=False).returncode
+    summary = subprocess.run([trainer_python, str(DEMO / "summary.py"), str(run_path)], cwd=REPO, check=False,
+                             capture_output=True, text=True)
+    sys.stdout.write(summary.stdout)
+    sys.stderr.write(summary.stderr)
+    if summary.returncode != 0:
+        return summary.returncode
+    record = {
+        "target": args.target,
+        "command": "make demo" if args.target == "qwen3" else f"DFLASH_DEMO_TARGET={args.target} make demo",
+        "wall_s": round(wall_s, 1),
+        "cpus": os.cpu_count(),
+        "peak_rss_gib": round(memory.peak_bytes / 2**30, 2),
+        "console_lines": _line_count(transcript) - console_before + len(summary.stdout.splitlines()),
+        "log_lines": sum(_line_count(p) for p in logs.glob("*.log") if p != transcript),
+        # The figures without the manifest paths, which name this machine's folders.
+        "summary": "\n".join(line for line in summary.stdout.splitlines()
+                             if line.startswith("  ") and not line.rstrip().endswith("manifest.json")),
+    }
+    (out / f"last-run-{args.target}.json").write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+def _line_count(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as fh:
+        return sum(1 for _ in fh)
+
+
+class PeakMemory:
+    """The largest total resident memory of this process's descendants, sampled twice a second."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self.interval_s):
+            total = 0
+            for child in me.children(recursive=True):
+                try:
+                    total += child.memory_info().rss
+                except psutil.Error:  # exited between the listing and the reading
+                    continue
+            self.peak_bytes = max(self.peak_bytes, total)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 if __name__ == "__main__":

@@ -1,20 +1,27 @@
-"""Regenerate the README's configuration reference from the stages' pydantic models (`make docs`).
+"""Regenerate the README's generated parts (`make docs`): the configuration reference from the stages' pydantic
+models, and the demo figures from the last `make demo` runs.
 
 Run in .venv; a stage whose config module cannot be imported there (it needs torch or vLLM) is documented
-from the environment that has it by passing its module on the command line. `--check` exits 1 when the
-README is out of date (the test suite runs it).
+from the environment that has it by passing its module on the command line. The demo figures come from
+`demo-output/last-run-<target>.json`, which `demo/run_demo.py` writes after each successful run (wall time, peak
+memory, console and log line counts, the summary read from the manifests), so they are what the code produced,
+never typed in. `--check` exits 1 when the configuration reference is out of date (the test suite runs it; the
+demo figures depend on a run that CI does not keep).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+DEMO_TARGETS = ("qwen3", "qwen3_6")
 
 # (heading, module, class): the order is the pipeline's.
 CONFIGS = [
@@ -46,6 +53,35 @@ def reference() -> str:
     return "\n".join(parts)
 
 
+def demo_block(target: str, run: dict[str, object]) -> str:
+    minutes, seconds = divmod(round(float(run["wall_s"])), 60)  # type: ignore[arg-type]
+    lines = [
+        f"<!-- demo-figures:{target}:start -->",
+        f"Last run here (`{run['command']}`, written by `make docs` from `demo-output/last-run-{target}.json`): "
+        f"{minutes} min {seconds:02d} s on {run['cpus']} CPU cores, peak memory {run['peak_rss_gib']:.1f} GiB "
+        f"(all processes of the run), {run['console_lines']} console lines (the stages' full output, "
+        f"{run['log_lines']:,} lines, is in `demo-output/logs/`):",
+        "",
+        "```",
+        str(run["summary"]).rstrip(),
+        "```",
+        f"<!-- demo-figures:{target}:end -->",
+    ]
+    return "\n".join(lines)
+
+
+def fill_demo_figures(text: str, out: Path) -> str:
+    for target in DEMO_TARGETS:
+        path = out / f"last-run-{target}.json"
+        if not path.exists():
+            continue
+        run = json.loads(path.read_text())
+        pattern = re.compile(re.escape(f"<!-- demo-figures:{target}:start -->") + ".*?"
+                             + re.escape(f"<!-- demo-figures:{target}:end -->"), re.S)
+        text = pattern.sub(lambda _: demo_block(target, run), text)  # noqa: B023 - used at once
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="Exit 1 if the README is out of date.")
@@ -58,7 +94,7 @@ def main() -> int:
             print("README.md configuration reference is out of date: run `make docs`", file=sys.stderr)
             return 1
         return 0
-    README.write_text(updated)
+    README.write_text(fill_demo_figures(updated, REPO / "demo-output"))
     return 0
 
 

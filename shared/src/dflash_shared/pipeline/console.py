@@ -46,16 +46,27 @@ class Console:
     """Echoes the chosen lines of stage output to `stream` (stderr, like the stages' own logs), keeping a live
     progress line on a terminal; stdout stays free for results (the demo's summary)."""
 
-    def __init__(self, stream: TextIO | None = None, verbose: bool = False, is_tty: bool | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, verbose: bool = False, is_tty: bool | None = None,
+                 transcript: Path | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.verbose = verbose
         self.is_tty = is_tty if is_tty is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self._live_width = 0
+        self._live_text = ""
         self.lines_shown = 0
+        # What the person saw, line by line (a live line as it last read): kept beside the stage logs.
+        self.transcript = transcript
+
+    def _record(self, text: str) -> None:
+        if self.transcript is not None:
+            self.transcript.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.transcript, "a", encoding="utf-8") as fh:
+                fh.write(text + "\n")
 
     def _end_live(self) -> None:
         if self._live_width:
             self.stream.write("\n")
+            self._record(self._live_text)
             self._live_width = 0
 
     def say(self, text: str) -> None:
@@ -63,6 +74,7 @@ class Console:
         self._end_live()
         self.stream.write(text + "\n")
         self.stream.flush()
+        self._record(text)
         self.lines_shown += 1
 
     def feed(self, line: str) -> None:
@@ -76,7 +88,7 @@ class Console:
             self.stream.flush()
             if not self._live_width:
                 self.lines_shown += 1
-            self._live_width = len(text)
+            self._live_width, self._live_text = len(text), text
             return
         self.say(line)
 

@@ -129,8 +129,10 @@ def run_local(
 
 def run_local_and_report(config: RunConfig, repo: Path, only: Sequence[str] | None = None,
                          log_dir: Path | None = None, verbose: bool = False) -> int:
+    logs = log_dir or repo / "logs" / config.run_id
+    console = Console(verbose=verbose, transcript=logs / "console.log")
     try:
-        runs = run_local(config, repo, only=only, console=Console(verbose=verbose), log_dir=log_dir)
+        runs = run_local(config, repo, only=only, console=console, log_dir=logs)
     except StageFailedError as err:
         print(f"pipeline stopped: {err}; rerun the same command to resume", file=sys.stderr)
         return err.code
