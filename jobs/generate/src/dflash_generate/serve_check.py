@@ -48,6 +48,7 @@ from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
+from dflash_shared.progress import Progress
 from dflash_shared.provenance import producer
 from dflash_shared.settings import StageSettings, public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
@@ -239,7 +240,14 @@ def started_engine(engine: EngineConfig, speculative: dict[str, Any] | None) -> 
             core.shutdown()
 
 
-def generate(llm: Any, report: OfflineReportView, logprobs: int | None = None) -> list[Generated]:
+# Requests go to the engine in up to this many batches, so progress can be reported between them; each batch
+# still holds every prompt of its share at once, which is what the engine batches over. Sets of up to
+# MIN_BATCH prompts go as one batch: the engine then schedules them exactly as one generate call would.
+PROGRESS_BATCHES = 8
+MIN_BATCH = 64
+
+
+def generate(llm: Any, report: OfflineReportView, logprobs: int | None = None, label: str = "") -> list[Generated]:
     """Greedy outputs of the report's prompts, with the offline loop's budget and stop ids."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -247,14 +255,18 @@ def generate(llm: Any, report: OfflineReportView, logprobs: int | None = None) -
     params = SamplingParams(temperature=0.0, max_tokens=report.max_new_tokens, stop_token_ids=report.stop_token_ids,
                             detokenize=False, logprobs=logprobs)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in report.results]
+    size = max(MIN_BATCH, -(-len(prompts) // PROGRESS_BATCHES))
     out = []
-    for o in llm.generate(prompts, params, use_tqdm=False):
-        completion = o.outputs[0]
-        metrics = getattr(completion, "spec_decode_metrics", None)  # per_request_spec_decode_metrics="detailed"
-        top = None if completion.logprobs is None else [
-            {int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
-        out.append(Generated(token_ids=list(completion.token_ids), top_logprobs=top,
-                             accepted=None if metrics is None else list(metrics.per_step_accepted)))
+    with Progress(total=len(prompts), unit="prompts", desc=f"serve-check {label}".rstrip()) as progress:
+        for start in range(0, len(prompts), size):
+            for o in llm.generate(prompts[start : start + size], params, use_tqdm=False):
+                completion = o.outputs[0]
+                metrics = getattr(completion, "spec_decode_metrics", None)  # per_request_spec_decode_metrics
+                top = None if completion.logprobs is None else [
+                    {int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
+                out.append(Generated(token_ids=list(completion.token_ids), top_logprobs=top,
+                                     accepted=None if metrics is None else list(metrics.per_step_accepted)))
+                progress.update(1, tokens=len(completion.token_ids))
     return out
 
 
@@ -370,10 +382,10 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
                        "num_speculative_tokens": report.block_size - 1}
         with started_engine(engine, speculative) as (llm, spec_start):
             before = spec_counters(llm.get_metrics())
-            spec_outputs = generate(llm, report)
+            spec_outputs = generate(llm, report, label="speculative")
             acceptance = engine_acceptance(before, spec_counters(llm.get_metrics()))
         with started_engine(engine, None) as (llm, plain_start):
-            plain_outputs = generate(llm, report, logprobs=2)  # top two: how close a parting was
+            plain_outputs = generate(llm, report, logprobs=2, label="plain")  # top two: how close a parting was
     mismatches, ties = compare_outputs(report, spec_outputs, plain_outputs, config.tie_margin)
     matched = matched_acceptance(report, spec_outputs)
     check = ServeCheckReport(

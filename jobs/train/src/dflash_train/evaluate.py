@@ -37,6 +37,7 @@ from dflash_shared.errors import BadInputError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, EvaluationSection, Kind, Manifest, Shard
+from dflash_shared.progress import Progress
 from dflash_shared.provenance import producer
 from dflash_shared.runner import merge_accounting
 from dflash_shared.settings import public_dict
@@ -221,10 +222,11 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
 
     def decode(which: Any, items: list[tuple[str, list[int]]], label: str) -> list[Any]:
         out = []
-        for index, (_, ids) in enumerate(items):
-            out.append(speculative_generate(which, target, ids, config.max_new_tokens, stop, block))
-            if (index + 1) % 16 == 0 or index + 1 == len(items):
-                log.info("%s drafter: %d/%d prompts decoded", label, index + 1, len(items))
+        with Progress(total=len(items), unit="prompts", desc=f"evaluate {label} drafter") as progress:
+            for _, ids in items:
+                result = speculative_generate(which, target, ids, config.max_new_tokens, stop, block)
+                out.append(result)
+                progress.update(1, tokens=len(result.tokens))
         return out
 
     results = decode(drafter, prompts, "exported")
