@@ -17,6 +17,9 @@ OWN = "2026-12-01T12:25:05Z {level} [tokenize shard=0] {logger}: {message}"
     ("line", "kind"),
     [
         (OWN.format(level="WARNING", logger="dflash_tokenize.stage", message="3 records over max_length"), "show"),
+        (OWN.format(level="WARNING", logger="vllm.triton_utils.importing", message="Triton lacks a CPU backend"),
+         "log"),
+        (OWN.format(level="ERROR", logger="vllm.engine", message="engine core died"), "show"),
         (OWN.format(level="ERROR", logger="dflash.cli", message="tokenize run failed, exit 65"), "show"),
         (OWN.format(level="INFO", logger="dflash.preflight", message="preflight tokenize: all 5 check(s) passed"),
          "show"),
@@ -50,12 +53,13 @@ def test_progress_shares_one_live_line_on_a_terminal() -> None:
     assert "progress tokenize: 3/3 rec" in text and console.lines_shown == 2
 
 
-def test_progress_lines_are_printed_one_by_one_elsewhere_and_verbose_passes_everything() -> None:
+def test_progress_lines_are_thinned_out_elsewhere_and_verbose_passes_everything() -> None:
     out = io.StringIO()
     console = Console(out, is_tty=False)
-    console.feed(OWN.format(level="INFO", logger="dflash.progress", message="progress tokenize: 1/3 rec"))
+    for step in range(1, 49):  # a training run logging a step a moment: one line now, the next after 10 s
+        console.feed(OWN.format(level="INFO", logger="dflash_train.metrics", message=f"step {step}/48 loss 9.1"))
     console.feed("(MainProcess pid=1) INFO engine noise")
-    assert out.getvalue().count("\n") == 1 and "\r" not in out.getvalue()
+    assert out.getvalue().count("\n") == 1 and "step 1/48" in out.getvalue() and "\r" not in out.getvalue()
     verbose = io.StringIO()
     Console(verbose, verbose=True, is_tty=False).feed("(MainProcess pid=1) INFO engine noise")
     assert verbose.getvalue() == "(MainProcess pid=1) INFO engine noise\n"

@@ -4,7 +4,7 @@ Each stage process writes everything (its own log lines, the engine's log, libra
 a log file per stage and shard, whose path is printed. The console gets only the project's own log lines (the
 stage format, see `dflash_shared.logs`), and of those the ones a person acts on: warnings and errors,
 progress and training steps, preflight verdicts, committed manifests. On a terminal the progress lines share
-one live line (rate and ETA, rewritten in place); elsewhere each is printed. `--verbose` passes every line
+one live line (rate and ETA, rewritten in place); elsewhere one every ten seconds. `--verbose` passes every line
 through, as a pod's log does. When a stage fails, the last lines of its log are shown with the log's path.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ _WANTED_INFO = re.compile(
     r"(check\(s\) passed|wrote manifest|^done |^stage |tau |checkpoint step \d+ saved|committed by an earlier attempt)"
 )
 TAIL_LINES = 30
+PROGRESS_EVERY_S = 10.0
 
 
 def classify(line: str) -> str:
@@ -35,8 +37,12 @@ def classify(line: str) -> str:
     own = _OWN_LINE.match(line)
     if own is None:
         return "log"
-    if own["level"] in ("WARNING", "ERROR", "CRITICAL"):
+    if own["level"] in ("ERROR", "CRITICAL"):
         return "show"
+    if own["level"] == "WARNING":
+        # Libraries log through the stage format too (vLLM: "Triton is installed, but ..."): their warnings
+        # are the engine's business and stay in the log; the project's own warnings are for the person.
+        return "show" if own["logger"].startswith("dflash") else "log"
     if own["logger"] in _PROGRESS_LOGGERS and _PROGRESS_MESSAGE.match(own["message"]):
         return "progress"
     return "show" if _WANTED_INFO.search(own["message"]) else "log"
@@ -53,6 +59,7 @@ class Console:
         self.is_tty = is_tty if is_tty is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self._live_width = 0
         self._live_text = ""
+        self._last_progress = -PROGRESS_EVERY_S
         self.lines_shown = 0
         # What the person saw, line by line (a live line as it last read): kept beside the stage logs.
         self.transcript = transcript
@@ -90,6 +97,12 @@ class Console:
                 self.lines_shown += 1
             self._live_width, self._live_text = len(text), text
             return
+        if kind == "progress":
+            # Off a terminal, one progress line per PROGRESS_EVERY_S (a training step a second would flood it).
+            now = time.monotonic()
+            if now - self._last_progress < PROGRESS_EVERY_S:
+                return
+            self._last_progress = now
         self.say(line)
 
     def close(self) -> None:
