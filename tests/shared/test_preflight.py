@@ -423,4 +423,4 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
 
     code, stderr = results["typo"]
     assert code == ExitCode.USAGE
-    assert "unknown flag(s) --min-gpu;" in stderr
+    assert "unknown flag(s) --min-gpu (did you mean --min-gpus?);" in stderr

@@ -11,6 +11,7 @@ noise, while a warning from any rank matters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -73,6 +74,11 @@ def setup_logging(
         handler = logging.StreamHandler(sys.stderr)
         setattr(handler, _MARK, True)
         root.addHandler(handler)
+    elif isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr:
+        # stderr was replaced since (a test's capture, a redirect): follow it rather than write to the old one,
+        # which may be closed by now (so no flush of it, as setStream would do).
+        with handler.lock or contextlib.nullcontext():
+            handler.stream = sys.stderr
     handler.setFormatter(StageFormatter(stage, shard, rank))
     if isinstance(level, str):
         names = logging.getLevelNamesMapping()
