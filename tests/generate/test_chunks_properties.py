@@ -9,9 +9,7 @@ every line of a shard one entry, in order, and keep each valid prompt once. No e
 from __future__ import annotations
 
 import json
-import os
 import tempfile
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -24,17 +22,17 @@ from dflash_shared.quality import MALFORMED
 from dflash_shared.records import PromptRecord
 from dflash_shared.storage import ObjectStore, join
 from tests.generate.stage_support import varied_prompts, write_prompts
-from tests.support.noise import PROPERTY, noisy_lines, with_crashers
+from tests.support.noise import (
+    PROPERTY,
+    no_fsync,  # noqa: F401 - the fixture pytestmark asks for
+    noisy_lines,
+    with_crashers,
+)
 
 prompt_lines = st.one_of(noisy_lines("prompts"), noisy_lines("conversations"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_fsync() -> Iterator[None]:
-    """Durability is not under test here, and fsync is most of a small shard's time on a shared disk."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "fsync", lambda fd: None)
-        yield
+pytestmark = pytest.mark.usefixtures("no_fsync")
 
 
 @PROPERTY

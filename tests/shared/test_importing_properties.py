@@ -15,7 +15,6 @@ import datetime
 import decimal
 import io
 import json
-import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -37,7 +36,14 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Accounting, Kind, Producer
 from dflash_shared.records import CompletionRecord, PromptRecord
 from dflash_shared.storage import ObjectStore, StorageError, join
-from tests.support.noise import PROPERTY, known_crashers, noisy_lines, valid_record, with_crashers
+from tests.support.noise import (
+    PROPERTY,
+    known_crashers,
+    no_fsync,  # noqa: F401 - the fixture pytestmark asks for
+    noisy_lines,
+    valid_record,
+    with_crashers,
+)
 
 PRODUCER = Producer(stage="import")
 VALID = 3
@@ -46,12 +52,7 @@ VALID = 3
 END_TO_END = settings(PROPERTY, max_examples=60)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_fsync() -> Iterator[None]:
-    """Durability is not under test here, and fsync is most of a small import's time on a shared disk."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "fsync", lambda fd: None)
-        yield
+pytestmark = pytest.mark.usefixtures("no_fsync")
 
 
 def compress(data: bytes, codec: str | None) -> bytes:

@@ -13,10 +13,12 @@ The properties themselves live beside each reader's tests.
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, example, settings
 from hypothesis import strategies as st
 
@@ -267,3 +269,12 @@ def with_crashers(base: dict[str, Any], wrap: Callable[[bytes], Any] = lambda li
             test = example(**{name: wrap(line)}, **fixed)(test)
         return test
     return decorate
+
+
+@pytest.fixture(scope="module")
+def no_fsync() -> Iterator[None]:
+    """Durability is not under test in the property tests, and fsync is most of a small shard's time on a
+    shared disk. Modules opt in with `pytestmark = pytest.mark.usefixtures("no_fsync")` and the import."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", lambda fd: None)
+        yield
