@@ -13,7 +13,6 @@ thread so `finally` blocks and context managers commit or abort their work befor
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any, NoReturn
 
-from dflash_shared.errors import BadInputError, Preempted, exit_code_for
+from dflash_shared.errors import BadInputError, Preempted, did_you_mean, exit_code_for
 from dflash_shared.exit_codes import ExitCode, describe
 from dflash_shared.logs import logging_configured, redact, setup_logging
 
@@ -128,10 +127,8 @@ def select_command(prog: str, commands: Mapping[str, Command], command: str) -> 
         print(usage)
         sys.exit(0)
     if command not in commands:
-        close = difflib.get_close_matches(command, list(commands), n=1)
         if command:
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            print(f"{prog}: unknown command {command!r}{hint}", file=sys.stderr)
+            print(f"{prog}: unknown command {command!r}{did_you_mean(command, list(commands))}", file=sys.stderr)
         print(usage, file=sys.stderr)
         sys.exit(int(ExitCode.USAGE))
     return commands[command]

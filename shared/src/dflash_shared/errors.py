@@ -6,6 +6,7 @@ wrapper (`dflash_shared.cli.run_stage_main`) turns that into a process exit stat
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,12 @@ class BadInputError(ValueError):
         super().__init__(message)
         self.counts: dict[str, int] = dict(counts or {})
         self.examples: dict[str, list[str]] = {k: list(v) for k, v in (examples or {}).items()}
+
+
+def did_you_mean(name: str, valid: Sequence[str]) -> str:
+    """' (did you mean X?)' for the valid name nearest to a misspelt `name`, or '' when none is close."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 class ConfigError(ValueError):

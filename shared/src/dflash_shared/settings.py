@@ -19,7 +19,6 @@ environment `DFLASH_TRAIN_RESUME=no`; true/false, 1/0, yes/no and on/off, in any
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
@@ -31,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from dflash_shared.errors import ConfigError
+from dflash_shared.errors import ConfigError, did_you_mean
 from dflash_shared.logs import REDACTED, redact
 
 S = TypeVar("S", bound="StageSettings")
@@ -122,11 +121,6 @@ def normalize_bool_flags(cls: type[BaseModel], args: Sequence[str]) -> list[str]
     return out
 
 
-def _nearest(name: str, valid: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
 def _reject_unknown_env(cls: type[BaseSettings]) -> None:
     prefix = env_prefix(cls).upper()
     if not prefix:
@@ -140,7 +134,7 @@ def _reject_unknown_env(cls: type[BaseSettings]) -> None:
     )
     if unknown:
         valid = [env_name(cls, name) for name in cls.model_fields]
-        hints = "".join(_nearest(key.upper(), valid) for key in unknown[:1])
+        hints = "".join(did_you_mean(key.upper(), valid) for key in unknown[:1])
         raise ConfigError(
             f"unknown environment variable(s) {', '.join(unknown)}{hints}; {cls.__name__} reads {', '.join(valid)}"
         )
@@ -181,7 +175,7 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None = None, prog: str | 
             extra = message.split("unrecognized arguments:", 1)[1].split()
             flags = [a for a in extra if a.startswith("-")] or extra
             valid = [flag_name(name) for name in cls.model_fields]
-            hint = _nearest(flags[0].split("=", 1)[0], valid) if flags else ""
+            hint = did_you_mean(flags[0].split("=", 1)[0], valid) if flags else ""
             raise ConfigError(
                 f"unknown flag(s) {', '.join(flags)}{hint}; {cls.__name__} accepts {', '.join(valid)}"
             ) from err
