@@ -53,7 +53,7 @@ endef
 # The torch-free environment (shared library, tokenize stage, k8s and image tests), rebuilt whenever a
 # requirements or project file changes. uv is fast here because nothing in it needs torch. (uv is an order-only
 # prerequisite: a new uv does not rebuild the environment.)
-$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml \
+$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/pipeline/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml \
 		| $(UV_DEP)
 	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(VENV)
 	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -r requirements/dev.in
@@ -85,9 +85,9 @@ test-fast: $(VENV_STAMP) ## Unit tests only: no image builds, no vLLM, no long r
 test-images: $(VENV_STAMP) image-tools ## Build the images and run the image tests
 	$(PY) -m pytest -m image tests/images $(PYTEST_ARGS)
 
-lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library, zizmor and the schema over the CI workflows
+lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library and the orchestration, zizmor and the schema over the CI workflows
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy shared/src/dflash_shared
+	$(VENV)/bin/mypy shared/src/dflash_shared jobs/pipeline/src/dflash_pipeline
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
@@ -98,7 +98,7 @@ schemas: $(VENV_STAMP) ## Export the JSON Schema of every manifest kind to schem
 	$(PY) -m dflash_shared.schemas schemas
 
 k8s-base: $(VENV_STAMP) ## Regenerate k8s/base from the example run config
-	$(PY) -m dflash_shared.pipeline render --config k8s/example-run.toml --out k8s/base
+	$(PY) -m dflash_pipeline render --config k8s/example-run.toml --out k8s/base
 
 # ---------------------------------------------------------------- images
 build-images: ## Build every image under docker/ (docker or podman)

@@ -2,7 +2,7 @@
 
 It builds a tiny random target with the real Qwen vocabulary, writes a run file whose storage root is
 a local directory (an s3:// root works the same against any endpoint), and runs every stage with
-`python -m dflash_shared.pipeline local`: the same wiring and settings the Kubernetes Jobs get, each stage in
+`python -m dflash_pipeline local`: the same wiring and settings the Kubernetes Jobs get, each stage in
 its own environment. A rerun skips the stages that are complete. It ends with a summary read from the
 manifests: records and tokens per stage, the loss curve, acceptance before and after training on the prompts
 held out of training, and the acceptance the serving engine (vLLM with the exported drafter) counted on the same
@@ -123,7 +123,7 @@ def main() -> int:
     logs = out / "logs" / args.target
     transcript = logs / "console.log"
     console_before = _line_count(transcript)
-    command = [sys.executable, "-m", "dflash_shared.pipeline", "local", "--config", str(run_path),
+    command = [sys.executable, "-m", "dflash_pipeline", "local", "--config", str(run_path),
                "--log-dir", str(logs), *(["--verbose"] if args.verbose else [])]
     started = time.monotonic()
     with PeakMemory() as memory:

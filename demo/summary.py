@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_pipeline.config import load_run_config
+from dflash_pipeline.layout import layout
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import (
     MANIFEST_NAME,
@@ -17,8 +19,6 @@ from dflash_shared.manifests import (
     Shard,
     TokenizedSection,
 )
-from dflash_shared.pipeline.config import load_run_config
-from dflash_shared.pipeline.layout import layout
 from dflash_shared.storage import ObjectStore, join
 
 

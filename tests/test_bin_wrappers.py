@@ -18,7 +18,7 @@ ENVIRONMENT_EXIT = 69  # dflash_shared.exit_codes.ExitCode.ENVIRONMENT
 
 # wrapper -> (environment, the stamp its build writes last, make target, module)
 WRAPPERS = {
-    "dflash-pipeline": (".venv", ".stamp", "venv", "dflash_shared.pipeline"),
+    "dflash-pipeline": (".venv", ".stamp", "venv", "dflash_pipeline"),
     "dflash-tokenize": (".venv", ".stamp", "venv", "dflash_tokenize"),
     "dflash-generate": (".venv-generate", ".dflash-inputs.sha256", "venv-generate", "dflash_generate"),
     "dflash-train": (".venv-train", ".dflash-inputs.sha256", "venv-train", "dflash_train"),

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from dflash_pipeline import RunConfig, layout, parse_run_config, render_documents
+from dflash_pipeline.config import read_run_file
+from dflash_pipeline.status import run_status
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
-from dflash_shared.pipeline import RunConfig, layout, parse_run_config, render_documents
-from dflash_shared.pipeline.config import read_run_file
-from dflash_shared.pipeline.status import run_status
 from dflash_shared.storage import ObjectStore, join
 from tests.k8s.k8s_support import EXAMPLE_RUN, jobs
 from tests.k8s.pod_emulation import ContainerRun, run_pod

@@ -13,13 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
-from dflash_shared.errors import ConfigError
-from dflash_shared.exit_codes import ExitCode
-from dflash_shared.pipeline import load_run_config, parse_run_config, render_documents
-from dflash_shared.pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret
-from dflash_shared.pipeline.config import read_run_file
-from dflash_shared.pipeline.jobs import HOME_DIR, RUN_AS, SCRATCH_DIR
-from dflash_shared.pipeline.stages import (
+from dflash_pipeline import load_run_config, parse_run_config, render_documents
+from dflash_pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret
+from dflash_pipeline.config import read_run_file
+from dflash_pipeline.jobs import HOME_DIR, RUN_AS, SCRATCH_DIR
+from dflash_pipeline.stages import (
     EVALUATE,
     EXPORT,
     GENERATE,
@@ -29,7 +27,9 @@ from dflash_shared.pipeline.stages import (
     TOKENIZE,
     TRAIN,
 )
-from dflash_shared.pipeline.yaml_out import dump_all
+from dflash_pipeline.yaml_out import dump_all
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import ExitCode
 from tests.k8s.k8s_support import (
     BASE_DIR,
     EXAMPLE_RUN,
@@ -271,7 +271,7 @@ def test_committed_base_is_what_the_renderer_makes() -> None:
     stale = sorted(set(committed) ^ set(expected)) or sorted(n for n in expected if committed[n] != expected[n])
     assert not stale, (
         f"k8s/base is out of date ({', '.join(stale)}); run "
-        "python -m dflash_shared.pipeline render --config k8s/example-run.toml --out k8s/base"
+        "python -m dflash_pipeline render --config k8s/example-run.toml --out k8s/base"
     )
 
 
@@ -300,7 +300,7 @@ def test_image_contract_matches_the_manifests(image: str) -> None:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dflash_shared.pipeline", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dflash_pipeline", *args], capture_output=True, text=True,
                           env=env, cwd=REPO_ROOT, timeout=60, check=False)
 
 

@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_pipeline import layout, parse_run_config
+from dflash_pipeline.config import read_run_file
+from dflash_pipeline.status import stage_status
+from dflash_pipeline.wait import wait_for_manifest
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import Accounting, Kind, Manifest, Producer, PromptsSection
-from dflash_shared.pipeline import layout, parse_run_config
-from dflash_shared.pipeline.config import read_run_file
-from dflash_shared.pipeline.status import stage_status
-from dflash_shared.pipeline.wait import wait_for_manifest
 from dflash_shared.runner import ShardContext, ShardOutcome, run_shard
 from dflash_shared.storage import ObjectStore, join
 from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT
@@ -48,7 +48,7 @@ def test_status_reports_complete_in_progress_and_not_started(s3_bucket: str, sto
     # Shard 1 of generate's 4 is done: its marker is all that exists under the completions prefix.
     run_shard("generate", store, lay.completions, [f"p-{i}" for i in range(8)], 1, 4, _generate_shard)
 
-    proc = subprocess.run([sys.executable, "-m", "dflash_shared.pipeline", "status", "--config", str(run_file),
+    proc = subprocess.run([sys.executable, "-m", "dflash_pipeline", "status", "--config", str(run_file),
                            "--json"], capture_output=True, text=True, env={**os.environ}, cwd=REPO_ROOT,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -60,7 +60,7 @@ def test_status_reports_complete_in_progress_and_not_started(s3_bucket: str, sto
     assert got["generate"]["failures_by_reason"] == {"engine_error": 1}
     assert got["tokenize"]["prefix"] == lay.tokenized and got["tokenize"]["shards_done"] == 0
 
-    text = subprocess.run([sys.executable, "-m", "dflash_shared.pipeline", "status", "--config", str(run_file)],
+    text = subprocess.run([sys.executable, "-m", "dflash_pipeline", "status", "--config", str(run_file)],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True).stdout
     assert "in progress" in text and "1/4" in text
     assert "import: failed malformed: 2 (e.g. a.jsonl:3: not valid JSON)" in text
@@ -97,7 +97,7 @@ def test_status_of_an_unreadable_store_fails_once_with_exit_69(moto_endpoint: st
     data["root"] = "s3://no-such-bucket-dflash-status/runs"
     run_file = tmp_path / "run.json"
     run_file.write_text(json.dumps(data), encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "dflash_shared.pipeline", "status", "--config", str(run_file)],
+    proc = subprocess.run([sys.executable, "-m", "dflash_pipeline", "status", "--config", str(run_file)],
                           capture_output=True, text=True, env={**os.environ}, cwd=REPO_ROOT, timeout=60, check=False)
     assert proc.returncode == ExitCode.ENVIRONMENT, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]

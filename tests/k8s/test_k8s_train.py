@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
+from dflash_pipeline import parse_run_config, render_documents
+from dflash_pipeline.base import base_files
+from dflash_pipeline.config import read_run_file
+from dflash_pipeline.jobs import RENDEZVOUS_PORT
+from dflash_pipeline.stages import TRAIN
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, EvaluationSection, Kind
-from dflash_shared.pipeline import parse_run_config, render_documents
-from dflash_shared.pipeline.base import base_files
-from dflash_shared.pipeline.config import read_run_file
-from dflash_shared.pipeline.jobs import RENDEZVOUS_PORT
-from dflash_shared.pipeline.stages import TRAIN
 from dflash_shared.storage import ObjectStore, join
 from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT, env_of, failure_action, jobs, schema_errors
 from tests.k8s.pod_emulation import ContainerProcess, pod_containers
@@ -133,7 +133,7 @@ def test_train_config_is_checked_without_torch() -> None:
     """The render-time field check reads dflash_train.config from the source tree in an environment without
     the train package; that module must therefore not import torch."""
     # The source reader is called directly: this environment may have the train package installed as well.
-    code = ("import sys; from dflash_shared.pipeline.stages import _fields_from_source; "
+    code = ("import sys; from dflash_pipeline.stages import _fields_from_source; "
             "fields = _fields_from_source('dflash_train.config', 'TrainConfig'); "
             "assert fields and {'input', 'max_length', 'device'} <= fields, fields; "
             "assert 'torch' not in sys.modules, 'dflash_train.config imported torch'; "

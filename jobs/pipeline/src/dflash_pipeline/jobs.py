@@ -22,11 +22,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dflash_shared.errors import ConfigError
-from dflash_shared.exit_codes import ExitCode
-from dflash_shared.pipeline.config import JobSettings, RunConfig
-from dflash_shared.pipeline.layout import layout
-from dflash_shared.pipeline.stages import (
+from dflash_pipeline.config import JobSettings, RunConfig
+from dflash_pipeline.layout import layout
+from dflash_pipeline.stages import (
     EVALUATE,
     EXPORT,
     GENERATE,
@@ -37,6 +35,8 @@ from dflash_shared.pipeline.stages import (
     plan,
     stage_config,
 )
+from dflash_shared.errors import ConfigError
+from dflash_shared.exit_codes import ExitCode
 from dflash_shared.runner import COUNT_ENV
 
 PART_OF = "dflash-pipeline"
@@ -232,7 +232,7 @@ def _wait_container(run: RunConfig, stage: StageDef, settings: JobSettings, imag
         "name": "wait-for-input",
         "image": image,
         "imagePullPolicy": run.images.pull_policy,
-        "command": ["python", "-m", "dflash_shared.pipeline", "wait", "--manifest", manifest,
+        "command": ["python", "-m", "dflash_pipeline", "wait", "--manifest", manifest,
                     "--timeout-seconds", str(settings.wait_for_input_seconds)],
         "env": [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}, *storage_env(run)],
         "resources": WAIT_RESOURCES,

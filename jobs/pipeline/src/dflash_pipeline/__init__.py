@@ -7,11 +7,11 @@
 - `base`: the same objects written as a kustomize base (k8s/base).
 - `status`, `wait`: progress read from storage; the init container that orders the Jobs.
 
-The command line is `python -m dflash_shared.pipeline {render,submit,status,wait}`.
+The command line is `python -m dflash_pipeline {render,submit,status,wait}`.
 """
 
-from dflash_shared.pipeline.config import RunConfig, load_run_config, parse_run_config
-from dflash_shared.pipeline.jobs import (
+from dflash_pipeline.config import RunConfig, load_run_config, parse_run_config
+from dflash_pipeline.jobs import (
     build_job,
     evaluate_job,
     export_job,
@@ -22,7 +22,7 @@ from dflash_shared.pipeline.jobs import (
     tokenize_job,
     train_job,
 )
-from dflash_shared.pipeline.layout import RunLayout, layout
+from dflash_pipeline.layout import RunLayout, layout
 
 __all__ = [
     "RunConfig",

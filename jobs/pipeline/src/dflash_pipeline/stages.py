@@ -22,17 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_pipeline.config import JobSettings, RunConfig, quantity_value
+from dflash_pipeline.layout import EXPORT_FOLDER, SERVING_FOLDER, RunLayout, layout
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifests import MANIFEST_NAME, Kind
-from dflash_shared.pipeline.config import JobSettings, RunConfig, quantity_value
-from dflash_shared.pipeline.layout import EXPORT_FOLDER, SERVING_FOLDER, RunLayout, layout
 from dflash_shared.storage import join
 
 # Entry point of every stage image: preflight, then the stage, both configured by environment variables.
 IMAGE_ENTRYPOINT = "/opt/dflash/entrypoint.sh"
 # Settings every sharded command reads from the Job instead (JOB_COMPLETION_INDEX, DFLASH_NUM_SHARDS).
 SHARD_FIELDS = frozenset({"shard_index", "num_shards"})
-# Where the stage packages' sources are in a checkout of the repository (shared/src/dflash_shared/pipeline).
+# Where the stage packages' sources are in a checkout of the repository (jobs/pipeline/src/dflash_pipeline).
 _JOBS_DIR = Path(__file__).resolve().parents[4] / "jobs"
 
 Wiring = Callable[[RunConfig, RunLayout, JobSettings], dict[str, Any]]

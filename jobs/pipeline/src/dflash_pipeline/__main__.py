@@ -1,4 +1,4 @@
-"""`python -m dflash_shared.pipeline {render,submit,status,wait}`: run a pipeline on Kubernetes.
+"""`python -m dflash_pipeline {render,submit,status,wait}`: run a pipeline on Kubernetes.
 
     render --config run.toml [--stage tokenize] [--format yaml|json] [--out DIR]
     submit --config run.toml [--stage tokenize] [--dry-run] [--kubectl PATH]
@@ -21,15 +21,15 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from dflash_pipeline.base import write_base
+from dflash_pipeline.config import load_run_config
+from dflash_pipeline.jobs import render_documents
+from dflash_pipeline.status import format_status, run_status
+from dflash_pipeline.wait import wait_for_manifest
+from dflash_pipeline.yaml_out import dump_all
 from dflash_shared.cli import run_stage_main
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
-from dflash_shared.pipeline.base import write_base
-from dflash_shared.pipeline.config import load_run_config
-from dflash_shared.pipeline.jobs import render_documents
-from dflash_shared.pipeline.status import format_status, run_status
-from dflash_shared.pipeline.wait import wait_for_manifest
-from dflash_shared.pipeline.yaml_out import dump_all
 from dflash_shared.storage import ObjectStore
 
 
@@ -43,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m dflash_shared.pipeline", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m dflash_pipeline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("render", "print the run's Kubernetes objects"), ("submit", "kubectl apply them"),
                        ("status", "show each stage's progress from storage")):
@@ -76,7 +76,7 @@ def _stream(args: argparse.Namespace, fmt: str = "yaml") -> str:
     docs = render_documents(load_run_config(args.config), args.stage)
     if fmt == "json":
         return "".join(json.dumps(doc, indent=2) + "\n" for doc in docs)
-    return dump_all(docs, [f"Rendered from {args.config.name} by python -m dflash_shared.pipeline."])
+    return dump_all(docs, [f"Rendered from {args.config.name} by python -m dflash_pipeline."])
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -117,7 +117,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from dflash_shared.pipeline.local import run_local_and_report
+    from dflash_pipeline.local import run_local_and_report
 
     return run_local_and_report(load_run_config(args.config), args.repo.resolve(), args.stage, args.log_dir,
                                 args.verbose)

@@ -7,7 +7,7 @@ JOB_COMPLETION_INDEX set, like the pods of an Indexed Job. A stage whose manifes
 so rerunning a run resumes it; a stage killed midway resumes from its committed shards.
 
 With a `Console` (the `local` command always gives one), each stage's output goes to its own log file and the
-console shows the stages, their progress and their verdicts (see `dflash_shared.pipeline.console`).
+console shows the stages, their progress and their verdicts (see `dflash_pipeline.console`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.console import Console, run_logged
+from dflash_pipeline.jobs import env_value, storage_env
+from dflash_pipeline.layout import layout
+from dflash_pipeline.stages import IMAGE_ENTRYPOINT, StageDef, plan, stage_config
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import describe
-from dflash_shared.pipeline.config import RunConfig
-from dflash_shared.pipeline.console import Console, run_logged
-from dflash_shared.pipeline.jobs import env_value, storage_env
-from dflash_shared.pipeline.layout import layout
-from dflash_shared.pipeline.stages import IMAGE_ENTRYPOINT, StageDef, plan, stage_config
 from dflash_shared.runner import COUNT_ENV, INDEX_ENV
 from dflash_shared.storage import ObjectStore
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.layout import layout
+from dflash_pipeline.stages import plan
 from dflash_shared.manifest_io import ManifestError, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind
-from dflash_shared.pipeline.config import RunConfig
-from dflash_shared.pipeline.layout import layout
-from dflash_shared.pipeline.stages import plan
 from dflash_shared.runner import MARKERS_DIR, ShardMarker, merge_accounting
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
 
