@@ -119,7 +119,8 @@ def step_flops(cfg: DrafterConfig, target: FrozenTarget, batch, gen_seed: int, t
     target_flops = kept * (per_layer * rows * seq + 2 * nh * hd * doc_sq)  # causal: half of 4*L^2
 
     anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size,
-                                      torch.Generator().manual_seed(gen_seed))
+                                      torch.Generator().manual_seed(gen_seed),
+                                      max_anchors_per_row=cfg.max_anchors_per_row)
     q_len = anchor_pos.shape[1] * cfg.block_size
     pairs = sum(allowed_pairs(anchor_pos, keep, batch.document_ids, cfg.block_size,
                               cfg.sliding_window if t == "sliding_attention" else None) for t in cfg.layer_types)

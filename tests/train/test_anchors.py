@@ -74,6 +74,8 @@ def test_same_generator_seed_gives_the_same_anchors(qwen_docs):
 def test_row_without_valid_anchor_is_all_padding_and_pad_to_is_honoured():
     batch = stack_rows([pack_row([([1, 2, 3], [True, False, True])], 8), pack_row([([4, 5], [True, True])], 8)])
     anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, 4, 16, pad_to=20)
-    assert anchor_pos.shape == (2, 24)  # 20 rounded up to a multiple of 128 / 16
+    assert anchor_pos.shape == (2, 32)  # 20 put on the ladder 8, 16, 32, ... (multiples of 128 / 16)
     assert not keep[0].any()
-    assert keep[1].tolist() == [True] + [False] * 23 and int(anchor_pos[1, 0]) == 0
+    assert keep[1].tolist() == [True] + [False] * 31 and int(anchor_pos[1, 0]) == 0
+    exact, _ = sample_anchors(batch.loss_mask, batch.document_ids, 4, 16, pad_to=20, bucket=False)
+    assert exact.shape == (2, 24)  # without the ladder: 20 rounded up to a multiple of 8

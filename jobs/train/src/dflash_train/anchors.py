@@ -1,11 +1,31 @@
-"""Anchor sampling: which positions start a drafted block in a training step.
+"""Anchor sampling: which positions start a drafted block in a training step, and how many blocks a row has.
 
 A position p is a valid anchor when p and p+1 are both loss-masked tokens of the same document (so the
-block has at least one trained slot) and p < S-1. Up to `num_anchors` anchors are drawn per DOCUMENT,
-uniformly without replacement: a packed row of several short documents then gets as many blocks per
-document as an unpacked row would, instead of the short ones being crowded out by one long neighbour.
-The anchors of a row are sorted ascending; rows with fewer anchors than the widest row are padded with
-keep=False (position 0).
+block has at least one trained slot) and p < S-1. Anchors are chosen in two stages:
+
+1. Per DOCUMENT: up to `num_anchors` per document, uniformly without replacement. A packed row of several
+   short documents then gets as many blocks per document as an unpacked row would, instead of the short
+   ones being crowded out by one long neighbour.
+2. Per ROW: at most `max_anchors_per_row` of those (the SpecForge recipe's 512 blocks per sequence, which
+   its learning rate and batch size assume). The cap is shared round-robin: every document of the row
+   keeps its first drawn anchor, then its second, and so on, until the cap is reached (documents drawn at
+   random within the last round). A short document therefore keeps all its anchors unless the row holds
+   more documents than the cap; only the long documents give anchors up. Without the cap a row can carry
+   one block per valid position (N x B ~ block_size x S query tokens).
+
+The anchors of a row are sorted ascending; rows with fewer anchors than N are padded with keep=False
+(position 0), which the mask and the loss ignore.
+
+Stable shapes. The drafter's attention is compiled for fixed shapes (`torch.compile(flex_attention,
+dynamic=False)`), so every new query length recompiles it, and past torch's recompile limit (8 per code
+object) flex falls back to an unfused kernel that materialises the whole score matrix. N is therefore not
+the exact per-row count but the smallest rung of a fixed ladder that holds it (`anchor_count_buckets`):
+m, 2m, 4m, ... (m = `anchor_count_multiple(block_size)`, which makes N x B a whole number of 128-token
+query tiles), topped by the cap rounded up to m. With rows of a fixed length S (the packer always fills
+rows to max_length) and a fixed number of rows per micro-batch, the drafter's attention sees at most
+len(ladder) distinct (query, key) lengths over a whole run: query N x B, key S + N x B, one pair per rung.
+For block 16 and the 512 cap that is 7 (N in 8, 16, 32, 64, 128, 256, 512); for block 8, 6 (16 ... 512).
+Each drafter layer type (full and sliding attention) is a separate compiled graph per shape.
 """
 
 from __future__ import annotations
@@ -15,7 +35,7 @@ import torch
 from dflash_train.batch import PAD_DOCUMENT
 
 # Query tiles of flex attention are 128 tokens; N * block_size is rounded up to a multiple of this so the
-# number of query tokens is tile-aligned (and varies less from step to step, for torch.compile).
+# number of query tokens is tile-aligned.
 QUERY_TILE = 128
 
 
@@ -33,6 +53,56 @@ def anchor_count_multiple(block_size: int) -> int:
     return max(1, QUERY_TILE // block_size) if QUERY_TILE % block_size == 0 else 1
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def anchor_count_buckets(block_size: int, max_anchors_per_row: int) -> tuple[int, ...]:
+    """The ladder of anchor counts N a step may use: m * 2^k below the cap, then the cap rounded up to m.
+
+    Its length is the bound on distinct drafter attention shapes of a run (see the module docstring):
+    ceil(log2(ceil(cap / m))) + 1.
+    """
+    if max_anchors_per_row < 1:
+        raise ValueError(f"max_anchors_per_row must be >= 1, got {max_anchors_per_row}")
+    multiple = anchor_count_multiple(block_size)
+    top = _round_up(max_anchors_per_row, multiple)
+    rungs = []
+    rung = multiple
+    while rung < top:
+        rungs.append(rung)
+        rung *= 2
+    rungs.append(top)
+    return tuple(rungs)
+
+
+def bucket_anchor_count(count: int, block_size: int, max_anchors_per_row: int | None) -> int:
+    """N for a step whose widest row has `count` anchors: the smallest ladder rung >= count.
+
+    Without a cap (None) the ladder is m * 2^k without end. A count above the top rung (only possible when
+    a caller pads past the cap on purpose) is rounded up to the multiple instead.
+    """
+    multiple = anchor_count_multiple(block_size)
+    count = max(count, 1)
+    if max_anchors_per_row is None:
+        rung = multiple
+        while rung < count:
+            rung *= 2
+        return rung
+    for rung in anchor_count_buckets(block_size, max_anchors_per_row):
+        if rung >= count:
+            return rung
+    return _round_up(count, multiple)
+
+
+def _rank_within_group(group_key: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """For rows sorted by `group_key`: each entry's index within its run of equal keys."""
+    starts = torch.ones_like(group_key, dtype=torch.bool)
+    starts[:, 1:] = group_key[:, 1:] != group_key[:, :-1]
+    group_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - group_start
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     document_ids: torch.Tensor,
@@ -40,15 +110,22 @@ def sample_anchors(
     block_size: int,
     generator: torch.Generator | None = None,
     pad_to: int | None = None,
+    max_anchors_per_row: int | None = None,
+    bucket: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample block anchors. Returns (anchor_pos [B, N] long, keep [B, N] bool) on loss_mask's device.
 
-    Sampling runs on the generator's device (CPU when no generator is given), so a CPU generator gives
-    the same anchors whatever device the batch is on. N is the largest per-row count, at least `pad_to`,
-    rounded up to `anchor_count_multiple(block_size)`.
+    Up to `num_anchors` per document, then at most `max_anchors_per_row` per row (None: no row cap),
+    as the module docstring says. Sampling runs on the generator's device (CPU when no generator is
+    given), so a CPU generator gives the same anchors whatever device the batch is on. N is the largest
+    per-row count (at least `pad_to`) put on the ladder of `bucket_anchor_count`; with `bucket=False` it
+    is only rounded up to `anchor_count_multiple(block_size)` (the same anchors, less padding: for tests
+    and measurements, not for compiled training).
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if max_anchors_per_row is not None and max_anchors_per_row < 1:
+        raise ValueError(f"max_anchors_per_row must be >= 1, got {max_anchors_per_row}")
     if loss_mask.shape != document_ids.shape or loss_mask.ndim != 2:
         raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and document_ids {tuple(document_ids.shape)} differ")
     out_device = loss_mask.device
@@ -66,17 +143,20 @@ def sample_anchors(
     by_doc = torch.argsort(doc_key.gather(1, perm), dim=1, stable=True)
     order = perm.gather(1, by_doc)
     sorted_doc = doc_key.gather(1, order)
-    # Rank inside the document group = index minus the index where the group starts.
-    starts = torch.ones_like(valid)
-    starts[:, 1:] = sorted_doc[:, 1:] != sorted_doc[:, :-1]
-    group_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
-    take_sorted = ((idx - group_start) < num_anchors) & (sorted_doc != no_doc)
+    # Rank inside the document = the round in which a round-robin over the row's documents takes it.
+    rank = _rank_within_group(sorted_doc, idx)
+    take_sorted = (rank < num_anchors) & (sorted_doc != no_doc)
     chosen = torch.zeros_like(valid).scatter(1, order, take_sorted)
 
     count = int(chosen.sum(dim=1).max()) if rows else 0
-    n = max(count, pad_to or 0, 1)
-    multiple = anchor_count_multiple(block_size)
-    n = -(-n // multiple) * multiple
+    if max_anchors_per_row is not None and count > max_anchors_per_row:
+        chosen = _cap_round_robin(chosen, rank, take_sorted, order, max_anchors_per_row, generator)
+        count = max_anchors_per_row
+    wanted = max(count, pad_to or 0, 1)
+    if bucket:
+        n = bucket_anchor_count(wanted, block_size, max_anchors_per_row)
+    else:
+        n = _round_up(wanted, anchor_count_multiple(block_size))
     # Chosen positions first, in ascending order; unchosen ones pushed past S.
     ranked = torch.sort(torch.where(chosen, idx, idx + seq), dim=1).values
     if n > seq:
@@ -85,3 +165,26 @@ def sample_anchors(
     keep = ranked < seq
     anchor_pos = torch.where(keep, ranked, torch.zeros_like(ranked))
     return anchor_pos.to(out_device), keep.to(out_device)
+
+
+def _cap_round_robin(
+    chosen: torch.Tensor,
+    rank: torch.Tensor,
+    take_sorted: torch.Tensor,
+    order: torch.Tensor,
+    cap: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Keep at most `cap` of the chosen anchors per row, by round (rank within the document) first.
+
+    Inside one round the documents are ordered at random (a uniform tie-break), so when the last round
+    does not fit whole, which documents get one more block is not decided by their place in the row.
+    """
+    rows, seq = chosen.shape
+    tie = torch.rand(rows, seq, generator=generator, device=chosen.device, dtype=torch.float64)
+    priority = torch.where(take_sorted, rank.to(torch.float64) + tie, torch.full_like(tie, float("inf")))
+    by_priority = torch.argsort(priority, dim=1)
+    within_cap = torch.zeros_like(take_sorted).scatter(
+        1, by_priority, torch.arange(seq, device=chosen.device).expand(rows, seq) < cap
+    )
+    return torch.zeros_like(chosen).scatter(1, order, take_sorted & within_cap)

@@ -3,7 +3,8 @@
 `dflash_step` is what the trainer calls per micro-batch (it does not call backward or step an optimizer):
 
 1. target features of the packed batch, without gradients (block-diagonal per document);
-2. anchors: up to `num_anchors` per document (`sample_anchors`);
+2. anchors: up to `num_anchors` per document, at most `max_anchors_per_row` per row, N on a fixed ladder
+   of counts so the compiled attention sees few shapes (`sample_anchors`);
 3. block inputs [input_ids[p], MASK x (B-1)] embedded with the target's embedding, at positions
    position_ids[p] + k (document positions, as at inference);
 4. the drafter pass under the step's block-sparse mask (optionally with uniform noise on the features);
@@ -79,7 +80,14 @@ def draft_blocks(
 ) -> DraftBlocks:
     """Steps 1-4 of the module docstring: the drafter's hidden states for freshly sampled anchors."""
     features = target.features(batch.input_ids, batch.position_ids, batch.document_ids)
-    anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size, generator)
+    anchor_pos, keep = sample_anchors(
+        batch.loss_mask,
+        batch.document_ids,
+        cfg.num_anchors,
+        cfg.block_size,
+        generator,
+        max_anchors_per_row=cfg.max_anchors_per_row,
+    )
     ids, positions = block_inputs(batch.input_ids, batch.position_ids, anchor_pos, cfg.block_size, cfg.mask_token_id)
     embeds = target.embed(ids)
     if noise and cfg.feature_noise_std > 0:
