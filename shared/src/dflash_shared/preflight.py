@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from dflash_shared import gpu_driver
 from dflash_shared.errors import BadInputError, ConfigError, PreflightError
 from dflash_shared.exit_codes import ExitCode, describe
 from dflash_shared.logs import redact
@@ -83,6 +84,14 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def _torch_build() -> tuple[str, str | None] | None:
+    """(torch version, the CUDA runtime it was built for or None for a CPU build); None without torch."""
+    if not _importable("torch"):
+        return None
+    torch: Any = importlib.import_module("torch")  # lazily: the tokenizer image has no torch
+    return str(torch.__version__), torch.version.cuda
 
 
 def _detect_gpus() -> tuple[list[tuple[str, int]], str]:
@@ -207,7 +216,11 @@ class Preflight:
         return self.add("disk", check)
 
     def gpus(self, min_count: int, min_memory_gib: float = 0.0) -> Preflight:
-        """At least `min_count` GPUs with `min_memory_gib` each; min_count 0 (a CPU stage) skips it."""
+        """At least `min_count` GPUs with `min_memory_gib` each; min_count 0 (a CPU stage) skips it.
+
+        With none visible the line says why: no driver loaded, a driver too old for the CUDA runtime of this
+        image's torch (both versions), or no device visible to the process (gpu_driver).
+        """
 
         def check() -> str:
             if min_count <= 0:
@@ -217,9 +230,15 @@ class Preflight:
             seen = ", ".join(f"{name} {_gib(mem)}" for name, mem in found)
             each = f" with >= {min_memory_gib:g} GiB" if min_memory_gib else ""
             detail = f"need {min_count} GPU(s){each}, found {len(found)} ({source}{': ' + seen if seen else ''})"
+            build = _torch_build()
+            runtime = build[1] if build else None
+            driver = gpu_driver.read_driver()
+            if not found:
+                reason = gpu_driver.no_gpu_reason(driver, runtime, os.environ, build[0] if build else None)
+                raise CheckError(f"{detail}: {reason}")
             if len(fit) < min_count:
                 raise CheckError(detail)
-            return detail
+            return f"{detail}; {gpu_driver.describe(driver, runtime)}"
 
         return self.add("gpus", check)
 
