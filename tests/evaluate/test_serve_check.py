@@ -29,8 +29,8 @@ from dflash_generate.serve_check import (  # noqa: E402
     run,
     spec_counters,
     tau_failure,
-    tie_margin_at_parting,
 )
+from dflash_generate.serve_equivalence import OutputComparison, OutputPolicy, Parting  # noqa: E402
 from dflash_shared.errors import BadInputError  # noqa: E402
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
@@ -105,9 +105,16 @@ def test_speculative_output_equals_plain_output(chain: Any, arch: str, served: t
     assert check.prompts == 16
     assert check.output_mismatches == []
     assert check.outputs_identical + len(check.output_ties) == 16
+    outputs = check.outputs
     if arch == "qwen3":  # float32: identical token for token
+        assert outputs.policy.tie_margin is None
         assert check.outputs_identical == 16 and check.output_ties == {}
-    assert all(0 <= margin <= 0.02 for margin in check.output_ties.values())
+    else:  # bfloat16: near-ties within the margin, on few prompts
+        assert outputs.policy == OutputPolicy(dtype="bfloat16", tie_margin=0.25, max_tie_fraction=0.25)
+        assert len(outputs.ties) <= 4
+    assert outputs.prompts == 16 and outputs.identical == check.outputs_identical and outputs.failure() is None
+    assert {p.prompt_id: p.margin for p in outputs.partings} == check.output_ties
+    assert all(p.tie and p.margin is not None and 0 <= p.margin <= 0.25 for p in outputs.partings)
 
 
 def test_manifest_records_engine_tau_beside_offline_tau(chain: Any, served: tuple[Any, str]) -> None:
@@ -125,14 +132,23 @@ def test_manifest_records_engine_tau_beside_offline_tau(chain: Any, served: tupl
     assert loaded.manifest.inputs[0].sha256 == offline.sha256
 
 
-def test_a_parting_counts_as_a_tie_only_within_the_margin() -> None:
-    spec = Generated(token_ids=[5, 6, 7])
-    plain = Generated(token_ids=[5, 6, 9], top_logprobs=[{5: -1.0}, {6: -1.0}, {9: -10.842, 7: -10.85}])
-    assert tie_margin_at_parting(spec, plain) == pytest.approx(0.008)
-    assert tie_margin_at_parting(spec, spec.model_copy(update={"top_logprobs": []})) is None
-    far = plain.model_copy(update={"top_logprobs": [{5: -1.0}, {6: -1.0}, {9: -10.0, 8: -11.0}]})
-    assert tie_margin_at_parting(spec, far) == float("inf")  # 7 is not even among the plain engine's top two
-    assert tie_margin_at_parting(Generated(token_ids=[5]), plain) == float("inf")  # one stops early
+def test_engine_outputs_reach_the_policy_with_the_plain_runs_log_probabilities(offline_run: Any) -> None:
+    from dflash_generate.serve_check import OfflineReportView, compare_outputs
+
+    report = OfflineReportView.model_validate_json(offline_run.store.read_bytes(
+        join(offline_run.evaluation, "evaluation.json")))
+    n = len(report.results)
+    spec = [Generated(token_ids=[5, 6, 7], accepted=[1]) for _ in range(n)]
+    plain = [Generated(token_ids=[5, 6, 7], top_logprobs=[{5: -1.0}, {6: -1.0}, {7: -0.1}]) for _ in range(n)]
+    plain[3] = Generated(token_ids=[5, 6, 9], top_logprobs=[{5: -1.0}, {6: -1.0}, {9: -10.842, 7: -10.85}])
+    outputs = compare_outputs(report, spec, plain, OutputPolicy.at("bfloat16", 0.02, 0.25))
+    assert outputs.identical == n - 1 and outputs.failure() is None
+    (parting,) = outputs.partings
+    assert (parting.prompt_id, parting.index, parting.speculative_token, parting.plain_token, parting.tie) == (
+        report.results[3].id, 2, 7, 9, True)
+    assert parting.margin == pytest.approx(0.008)
+    exact = compare_outputs(report, spec, plain, OutputPolicy.at("float32", 0.02, 0.25))
+    assert [p.prompt_id for p in exact.mismatches] == [report.results[3].id]
 
 
 def test_across_dtypes_the_gap_is_taken_over_the_prompts_decoded_alike(offline_run: Any) -> None:
@@ -168,7 +184,9 @@ def test_gap_and_counters_arithmetic() -> None:
 
 @pytest.mark.parametrize(("engine_tau", "mismatches", "expected"), [
     (1.0, [], r"engine tau 1.000 and offline tau .* differ by .*% \(> 10.0%\): training and serving disagree"),
-    (None, ["p7"], r"differs from output without it on 1/16 prompts \(e.g. \['p7'\]\)"),
+    (None, ["p7"], r"differs from output without it on 1/16 prompts \(float32: exact equality required\); first: "
+                   r"prompt p7 at token 4: speculative 11, plain 12 \(plain run's margin 0.5 nats\); prompts \['p7'\]; "
+                   r"report: .*serve-check.json"),
 ])
 def test_a_gap_or_an_output_difference_fails_without_committing(
         offline_run: Any, tmp_path: Path, engine_tau: float | None, mismatches: list[str], expected: str) -> None:
@@ -190,12 +208,17 @@ def _fake_check(offline_run: Any, engine_tau: float | None, mismatches: list[str
 
     tau = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation).manifest.section.tau
     engine_tau = tau if engine_tau is None else engine_tau
+    partings = [Parting(prompt_id=m, index=4, speculative_token=11, plain_token=12, margin=0.5, tie=False)
+                for m in mismatches]
+    outputs = OutputComparison(policy=OutputPolicy.at("float32", 0.25, 0.25), prompts=16,
+                               identical=16 - len(mismatches), partings=partings)
     return ServeCheckReport(
         dtype="float32", offline_dtype="float32", num_speculative_tokens=7, offline_tau=tau,
         engine=EngineAcceptance(tau=engine_tau, drafts=100, draft_tokens=700,
                                 accepted_tokens=round(100 * (engine_tau - 1)), acceptance_per_position=[0.5] * 7),
         relative_gap=relative_gap(tau, engine_tau), max_tau_gap=0.1, prompts=16, outputs_identical=16 - len(mismatches),
-        output_mismatches=mismatches, output_ties={}, engine_equals_offline=16, compared="all", start_seconds={},
+        output_mismatches=mismatches, output_ties={}, outputs=outputs, engine_equals_offline=16, compared="all",
+        start_seconds={},
         matched=MatchedAcceptance(prompts=16, offline_tau=tau, engine_tau=engine_tau,
                                   relative_gap=relative_gap(tau, engine_tau)),
     )

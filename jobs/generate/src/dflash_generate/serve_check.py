@@ -8,10 +8,11 @@ run's tokenized data, which training never read; the committed manifest keeps th
    generating greedily on the same prompts; acceptance is read from the engine's own counters
    (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
    `_num_accepted_tokens_per_pos`, as deltas over this generation): engine tau = 1 + accepted / drafts;
-2. without speculation, on the same prompts: the outputs must be identical token for token, except where
-   they part at a tie: the plain engine's own top two log-probabilities there are within `tie_margin`, so
-   which one wins is a matter of rounding (a verification pass over B tokens rounds differently from a
-   one-token step), not of speculation.
+2. without speculation, on the same prompts, with the plain engine's top two log-probabilities per token: the
+   outputs must be identical under serve_equivalence's policy: token for token in float32; in bfloat16 they
+   may part where the plain engine's top two are within `tie_margin` nats (a verification pass over B tokens
+   rounds differently from a one-token step), on at most `max_tie_fraction` of the prompts. A failure names
+   the first parting (prompt id, token index, both tokens, the margin).
 
 The engine runs at the offline evaluation's dtype unless this vLLM build runs the target in one dtype only:
 vLLM's CPU build runs hybrid (Gated DeltaNet) targets in bfloat16 only, while an offline evaluation on CPU
@@ -43,6 +44,7 @@ from pydantic_settings import SettingsConfigDict
 
 from dflash_generate.engine import EngineConfig, engine_flavour, only_dtype
 from dflash_generate.model_source import ModelFiles, ModelSource
+from dflash_generate.serve_equivalence import Decoded, OutputComparison, OutputPolicy, compare
 from dflash_generate.target import TargetInfo, read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
@@ -75,8 +77,13 @@ class ServeCheckConfig(StageSettings):
         default=True, description="Fail when greedy output with speculation differs from output without it."
     )
     tie_margin: float = Field(
-        default=0.02, ge=0, description="Outputs that part where the plain engine's top two log-probabilities are "
-        "within this many nats count as a tie (rounding), not a difference; 0 = exact.",
+        default=0.25, ge=0, description="Engine in bfloat16/float16: outputs that part where the plain engine's top "
+        "two log-probabilities are within this many nats count as a near-tie (rounding), not a difference; 0 = only "
+        "exact ties. float32 requires identical outputs.",
+    )
+    max_tie_fraction: float = Field(
+        default=0.25, ge=0, le=1, description="Engine in bfloat16/float16: largest share of prompts whose outputs "
+        "may part at a near-tie.",
     )
     min_matched_fraction: float = Field(
         default=0.5, ge=0, le=1, description="Engine at another dtype than the offline evaluation: least share of "
@@ -180,6 +187,8 @@ class ServeCheckReport(BaseModel):
     output_mismatches: list[str] = Field(description="Ids of prompts whose two engine outputs differ.")
     output_ties: dict[str, float] = Field(
         description="Prompts whose outputs part at a tie: id -> the plain engine's top-two margin (nats) there.")
+    outputs: OutputComparison = Field(
+        description="The policy the outputs were held to and every prompt's first parting (serve_equivalence).")
     engine_equals_offline: int = Field(description="Prompts where the engine reproduced the offline output.")
     matched: MatchedAcceptance = Field(description="Acceptance over the prompts both sides decoded alike.")
     compared: Literal["all", "matched"] = Field(
@@ -270,33 +279,11 @@ def generate(llm: Any, report: OfflineReportView, logprobs: int | None = None, l
     return out
 
 
-def tie_margin_at_parting(spec: Generated, plain: Generated) -> float | None:
-    """Where the two outputs part, the plain engine's margin between its token and the speculative one (nats);
-    None when they do not part, or the speculative token is not among the plain engine's top log-probabilities."""
-    a, b = spec.token_ids, plain.token_ids
-    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if at is None:
-        return None if len(a) == len(b) else float("inf")
-    top = (plain.top_logprobs or [])[at] if plain.top_logprobs and at < len(plain.top_logprobs) else {}
-    if a[at] not in top or b[at] not in top:
-        return float("inf")
-    return top[b[at]] - top[a[at]]
-
-
 def compare_outputs(report: OfflineReportView, spec: list[Generated], plain: list[Generated],
-                    tie_margin: float) -> tuple[list[str], dict[str, float]]:
-    """(ids of prompts whose outputs differ, {id: margin} of those that part at a tie)."""
-    mismatches: list[str] = []
-    ties: dict[str, float] = {}
-    for r, a, b in zip(report.results, spec, plain, strict=True):
-        if a.token_ids == b.token_ids:
-            continue
-        margin = tie_margin_at_parting(a, b)
-        if margin is not None and margin <= tie_margin:
-            ties[r.id] = margin
-        else:
-            mismatches.append(r.id)
-    return mismatches, ties
+                    policy: OutputPolicy) -> OutputComparison:
+    """Speculative against plain outputs, prompt by prompt, under the dtype's policy (serve_equivalence)."""
+    return compare((Decoded(r.id, a.token_ids, b.token_ids, b.top_logprobs)
+                    for r, a, b in zip(report.results, spec, plain, strict=True)), policy)
 
 
 def matched_acceptance(report: OfflineReportView, spec: list[Generated]) -> MatchedAcceptance:
@@ -386,15 +373,17 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
             acceptance = engine_acceptance(before, spec_counters(llm.get_metrics()))
         with started_engine(engine, None) as (llm, plain_start):
             plain_outputs = generate(llm, report, logprobs=2, label="plain")  # top two: how close a parting was
-    mismatches, ties = compare_outputs(report, spec_outputs, plain_outputs, config.tie_margin)
+    outputs = compare_outputs(report, spec_outputs, plain_outputs,
+                              OutputPolicy.at(dtype, config.tie_margin, config.max_tie_fraction))
     matched = matched_acceptance(report, spec_outputs)
     check = ServeCheckReport(
         dtype=dtype, offline_dtype=report.dtype, num_speculative_tokens=report.block_size - 1,
         offline_tau=report.trained.tau, engine=acceptance, max_tau_gap=config.max_tau_gap,
         relative_gap=relative_gap(report.trained.tau, acceptance.tau), prompts=len(report.results),
         prompt_split=report.prompt_split,
-        outputs_identical=sum(a.token_ids == b.token_ids for a, b in zip(spec_outputs, plain_outputs, strict=True)),
-        output_mismatches=mismatches, output_ties=ties, engine_equals_offline=matched.prompts, matched=matched,
+        outputs_identical=outputs.identical, output_mismatches=[p.prompt_id for p in outputs.mismatches],
+        output_ties={p.prompt_id: p.margin for p in outputs.ties if p.margin is not None}, outputs=outputs,
+        engine_equals_offline=matched.prompts, matched=matched,
         compared="all" if dtype == report.dtype else "matched",
         start_seconds={"speculative": spec_start, "plain": plain_start},
     )
@@ -435,12 +424,9 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
         raise BadInputError(f"{failure}: training and serving disagree (layer ids, masks, positions, template?); "
                             f"engine per position {[round(a, 3) for a in check.engine.acceptance_per_position]}; "
                             f"report: {report_uri}")
-    if config.require_identical_outputs and check.output_mismatches:
-        raise BadInputError(
-            f"greedy output with speculative decoding differs from output without it on "
-            f"{len(check.output_mismatches)}/{check.prompts} prompts (e.g. {check.output_mismatches[:3]}); "
-            f"report: {report_uri}"
-        )
+    different = check.outputs.failure()
+    if config.require_identical_outputs and different:
+        raise BadInputError(f"{different}; report: {report_uri}")
     section = offline.manifest.section.model_copy(update={"engine_tau": check.engine.tau})
     shards = [*offline.manifest.shards,
               Shard(uri=report_uri, bytes=len(data), sha256=store.sha256(report_uri), records=check.prompts)]

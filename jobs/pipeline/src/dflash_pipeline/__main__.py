@@ -4,17 +4,20 @@
     submit --config run.toml [--stage tokenize] [--dry-run] [--kubectl PATH]
     status --config run.toml [--json]
     local  --config run.toml [--stage tokenize] [--repo DIR] [--log-dir DIR] [--verbose]
+    drive  --run-id ID --root s3://... [--namespace NS] [--poll-seconds S] [--max-poll-seconds S]
     wait   --manifest s3://.../manifest.json [--timeout-seconds N] [--poll-seconds S]
 
 `render` prints the run's objects as a multi-document stream (or writes a kustomize base with --out);
-`submit` pipes the same stream to `kubectl apply -f -`; `status` reads the run's prefixes; `wait` is the
-init container of downstream Jobs; `local` runs the same stages on this machine (the demo).
+`submit` pipes the same stream to `kubectl apply -f -`; `status` reads the run's prefixes; `drive` is the run
+driver (the in-cluster Job that creates each stage's Job once its input is committed); `wait` blocks a script
+until a manifest is committed; `local` runs the same stages on this machine (the demo).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +26,7 @@ from typing import NoReturn
 
 from dflash_pipeline.base import write_base
 from dflash_pipeline.config import load_run_config
-from dflash_pipeline.jobs import render_documents
+from dflash_pipeline.run_objects import render_documents
 from dflash_pipeline.status import format_status, run_status
 from dflash_pipeline.wait import wait_for_manifest
 from dflash_pipeline.yaml_out import dump_all
@@ -65,7 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--log-dir", type=Path, default=None,
                        help="where each stage's full output goes (default: <repo>/logs/<run_id>)")
     local.add_argument("--verbose", action="store_true", help="print every line of every stage, engines' included")
-    wait = sub.add_parser("wait", help="wait for an input manifest (init container)")
+    drive = sub.add_parser("drive", help="the run driver (in the cluster): create each stage's Job once its input "
+                           "is committed, stop the run when one fails")
+    drive.add_argument("--run-id", required=True, help="run whose stage templates to drive")
+    drive.add_argument("--root", required=True, help="the run file's root (state: <root>/<run_id>/driver/)")
+    drive.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE") or None,
+                       help="namespace of the run (default: $POD_NAMESPACE, the driver pod's own)")
+    drive.add_argument("--poll-seconds", type=float, default=15.0, help="first interval between checks")
+    drive.add_argument("--max-poll-seconds", type=float, default=300.0,
+                       help="the interval doubles up to this while nothing changes")
+    wait = sub.add_parser("wait", help="block until a manifest is committed (scripts, CI)")
     wait.add_argument("--manifest", required=True, help="manifest URI to wait for")
     wait.add_argument("--timeout-seconds", type=float, default=2 * 86400, help="give up (exit 65) after this")
     wait.add_argument("--poll-seconds", type=float, default=30.0, help="time between checks")
@@ -123,13 +135,25 @@ def _local(args: argparse.Namespace) -> int:
                                 args.verbose)
 
 
+def _drive(args: argparse.Namespace) -> int:
+    from dflash_pipeline.driver import RunDriver
+    from dflash_pipeline.kube import Cluster
+
+    if not args.namespace:
+        raise ConfigError("drive: --namespace is not given and POD_NAMESPACE is not set")
+    driver = RunDriver(Cluster(args.namespace), ObjectStore(), args.root, args.run_id, poll_s=args.poll_seconds,
+                       max_poll_s=args.max_poll_seconds)
+    return driver.run()
+
+
 def _wait(args: argparse.Namespace) -> int:
     return wait_for_manifest(ObjectStore(), args.manifest, args.timeout_seconds, args.poll_seconds)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = _parser().parse_args(argv)
-    commands = {"render": _render, "submit": _submit, "status": _status, "local": _local, "wait": _wait}
+    commands = {"render": _render, "submit": _submit, "status": _status, "local": _local, "drive": _drive,
+                "wait": _wait}
     run_stage_main(f"pipeline {args.command}", lambda: commands[args.command](args))
 
 
