@@ -15,6 +15,15 @@ broadcast index grids into an explicit float mask: 0 allowed, -inf forbidden; bo
 because some attention paths add them as numbers). Flex attention backward does not exist on CPU, so CPU
 training uses SDPA; `tests/train/test_attention.py` checks that both give the same forward output.
 
+Compiled shapes. On CUDA flex attention runs through `torch.compile(flex_attention, dynamic=False)`: one
+compiled kernel per (query length, key length), looked up by dynamo's guards. The layer type and the
+window enter the predicate as tensors, not Python values, so full and sliding layers share one compiled
+graph per shape (a Python `if` on the window would be specialised into a second graph); fresh anchors and
+masks of the same shape reuse the kernel. The anchor ladder of `dflash_train.anchors` bounds the shapes
+of a run (7 for block 16 and the 512-anchor cap). Past dynamo's recompile limit flex would fall back to an
+unfused kernel that materialises the full score matrix (~12 GB per layer at 512 anchors), so the limit is
+raised to `FLEX_RECOMPILE_LIMIT` when the compiled kernel is first made.
+
 `document_causal_mask_mod` is the target model's mask for packed rows: causal, same document only.
 """
 
@@ -31,6 +40,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Backend = Literal["flex", "sdpa"]
 
+# Room for every rung of the anchor ladder (m * 2^k up to the cap: 16 rungs reach a cap of 2^15 * m
+# anchors); torch's default of 8 would be one rung short for a cap above 1024 at block 16.
+FLEX_RECOMPILE_LIMIT = 16
+
 
 def drafter_mask_mod(
     anchor_pos: torch.Tensor,
@@ -42,6 +55,11 @@ def drafter_mask_mod(
     """The DFlash mask predicate (see the module docstring) for anchors [B, N] over a [B, S] row."""
     seq = int(document_ids.shape[1])
     doc = document_ids.long()
+    device = document_ids.device
+    # Tensors, not Python constants: the compiled kernel then does not specialise on the layer type (see
+    # the module docstring). A full-attention layer is a window that never binds (anchor + off < S + B).
+    window = torch.tensor(seq + block_size if sliding_window is None else sliding_window, device=device)
+    causal_in_block = torch.tensor(sliding_window is not None, device=device)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         del h  # the same pattern for every head
@@ -50,12 +68,9 @@ def drafter_mask_mod(
         anchor = anchor_pos[b, block]
         is_ctx = kv_idx < seq
         ctx = kv_idx.clamp(max=seq - 1)  # block keys index past S; clamp keeps the gather in range
-        ctx_ok = is_ctx & (ctx < anchor) & (doc[b, ctx] == doc[b, anchor])
+        ctx_ok = is_ctx & (ctx < anchor) & (doc[b, ctx] == doc[b, anchor]) & (ctx >= anchor + off - (window - 1))
         in_block = kv_idx - seq
-        blk_ok = (~is_ctx) & (in_block // block_size == block)
-        if sliding_window is not None:
-            ctx_ok = ctx_ok & (ctx >= anchor + off - (sliding_window - 1))
-            blk_ok = blk_ok & (in_block % block_size <= off)
+        blk_ok = (~is_ctx) & (in_block // block_size == block) & ((in_block % block_size <= off) | ~causal_in_block)
         return keep[b, block] & (ctx_ok | blk_ok)
 
     return mask_mod
@@ -106,7 +121,19 @@ class SdpaMask:
     row_has_key: torch.Tensor
 
 
-LayerMask = BlockMask | SdpaMask
+@dataclass(frozen=True)
+class FlexMask:
+    """A flex attention BlockMask, and whether `attend` runs it through the compiled kernel.
+
+    Uncompiled flex attention materialises the scores (it is for forward checks on CPU); training on
+    CUDA always compiles. CPU tests and benchmarks compile on purpose to count compilations.
+    """
+
+    block_mask: BlockMask
+    compiled: bool
+
+
+LayerMask = FlexMask | SdpaMask
 
 
 @dataclass(frozen=True)
@@ -142,24 +169,28 @@ def build_drafter_mask(
     sliding_window: int | None,
     backend: Backend,
     dtype: torch.dtype = torch.float32,
+    compile_flex: bool | None = None,
 ) -> DrafterMask:
     """Build the masks of one step for every layer type in `layer_types` with the chosen backend.
 
-    `dtype` is the dtype of the SDPA float mask (the attention compute dtype).
+    `dtype` is the dtype of the SDPA float mask (the attention compute dtype). `compile_flex`: whether
+    flex attention runs compiled; None means on CUDA only.
     """
     rows, n_anchors = anchor_pos.shape
     seq = int(document_ids.shape[1])
     q_len = n_anchors * block_size
     kv_len = seq + q_len
     device = anchor_pos.device
+    compiled = device.type == "cuda" if compile_flex is None else compile_flex
     masks: dict[str, LayerMask] = {}
     for layer_type in sorted(set(layer_types)):
         window = sliding_window if layer_type == "sliding_attention" else None
         mod = drafter_mask_mod(anchor_pos, keep, document_ids, block_size, window)
         if backend == "flex":
-            masks[layer_type] = create_block_mask(
+            block_mask = create_block_mask(
                 mod, rows, None, q_len, kv_len, device=device, _compile=device.type == "cuda"
             )
+            masks[layer_type] = FlexMask(block_mask, compiled)
         else:
             allowed = materialize(mod, rows, q_len, kv_len, device)
             row_has_key = allowed.any(dim=-1, keepdim=True)
@@ -170,10 +201,13 @@ def build_drafter_mask(
 _compiled_flex: Callable[..., torch.Tensor] | None = None
 
 
-def _flex() -> Callable[..., torch.Tensor]:
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """The process's one compiled flex attention (static shapes: one kernel per shape of the ladder)."""
     # Uncompiled flex attention materialises the scores; on CUDA the compiled kernel is the point of it.
     global _compiled_flex
     if _compiled_flex is None:
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
@@ -181,8 +215,8 @@ def _flex() -> Callable[..., torch.Tensor]:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LayerMask, scale: float) -> torch.Tensor:
     """Masked attention: q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hq > Hkv) -> [B, Hq, Q, D]."""
     gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, BlockMask):
-        fn = _flex() if q.device.type == "cuda" else flex_attention
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if isinstance(mask, FlexMask):
+        fn = compiled_flex_attention() if mask.compiled else flex_attention
+        return fn(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bias.to(q.dtype), scale=scale, enable_gqa=gqa)
     return out * mask.row_has_key.to(out.dtype)
