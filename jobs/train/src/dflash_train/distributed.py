@@ -9,6 +9,12 @@ two CPU processes in tests.
 - fsdp: the target's decoder layers are sharded with FSDP2 (`fully_shard`, gathered one layer at a time
   in its forward) and so is the drafter (per layer, plus the root); the target's embedding and LM head
   stay whole on every rank because the drafter reads them directly.
+  On one node the mesh is flat (all ranks shard). A job over several nodes gets a 2-D mesh, HSDP:
+  parameters are sharded within a node and replicated across nodes, so the all-gathers of every forward
+  and the gradient reduce-scatters stay on the node's NVLink and only the (already reduced) gradient
+  shards are all-reduced across nodes, once per step. The node count is taken from torchrun's
+  environment (WORLD_SIZE / LOCAL_WORLD_SIZE: the pods of a multi-node Job each run one torchrun agent
+  with --nproc-per-node = its GPUs), not from the config, so it always matches the ranks that exist.
 - auto: ddp when the bf16 target plus the drafter with fp32 master weights, gradients and AdamW moments
   take under 80% of one device's memory, else fsdp.
 """
@@ -16,6 +22,7 @@ two CPU processes in tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -27,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from dflash_shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +53,28 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
+    # Ranks on this node (torchrun's LOCAL_WORLD_SIZE); None: all ranks are on one node.
+    local_world_size: int | None = None
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """FSDP's mesh: (world,) on one node, (nodes, ranks per node) across nodes (see `mesh_shape`)."""
+        return mesh_shape(self.world_size, self.local_world_size or self.world_size)
+
+    @functools.cached_property
+    def mesh(self) -> Any:
+        """The DeviceMesh FSDP shards over, made once per process (every rank must call it together)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = self.mesh_shape
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        log.info("FSDP mesh %s over %s", dict(zip(names, shape, strict=True)), self.device.type)
+        return mesh
 
     @property
     def is_main(self) -> bool:
@@ -89,11 +116,23 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def mesh_shape(world_size: int, ranks_per_node: int) -> tuple[int, ...]:
+    """(world_size,) when every rank is on one node, else (nodes, ranks_per_node) for HSDP."""
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ConfigError(
+            f"{world_size} ranks do not split into nodes of {ranks_per_node} (torchrun's LOCAL_WORLD_SIZE): "
+            "every pod of a multi-node run must start the same --nproc-per-node"
+        )
+    nodes = world_size // ranks_per_node
+    return (world_size,) if nodes == 1 else (nodes, ranks_per_node)
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
     """Join the process group torchrun set up (if any) and pick this rank's device."""
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -107,7 +146,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 device_id=where if use_cuda else None)
         log.info("joined process group: rank %d of %d (%s), device %s", rank, world, backend, where)
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=where)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=where, local_world_size=local_world)
 
 
 def shutdown(env: DistEnv) -> None:
@@ -145,17 +184,24 @@ class DrafterDDP(DistributedDataParallel):
             return getattr(self.module, name)
 
 
-def _mesh(env: DistEnv) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(env.device.type, (env.world_size,))
+def move_to_device(module: nn.Module, device: torch.device) -> None:
+    """`module.to(device)` for what is materialised; parameters still on the meta device stay there (the
+    rank-0 broadcast of `target_loading` fills them in on the device)."""
+    for param in module.parameters():
+        if not param.is_meta and param.device != device:
+            param.data = param.data.to(device)  # the same Parameter object: tied weights stay tied
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
 
 
 def shard_target(target_model: nn.Module, env: DistEnv) -> None:
     """FSDP2-shard each decoder layer of the frozen target; the rest (embedding, head, norm) stays whole.
 
-    The model arrives in host memory. Everything but the layers moves to the device whole; then each
-    layer is sharded, which places only this rank's shard of it on the device.
+    Everything but the layers moves to the device whole; then each layer is sharded over `env.mesh`,
+    which places only this rank's shard of it on the device. Parameters on the meta device (a rank
+    that did not read the checkpoint) become meta shards, filled in by the rank-0 broadcast.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -163,12 +209,11 @@ def shard_target(target_model: nn.Module, env: DistEnv) -> None:
     layers = decoder.layers
     decoder.layers = nn.ModuleList()
     try:
-        target_model.to(env.device)
+        move_to_device(target_model, env.device)
     finally:
         decoder.layers = layers
-    mesh = _mesh(env)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=env.mesh, reshard_after_forward=True)
 
 
 def wrap_drafter(drafter: nn.Module, parallelism: Parallelism, env: DistEnv, bf16: bool) -> nn.Module:
@@ -181,7 +226,7 @@ def wrap_drafter(drafter: nn.Module, parallelism: Parallelism, env: DistEnv, bf1
         return DrafterDDP(drafter)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = _mesh(env)
+    mesh = env.mesh
     # Gathered weights in bf16 for compute, gradients reduced in fp32; the sharded masters stay fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else (
         MixedPrecisionPolicy())
@@ -189,6 +234,16 @@ def wrap_drafter(drafter: nn.Module, parallelism: Parallelism, env: DistEnv, bf1
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(drafter, mesh=mesh, mp_policy=policy)
     return drafter
+
+
+def mesh_of(model: nn.Module) -> dict[str, int] | None:
+    """The mesh the model's parameters are actually sharded over ({"replicate": 2, "shard": 8}), or None
+    when they are plain tensors (world 1, DDP): recorded in the manifest from the parameters themselves."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return dict(zip(names, (int(n) for n in mesh.shape), strict=True))
 
 
 @contextlib.contextmanager

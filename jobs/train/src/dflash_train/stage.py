@@ -256,7 +256,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
     from dflash_train import data, distributed, optim
     from dflash_train.metrics import MetricsSink
     from dflash_train.model import DFlashDrafter
-    from dflash_train.target import FrozenTarget
+    from dflash_train.target_loading import load_target
     from dflash_train.trainer import Trainer
 
     config, cfg = resolved.config, resolved.drafter
@@ -272,13 +272,9 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
         parallelism = distributed.choose_parallelism(
             config.parallelism, target_replica_bytes(resolved.target_dir, dtype.itemsize), drafter_params, env)
         sharded = parallelism == "fsdp" and env.distributed
-        # A sharded target is read into host memory first; each rank then keeps its shard on the device.
-        target = FrozenTarget.from_pretrained(resolved.target_dir, cfg.target_layer_ids,
-                                              device="cpu" if sharded else env.device, dtype=dtype,
-                                              attn_implementation=config.target_attn_implementation,
-                                              packing=config.target_packing)
-        if sharded:
-            distributed.shard_target(target.model, env)
+        # Rank 0 reads the checkpoint and broadcasts it: no rank but rank 0 holds a host copy of the target.
+        target = load_target(resolved.target_dir, cfg.target_layer_ids, env, sharded, dtype,
+                             attn_implementation=config.target_attn_implementation, packing=config.target_packing)
         log.info("drafter %.1fM parameters, %s, %d step(s), target %s on %s", drafter_params / 1e6, parallelism,
                  steps, resolved.target_dir, env.device)
         trainer = Trainer(config, cfg, target, plan, cache, env, store, scratch, parallelism, steps,
@@ -297,7 +293,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
         assert final is not None
         manifest = build_manifest(resolved, final, result.final_metrics,
                                   {"world_size": env.world_size, "parallelism": parallelism,
-                                   "total_steps": trainer.total_steps})
+                                   "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps})
         uri, _ = write_manifest(store, config.output, manifest)
         log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
                  result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))
