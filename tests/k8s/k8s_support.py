@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
+import jsonschema
 import yaml
-from kubernetes_validate.utils import ValidationError
+from kubernetes_validate.utils import SchemaNotFoundError, all_versions, major_minor, schema_contents
+from referencing import Registry, Resource
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_RUN = REPO_ROOT / "k8s" / "example-run.toml"
@@ -19,14 +22,43 @@ OVERLAYS = REPO_ROOT / "k8s" / "overlays"
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]
 
 
+def _strict_folder(version: str) -> str:
+    bundled = [v for v in all_versions() if major_minor(v) == version]
+    assert bundled, f"kubernetes-validate has no schemas for Kubernetes {version}"
+    return f"kubernetes-json-schema/v{bundled[-1]}-local-strict"
+
+
+@functools.cache
+def _definitions(version: str) -> Resource[Any]:
+    return Resource.from_contents(schema_contents(f"{_strict_folder(version)}/_definitions.json", version))
+
+
+@functools.cache
+def _strict_validator(version: str, api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    """The validator `kubernetes_validate.validate(doc, version, strict=True)` builds, built once.
+
+    The library reads a kind's schema and the multi-megabyte definitions file on every call (~50 ms); the
+    same files, the same registry and the same Draft 2020-12 validator, kept per (version, kind), take ~5 ms
+    a document, which keeps validating every object for seven versions a matter of seconds.
+    """
+    # "batch/v1" -> "batch-v1", "rbac.authorization.k8s.io/v1" -> "rbac-v1": the library's file names.
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = schema_contents(f"{_strict_folder(version)}/{kind.lower()}-{group_version}.json", version)
+    except FileNotFoundError:
+        raise SchemaNotFoundError(version=version, kind=kind, api_version=api_version) from None
+    registry = _definitions(version) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
 def schema_errors(docs: list[dict[str, Any]], versions: list[str] = VERSIONS) -> list[str]:
     """Every strict-schema error of every document for every version, as readable lines."""
     errors = []
     for version in versions:
         for doc in docs:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except ValidationError as err:
+            err = jsonschema.exceptions.best_match(
+                _strict_validator(version, doc["apiVersion"], doc["kind"]).iter_errors(doc))
+            if err is not None:
                 where = ".".join(str(p) for p in err.path) or "(document)"
                 errors.append(f"{version} {doc['kind']}/{doc['metadata']['name']}: {where}: {err.message}")
     return errors
@@ -48,12 +80,8 @@ class KustomizeError(RuntimeError):
 
 
 def jobs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Stage name -> the Job the run driver creates from the stage's template (a suspended CronJob)."""
-    from dflash_pipeline.kube import template_from_cronjob
-
-    templates = [template_from_cronjob(d) for d in docs if d["kind"] == "CronJob"
-                 and d["metadata"]["labels"].get("dflash-pipeline/role") == "stage-template"]
-    return {t.stage: t.body for t in templates}
+    """Stage name -> Job."""
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "Job"}
 
 
 def containers(job: dict[str, Any]) -> list[dict[str, Any]]:

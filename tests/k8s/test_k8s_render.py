@@ -111,7 +111,8 @@ def test_optional_settings_reach_the_manifests() -> None:
         assert env_of(container)["AWS_ENDPOINT_URL"] == "http://minio.minio:9000"
         assert env_of(container)["AWS_REQUEST_CHECKSUM_CALCULATION"] == "when_required"
     main = pod["containers"][0]
-    assert main["resources"]["limits"] == {"memory": "80Gi", "cpu": "16", "nvidia.com/gpu": 2}
+    assert main["resources"]["limits"] == {"memory": "80Gi", "cpu": "16", "nvidia.com/gpu": 2,
+                                           "ephemeral-storage": "59Gi"}
     assert env_of(main)["VLLM_LOGGING_LEVEL"] == "INFO"
     assert env_of(main)["DFLASH_GENERATE_TENSOR_PARALLEL_SIZE"] == "2"
 

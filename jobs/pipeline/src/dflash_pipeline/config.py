@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflash_pipeline.k8s_names import AnnotationMap, ExtraResources, LabelMap, LabelValue
 from dflash_shared.errors import ConfigError
 
 # Kubernetes quantities as written in manifests ("500m", "4", "16Gi", "1.5G"); the schema validator
@@ -95,7 +96,11 @@ class JobSettings(_Frozen):
     memory: Quantity = Field(default="2Gi", description="Memory request of the stage container.")
     cpu_limit: Quantity | None = Field(default=None, description="CPU limit; None leaves CPU unthrottled.")
     memory_limit: Quantity | None = Field(default=None, description="Memory limit; None means equal to the request.")
-    scratch_size: Quantity = Field(default="10Gi", description="sizeLimit of the scratch emptyDir (TMPDIR).")
+    scratch_size: Quantity = Field(
+        default="10Gi",
+        description="Working space of the scratch emptyDir (TMPDIR) besides the target copy: a stage that copies the "
+        "target there gets target.disk_size more (sizeLimit and ephemeral-storage request).",
+    )
     home_size: Quantity = Field(default="2Gi", description="sizeLimit of the home emptyDir (library caches).")
     shm_size: Quantity | None = Field(
         default=None, description="Memory-backed /dev/shm of this size (GPU stages); counts against memory."
@@ -114,13 +119,43 @@ class JobSettings(_Frozen):
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations.")
     runtime_class_name: str | None = Field(default=None, description="Pod runtimeClassName (e.g. 'nvidia').")
-    priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
+    priority_class_name: str | None = Field(
+        default=None, description="Pod priorityClassName; default: scheduling.priority_class_name."
+    )
+    queue_name: LabelValue | None = Field(
+        default=None, description="Kueue LocalQueue of this stage's Job; default: scheduling.queue_name."
+    )
+    workload_priority_class: LabelValue | None = Field(
+        default=None, description="Kueue WorkloadPriorityClass of this stage; default: scheduling's."
+    )
+    job_labels: LabelMap = Field(default_factory=dict, description="Job labels, over scheduling.job_labels.")
+    job_annotations: AnnotationMap = Field(
+        default_factory=dict, description="Job annotations, over scheduling.job_annotations."
+    )
+    pod_labels: LabelMap = Field(default_factory=dict, description="Pod labels, over scheduling.pod_labels.")
+    pod_annotations: AnnotationMap = Field(
+        default_factory=dict, description="Pod annotations, over scheduling.pod_annotations."
+    )
+    extra_resources: ExtraResources = Field(
+        default_factory=dict,
+        description="Extended resources per pod besides the GPUs, requested and limited alike (devices cannot be "
+        "overcommitted): e.g. {\"rdma/ib\" = \"1\"} for InfiniBand/RoCE through an RDMA device plugin.",
+    )
     termination_grace_seconds: int = Field(
         default=120, ge=1, description="Time between SIGTERM and SIGKILL: enough to commit the shard in flight."
     )
-    active_deadline_seconds: int | None = Field(default=None, ge=1, description="Job activeDeadlineSeconds.")
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=0,
+        description="Job activeDeadlineSeconds: the whole Job fails (its pods are stopped) once it has run this "
+        "long, so a hung pod cannot hold its GPUs forever. Each stage has a default (STAGE_DEFAULTS); 0: none.",
+    )
     ttl_seconds_after_finished: int = Field(
         default=3 * 86400, ge=0, description="Delete the finished Job (and its pods) after this long."
+    )
+    wait_for_input_seconds: int = Field(
+        default=2 * 86400, ge=0,
+        description="An init container waits this long for the input manifest (0: no wait); the Jobs of a run "
+        "can then be applied together. On timeout the pod exits 65 and the Job fails.",
     )
     config: dict[str, ConfigValue] = Field(
         default_factory=dict,
@@ -139,6 +174,8 @@ class JobSettings(_Frozen):
             raise ValueError(f"max_failed_shards {self.max_failed_shards} exceeds shards {self.shards}")
         if self.gpu_types and not self.gpus:
             raise ValueError("gpu_types is set but gpus is 0")
+        if self.gpu_resource in self.extra_resources:
+            raise ValueError(f"extra_resources names the GPU resource {self.gpu_resource!r}; set `gpus` instead")
         for key in self.config:
             if not _CONFIG_KEY.match(key):
                 raise ValueError(f"config key {key!r} must be a stage config field name such as 'max_length'")
@@ -154,34 +191,44 @@ class JobSettings(_Frozen):
         return self
 
 
+HOUR = 3600
+DAY = 24 * HOUR
 # Per-stage defaults, merged under whatever the run file sets for that stage.
+#
+# Deadlines (activeDeadlineSeconds) bound a Job that stopped making progress without exiting (a hung NCCL
+# collective, an engine that deadlocked): without one it holds its nodes forever. Each is several times what
+# the stage takes on a headline run (Qwen3.6-27B, ~900K prompts, 64 generate pods, 4 x 8-GPU training:
+# `pipeline plan` says), so preemptions and retries fit; a Job stopped by its deadline resumes from its
+# committed shards or checkpoint when submitted again. Scratch sizes exclude the target copy (added per run).
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "import": {"cpu": "1", "memory": "2Gi", "scratch_size": "10Gi", "termination_grace_seconds": 60},
+    "import": {"cpu": "1", "memory": "2Gi", "scratch_size": "10Gi", "termination_grace_seconds": 60,
+               "active_deadline_seconds": 6 * HOUR},
     "generate": {
-        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "16Gi",
-        "termination_grace_seconds": 300,
+        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "20Gi", "home_size": "20Gi", "shm_size": "16Gi",
+        "termination_grace_seconds": 300, "active_deadline_seconds": 3 * DAY,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
-    "tokenize": {"cpu": "4", "memory": "8Gi", "scratch_size": "20Gi"},
-    # Scratch holds the target copy and the data shard cache (the stage's preflight wants 200 GiB free by
+    "tokenize": {"cpu": "4", "memory": "8Gi", "scratch_size": "20Gi", "active_deadline_seconds": 12 * HOUR},
+    # Scratch holds the data shard cache beside the target copy (the stage's preflight wants 200 GiB free by
     # default); the grace period covers finishing the step in flight and writing its checkpoint.
     "train": {
-        "gpus": 1, "cpu": "16", "memory": "128Gi", "scratch_size": "300Gi", "home_size": "20Gi", "shm_size": "16Gi",
-        "termination_grace_seconds": 900,
+        "gpus": 1, "cpu": "16", "memory": "128Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "16Gi",
+        "termination_grace_seconds": 900, "active_deadline_seconds": 7 * DAY,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
     # Reads the final checkpoint's weights on the CPU and writes the serving files.
-    "export": {"cpu": "4", "memory": "32Gi", "scratch_size": "50Gi", "home_size": "5Gi"},
+    "export": {"cpu": "4", "memory": "32Gi", "scratch_size": "50Gi", "home_size": "5Gi",
+               "active_deadline_seconds": 6 * HOUR},
     # One process on one GPU: the target and two drafters (trained, untrained baseline) in memory.
     "evaluate": {
-        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "8Gi",
-        "termination_grace_seconds": 60,
+        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "20Gi", "home_size": "20Gi", "shm_size": "8Gi",
+        "termination_grace_seconds": 60, "active_deadline_seconds": 1 * DAY,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
     # vLLM on the target with the exported drafter, then without it: like a generate pod, one engine.
     "serve-check": {
-        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "200Gi", "home_size": "20Gi", "shm_size": "16Gi",
-        "termination_grace_seconds": 60,
+        "gpus": 1, "cpu": "8", "memory": "64Gi", "scratch_size": "20Gi", "home_size": "20Gi", "shm_size": "16Gi",
+        "termination_grace_seconds": 60, "active_deadline_seconds": 1 * DAY,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
 }
@@ -249,6 +296,11 @@ class TargetModel(_Frozen):
     enable_thinking: bool | None = Field(
         default=None, description="Thinking mode for generation and tokenization; None keeps each stage's default."
     )
+    disk_size: Quantity | None = Field(
+        default=None,
+        description="Bytes of the model directory, which the GPU stages copy to their scratch: sizes their "
+        "ephemeral-storage requests. Default: the parameter count in model_id ('27B') x 2 bytes (bf16) + 10%.",
+    )
 
 
 class SourceData(_Frozen):
@@ -299,6 +351,31 @@ class StorageAccess(_Frozen):
         return self.secret_name or "dflash-s3"
 
 
+class SchedulingSettings(_Frozen):
+    """Run-wide hooks for the cluster's scheduler and admission (Kueue), webhooks and policies.
+
+    Every stage inherits these; a stage's own settings of the same name win (maps: key by key). Labels and
+    annotations go where their consumer reads them: Kueue and most policies read the Job's, webhooks that
+    mutate pods (Azure workload identity's `azure.workload.identity/use`, Multus networks) read the pod's.
+    """
+
+    queue_name: LabelValue | None = Field(
+        default=None,
+        description="Kueue LocalQueue: the Job label kueue.x-k8s.io/queue-name. Kueue then creates each Job "
+        "suspended and admits it when the queue's quota fits all its pods.",
+    )
+    workload_priority_class: LabelValue | None = Field(
+        default=None, description="Kueue WorkloadPriorityClass: the Job label kueue.x-k8s.io/priority-class."
+    )
+    priority_class_name: str | None = Field(
+        default=None, description="Pod priorityClassName (kube-scheduler priority and preemption)."
+    )
+    job_labels: LabelMap = Field(default_factory=dict, description="Labels of every Job.")
+    job_annotations: AnnotationMap = Field(default_factory=dict, description="Annotations of every Job.")
+    pod_labels: LabelMap = Field(default_factory=dict, description="Labels of every pod.")
+    pod_annotations: AnnotationMap = Field(default_factory=dict, description="Annotations of every pod.")
+
+
 class RunConfig(_Frozen):
     """One pipeline run: rendered into the Jobs of every stage with their prefixes wired together."""
 
@@ -316,6 +393,9 @@ class RunConfig(_Frozen):
     storage: StorageAccess = Field(default_factory=StorageAccess, description="S3 access of the pods.")
     stages: StagesSettings = Field(default_factory=lambda: StagesSettings.model_validate({}),
                                    description="Per-stage settings.")
+    scheduling: SchedulingSettings = Field(
+        default_factory=SchedulingSettings, description="Labels, annotations, queue and priority of every stage."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -7,8 +7,8 @@ settings to its preflight and its run. Exit codes map onto the Job's podFailureP
 `dflash_shared.exit_codes`): bad configuration and bad input fail the Job at once, preemption is not
 counted as a failure, anything else is retried per index.
 
-No stage Job waits for its input: the run driver (`driver_objects`, `driver`) creates each Job only once
-its upstream manifest is committed, so a pod never holds a node (GPUs included) while it waits.
+Stages that read an upstream manifest get an init container that waits for it, so all Jobs of a run can
+be applied at once and start in order.
 
 The train stage is one process group rather than shards: a pod with several GPUs runs torchrun
 (`--standalone`), and a Job of several nodes is an Indexed Job with one pod per node (completions =
@@ -24,6 +24,15 @@ from typing import Any
 
 from dflash_pipeline.config import JobSettings, RunConfig
 from dflash_pipeline.layout import layout
+from dflash_pipeline.scheduling import (
+    active_deadline_seconds,
+    device_resources,
+    ephemeral_storage,
+    job_metadata,
+    pod_metadata,
+    priority_class_name,
+    scratch_limit,
+)
 from dflash_pipeline.stages import (
     EVALUATE,
     EXPORT,
@@ -62,6 +71,7 @@ CONTAINER_SECURITY = {
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
+WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
 RENDEZVOUS_PORT = 29500
 # How long the first torchrun waits for the others: pods of one Job can start minutes apart (image pulls).
 RENDEZVOUS_JOIN_TIMEOUT_S = 1800
@@ -177,20 +187,27 @@ def _with_credentials(run: RunConfig, container: dict[str, Any]) -> dict[str, An
     return container
 
 
-def _resources(settings: JobSettings) -> dict[str, Any]:
-    requests = {"cpu": settings.cpu, "memory": settings.memory}
-    limits: dict[str, Any] = {"memory": settings.memory_limit or settings.memory}
+def _resources(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
+    # Node disk is requested like memory and limited to the same amount: the scheduler only places the pod
+    # where its emptyDirs fit, and a pod that writes more is evicted instead of filling a neighbour's disk.
+    disk = ephemeral_storage(run, stage, settings, TMP_SIZE)
+    requests: dict[str, Any] = {"cpu": settings.cpu, "memory": settings.memory, "ephemeral-storage": disk}
+    limits: dict[str, Any] = {"memory": settings.memory_limit or settings.memory, "ephemeral-storage": disk}
     if settings.cpu_limit:
         limits["cpu"] = settings.cpu_limit
-    if settings.gpus:
-        limits[settings.gpu_resource] = settings.gpus
+    devices = device_resources(settings)
+    # GPUs keep their limit only (the request follows it); extra devices are written out in both.
+    requests.update({k: v for k, v in devices.items() if k != settings.gpu_resource})
+    limits.update(devices)
     return {"requests": requests, "limits": limits}
 
 
-def _volumes(settings: JobSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    run: RunConfig, stage: StageDef, settings: JobSettings
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, mounts): writable emptyDirs for a read-only root filesystem, and /dev/shm for GPU stages."""
     volumes = [
-        {"name": "scratch", "emptyDir": {"sizeLimit": settings.scratch_size}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": scratch_limit(run, stage, settings)}},
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
         {"name": "home", "emptyDir": {"sizeLimit": settings.home_size}},
     ]
@@ -206,7 +223,7 @@ def _volumes(settings: JobSettings) -> tuple[list[dict[str, Any]], list[dict[str
     return volumes, mounts
 
 
-def _placement(settings: JobSettings) -> dict[str, Any]:
+def _placement(run: RunConfig, settings: JobSettings) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if settings.node_selector:
         spec["nodeSelector"] = dict(sorted(settings.node_selector.items()))
@@ -219,9 +236,26 @@ def _placement(settings: JobSettings) -> dict[str, Any]:
         spec["tolerations"] = [t.manifest() for t in settings.tolerations]
     if settings.runtime_class_name:
         spec["runtimeClassName"] = settings.runtime_class_name
-    if settings.priority_class_name:
-        spec["priorityClassName"] = settings.priority_class_name
+    if priority := priority_class_name(run, settings):
+        spec["priorityClassName"] = priority
     return spec
+
+
+def _wait_container(run: RunConfig, stage: StageDef, settings: JobSettings, image: str) -> dict[str, Any]:
+    manifest = stage.input_manifest(layout(run.root, run.run_id))
+    assert manifest is not None
+    return _with_credentials(run, {
+        "name": "wait-for-input",
+        "image": image,
+        "imagePullPolicy": run.images.pull_policy,
+        "command": ["python", "-m", "dflash_pipeline", "wait", "--manifest", manifest,
+                    "--timeout-seconds", str(settings.wait_for_input_seconds)],
+        "env": [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}, *storage_env(run)],
+        "resources": WAIT_RESOURCES,
+        "securityContext": CONTAINER_SECURITY,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}],
+    })
 
 
 def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
@@ -235,7 +269,7 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     env += [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR}]
     env += storage_env(run)
     env += [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
-    volumes, mounts = _volumes(settings)
+    volumes, mounts = _volumes(run, stage, settings)
     container = _with_credentials(run, {
         "name": stage.name,
         "image": image,
@@ -243,7 +277,7 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         "command": list(stage.command),
         **({"args": args} if (args := launch_args(run, stage, settings)) else {}),
         "env": env,
-        "resources": _resources(settings),
+        "resources": _resources(run, stage, settings),
         "securityContext": CONTAINER_SECURITY,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
@@ -260,16 +294,25 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     }
     if settings.nodes > 1:
         pod["subdomain"] = job_name(run, stage)
+    if stage.input_kind is not None and settings.wait_for_input_seconds:
+        pod["initContainers"] = [_wait_container(run, stage, settings, image)]
     pod["containers"] = [container]
     pod["volumes"] = volumes
-    pod.update(_placement(settings))
+    pod.update(_placement(run, settings))
     if run.images.pull_secrets:
         pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
     lay = layout(run.root, run.run_id)
     annotations = {"dflash-pipeline/output": stage.output_prefix(lay)}
     if (upstream := stage.input_manifest(lay)) is not None:
         annotations["dflash-pipeline/input"] = upstream
-    job_labels = labels(run, stage, settings)
+    own_labels = labels(run, stage, settings)
+    extra_labels, extra_annotations = job_metadata(run, stage, settings)
+    job_labels = {**own_labels, **extra_labels}
+    annotations.update(extra_annotations)
+    pod_labels, pod_annotations = pod_metadata(run, settings)
+    pod_meta: dict[str, Any] = {"labels": {**own_labels, **pod_labels}}
+    if pod_annotations:
+        pod_meta["annotations"] = pod_annotations
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": pods(stage, settings),
@@ -282,9 +325,9 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     # A replacement starts only once the failed pod is gone, so one index never has two writers.
     spec["podReplacementPolicy"] = "Failed"
     spec["ttlSecondsAfterFinished"] = settings.ttl_seconds_after_finished
-    if settings.active_deadline_seconds:
-        spec["activeDeadlineSeconds"] = settings.active_deadline_seconds
-    spec["template"] = {"metadata": {"labels": job_labels}, "spec": pod}
+    if deadline := active_deadline_seconds(settings):
+        spec["activeDeadlineSeconds"] = deadline
+    spec["template"] = {"metadata": pod_meta, "spec": pod}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -370,3 +413,13 @@ def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[Stage
 def stage_jobs(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
     """The Jobs of the run, upstream first; `only` restricts them to the named stages."""
     return [build_job(run, s) for s in selected_stages(run, only)]
+
+
+def render_documents(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """Everything `submit` applies: the namespace, the ServiceAccount, the Jobs (and the Service of a
+    multi-node Job). Never a Secret."""
+    if not run.root.startswith("s3://"):
+        raise ConfigError(f"root {run.root!r} is a local directory: pods can only exchange data through s3://")
+    head = [namespace(run)] if run.create_namespace else []
+    objects = [doc for stage in selected_stages(run, only) for doc in stage_objects(run, stage)]
+    return [*head, service_account(run), *objects]

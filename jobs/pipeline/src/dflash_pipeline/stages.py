@@ -64,6 +64,8 @@ class StageDef:
     # What torchrun starts on every rank ("-m", "<package>", "<command>") when a pod has several GPUs or
     # the Job several nodes; None: the stage is never launched with torchrun.
     rank_command: tuple[str, ...] | None = None
+    # True: the stage copies the target model into its scratch emptyDir, which is then sized for it.
+    copies_target: bool = False
 
     def config_fields(self) -> set[str] | None:
         """Field names of the stage's config, or None when neither its package nor its source is here."""
@@ -195,7 +197,7 @@ IMPORT_PROMPTS = StageDef(
 GENERATE = StageDef(
     name="generate", image="generator", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_GENERATE_",
     config_class="dflash_generate.config:GenerateConfig", input_kind=Kind.prompts, output_kind=Kind.completions,
-    wiring=_generate_wiring,
+    wiring=_generate_wiring, copies_target=True,
 )
 TOKENIZE = StageDef(
     name="tokenize", image="tokenizer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TOKENIZE_",
@@ -207,6 +209,7 @@ TRAIN = StageDef(
     name="train", image="trainer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TRAIN_",
     config_class="dflash_train.config:TrainConfig", input_kind=Kind.tokenized, output_kind=Kind.drafter,
     wiring=_train_wiring, defaults=_on_gpus, sharded=False, rank_command=("-m", "dflash_train", "run"),
+    copies_target=True,
 )
 # The serving files of the trained drafter (CPU): what engines load, and what evaluate measures.
 EXPORT = StageDef(
@@ -220,7 +223,7 @@ EVALUATE = StageDef(
     name="evaluate", image="trainer", command=(IMAGE_ENTRYPOINT, "evaluate"), env_prefix="DFLASH_EVALUATE_",
     config_class="dflash_train.evaluate_config:EvaluateConfig", input_kind=Kind.drafter,
     output_kind=Kind.evaluation, wiring=_evaluate_wiring, defaults=_evaluate_defaults, sharded=False,
-    input_folder=EXPORT_FOLDER,
+    input_folder=EXPORT_FOLDER, copies_target=True,
 )
 
 # The exported drafter in the real engine (generator image, one GPU): engine tau from vLLM's own counters
@@ -230,7 +233,7 @@ SERVE_CHECK = StageDef(
     name="serve-check", image="generator", command=(IMAGE_ENTRYPOINT, "serve-check"),
     env_prefix="DFLASH_SERVE_CHECK_", config_class="dflash_generate.serve_check:ServeCheckConfig",
     input_kind=Kind.evaluation, output_kind=Kind.evaluation, wiring=_serve_check_wiring, sharded=False,
-    output_folder=SERVING_FOLDER,
+    output_folder=SERVING_FOLDER, copies_target=True,
 )
 
 

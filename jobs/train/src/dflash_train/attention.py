@@ -22,14 +22,16 @@ graph per shape (a Python `if` on the window would be specialised into a second 
 masks of the same shape reuse the kernel. The anchor ladder of `dflash_train.anchors` bounds the shapes
 of a run (7 for block 16 and the 512-anchor cap). Past dynamo's recompile limit flex would fall back to an
 unfused kernel that materialises the full score matrix (~12 GB per layer at 512 anchors), so the limit is
-raised to `FLEX_RECOMPILE_LIMIT` when the compiled kernel is first made.
+raised to `FLEX_RECOMPILE_LIMIT` when the compiled kernel is first made. On CPU flex runs eagerly (a
+forward check) unless inside `compiled_flex_on_cpu`, which tests and benchmarks use to count compilations.
 
 `document_causal_mask_mod` is the target model's mask for packed rows: causal, same document only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,19 +123,7 @@ class SdpaMask:
     row_has_key: torch.Tensor
 
 
-@dataclass(frozen=True)
-class FlexMask:
-    """A flex attention BlockMask, and whether `attend` runs it through the compiled kernel.
-
-    Uncompiled flex attention materialises the scores (it is for forward checks on CPU); training on
-    CUDA always compiles. CPU tests and benchmarks compile on purpose to count compilations.
-    """
-
-    block_mask: BlockMask
-    compiled: bool
-
-
-LayerMask = FlexMask | SdpaMask
+LayerMask = BlockMask | SdpaMask
 
 
 @dataclass(frozen=True)
@@ -169,28 +159,24 @@ def build_drafter_mask(
     sliding_window: int | None,
     backend: Backend,
     dtype: torch.dtype = torch.float32,
-    compile_flex: bool | None = None,
 ) -> DrafterMask:
     """Build the masks of one step for every layer type in `layer_types` with the chosen backend.
 
-    `dtype` is the dtype of the SDPA float mask (the attention compute dtype). `compile_flex`: whether
-    flex attention runs compiled; None means on CUDA only.
+    `dtype` is the dtype of the SDPA float mask (the attention compute dtype).
     """
     rows, n_anchors = anchor_pos.shape
     seq = int(document_ids.shape[1])
     q_len = n_anchors * block_size
     kv_len = seq + q_len
     device = anchor_pos.device
-    compiled = device.type == "cuda" if compile_flex is None else compile_flex
     masks: dict[str, LayerMask] = {}
     for layer_type in sorted(set(layer_types)):
         window = sliding_window if layer_type == "sliding_attention" else None
         mod = drafter_mask_mod(anchor_pos, keep, document_ids, block_size, window)
         if backend == "flex":
-            block_mask = create_block_mask(
+            masks[layer_type] = create_block_mask(
                 mod, rows, None, q_len, kv_len, device=device, _compile=device.type == "cuda"
             )
-            masks[layer_type] = FlexMask(block_mask, compiled)
         else:
             allowed = materialize(mod, rows, q_len, kv_len, device)
             row_has_key = allowed.any(dim=-1, keepdim=True)
@@ -199,6 +185,23 @@ def build_drafter_mask(
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
+_compile_on_cpu = False
+
+
+@contextmanager
+def compiled_flex_on_cpu() -> Iterator[None]:
+    """Inside this block `attend` runs flex attention compiled on CPU too, as it always does on CUDA.
+
+    For tests and benchmarks that count compilations on a CPU machine (the compiled forward works on
+    CPU; its backward does not exist there). Outside it, CPU flex stays eager: a forward check that
+    needs no compile time.
+    """
+    global _compile_on_cpu
+    before, _compile_on_cpu = _compile_on_cpu, True
+    try:
+        yield
+    finally:
+        _compile_on_cpu = before
 
 
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
@@ -215,8 +218,8 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LayerMask, scale: float) -> torch.Tensor:
     """Masked attention: q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hq > Hkv) -> [B, Hq, Q, D]."""
     gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, FlexMask):
-        fn = compiled_flex_attention() if mask.compiled else flex_attention
-        return fn(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
+    if isinstance(mask, BlockMask):
+        fn = compiled_flex_attention() if q.device.type == "cuda" or _compile_on_cpu else flex_attention
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bias.to(q.dtype), scale=scale, enable_gqa=gqa)
     return out * mask.row_has_key.to(out.dtype)
