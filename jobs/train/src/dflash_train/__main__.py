@@ -26,9 +26,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     def run_() -> None:
         from dflash_train.config import TrainConfig
+        from dflash_train.gang import rank_exit
         from dflash_train.stage import run
 
-        run(parse_settings(TrainConfig, rest, prog="dflash-train run"))
+        # Under torchrun: a peer's failure exits 75, and the pod's entrypoint learns each rank's code.
+        with rank_exit():
+            run(parse_settings(TrainConfig, rest, prog="dflash-train run"))
 
     def export() -> None:
         from dflash_train.export import export_command
