@@ -68,7 +68,10 @@ def ephemeral_storage(run: RunConfig, stage: StageDef, settings: JobSettings, tm
 
 
 def device_resources(settings: JobSettings) -> dict[str, Any]:
-    """GPUs and extra devices (RDMA): limits only would do, but the same value goes into both for clarity."""
+    """The pod's devices by extended resource name: its GPUs, then the run file's extra ones (RDMA).
+
+    Extended resources cannot be overcommitted, so a request, where given, must equal the limit.
+    """
     out: dict[str, Any] = {}
     if settings.gpus:
         out[settings.gpu_resource] = settings.gpus
