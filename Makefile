@@ -75,8 +75,11 @@ demo: $(VENV_STAMP) venv-generate venv-train ## Run the whole pipeline on CPU wi
 	$(PY) demo/run_demo.py
 
 # ---------------------------------------------------------------- tests and checks
-test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the whole test suite (what CI runs)
+test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the test suite (what CI runs)
 	bash scripts/run-tests.sh $(PYTEST_ARGS)
+
+test-all: $(VENV_STAMP) venv-generate venv-train image-tools ## The test suite plus the `extended` tests
+	DFLASH_TESTS=all bash scripts/run-tests.sh $(PYTEST_ARGS)
 
 test-fast: $(VENV_STAMP) ## Unit tests only: no image builds, no vLLM, no long runs
 	$(PY) -m pytest -m "not slow and not image and not e2e" --ignore=tests/generate --ignore=tests/train \

@@ -8,11 +8,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# Tests marked `extended` repeat a covered path at a large cost (the dense target's end-to-end run): left out
+# unless DFLASH_TESTS=all (`make test-all`), so the default suite, which CI runs, stays well inside its time.
+# A -m given on the command line comes later and wins.
+marks=()
+[ "${DFLASH_TESTS:-default}" = all ] || marks=(-m "not extended")
+
 status=0
 run_suite() {
   local name=$1 python=$2; shift 2
   echo "=== ${name} ($python) ==="
-  "$python" -m pytest "$@" || { echo "=== ${name}: FAILED ==="; status=1; }
+  "$python" -m pytest "${marks[@]}" "$@" || { echo "=== ${name}: FAILED ==="; status=1; }
 }
 
 run_suite "shared, tokenize, k8s, images" .venv/bin/python --ignore=tests/generate --ignore=tests/train \
