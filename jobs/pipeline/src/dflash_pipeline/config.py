@@ -111,6 +111,11 @@ class JobSettings(_Frozen):
         description="Pods that run one stage process group together (train: one torchrun per pod, joined by a "
         "c10d rendezvous). Only the train stage takes more than 1; the others scale with `shards`.",
     )
+    gang: Literal["indexed-job", "jobset"] = Field(
+        default="indexed-job",
+        description="How a multi-node stage's pods run together: an Indexed Job the run driver creates (a failed "
+        "pod is replaced alone) or a JobSet (needs the JobSet controller; the whole gang restarts). See k8s/README.md.",
+    )
     gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
     gpu_types: list[str] = Field(
         default_factory=list, description="Allowed GPU products (node affinity on gpu_type_label); empty: any."

@@ -373,7 +373,11 @@ def serve_check_job(run: RunConfig) -> dict[str, Any]:
 
 
 def stage_objects(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:
-    """The stage's Job, preceded by its headless Service when it spans several nodes."""
+    """The stage's Job, preceded by its headless Service when it spans several nodes; or its JobSet."""
+    if run.stages.for_stage(stage.name).gang == "jobset":
+        from dflash_pipeline.jobset import build_jobset  # jobset builds on this module
+
+        return [build_jobset(run, stage)]
     job = build_job(run, stage)
     if run.stages.for_stage(stage.name).nodes > 1:
         return [rendezvous_service(run, stage), job]
