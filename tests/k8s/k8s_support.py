@@ -80,8 +80,12 @@ class KustomizeError(RuntimeError):
 
 
 def jobs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Stage name -> Job."""
-    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "Job"}
+    """Stage name -> the Job the run driver creates from the stage's template (a suspended CronJob)."""
+    from dflash_pipeline.kube import template_from_cronjob
+
+    templates = [template_from_cronjob(d) for d in docs if d["kind"] == "CronJob"
+                 and d["metadata"]["labels"].get("dflash-pipeline/role") == "stage-template"]
+    return {t.stage: t.body for t in templates}
 
 
 def containers(job: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -84,8 +83,8 @@ def test_import_and_tokenize_jobs_run_as_rendered(
     tokenize_runs = []
     for index in range(by_stage["tokenize"]["spec"]["completions"]):
         runs = run_pod(by_stage["tokenize"], index, secrets, tmp_path / f"tokenize-{index}")
-        _check(runs, ["wait-for-input", "tokenize"])
-        tokenize_runs.append(runs[1])
+        _check(runs, ["tokenize"])
+        tokenize_runs.append(runs[0])
 
     lay = layout(run.root, run.run_id)
     completions = load_manifest(store, lay.completions, Kind.completions)
@@ -107,16 +106,10 @@ def test_import_and_tokenize_jobs_run_as_rendered(
     assert statuses["tokenize"].records == 7 and statuses["tokenize"].shards_done == 2
 
 
-def _without_wait(job: dict[str, Any]) -> dict[str, Any]:
-    job = copy.deepcopy(job)
-    job["spec"]["template"]["spec"].pop("initContainers", None)
-    return job
-
-
 def test_a_misspelt_env_var_in_the_tokenize_job_exits_usage(
     s3_bucket: str, moto_endpoint: str, tmp_path: Path, secrets: dict[str, dict[str, str]]
 ) -> None:
-    job = _without_wait(jobs(render_documents(bucket_run(s3_bucket, moto_endpoint)))["tokenize"])
+    job = jobs(render_documents(bucket_run(s3_bucket, moto_endpoint)))["tokenize"]
     env = job["spec"]["template"]["spec"]["containers"][0]["env"]
     (item,) = [e for e in env if e["name"] == "DFLASH_TOKENIZE_INPUT"]
     item["name"] = "DFLASH_TOKENIZE_INPTU"

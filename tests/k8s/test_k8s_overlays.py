@@ -26,7 +26,9 @@ from tests.k8s.k8s_support import kustomize_build as build
 @pytest.mark.parametrize("overlay", sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()))
 def test_overlay_builds_and_validates(overlay: str) -> None:
     docs = build(OVERLAYS / overlay)
-    assert sorted(d["kind"] for d in docs) == ["Job"] * 7 + ["Namespace", "ServiceAccount"]
+    # The stage Jobs are templates (suspended CronJobs); the one Job applied is the run driver.
+    assert sorted(d["kind"] for d in docs) == (["CronJob"] * 7 + ["Job", "Namespace", "Role", "RoleBinding"]
+                                               + ["ServiceAccount"] * 2)
     assert schema_errors(docs) == []
 
 
@@ -83,10 +85,10 @@ def test_a_patch_that_no_longer_fits_the_base_fails_the_build(tmp_path: Path) ->
 resources:
   - ../local-cpu
 patches:
-  - target: {kind: Job, name: dflash-example-tokenize}
+  - target: {kind: CronJob, name: example-tokenize}
     patch: |-
       - op: test
-        path: /spec/template/spec/containers/0/name
+        path: /spec/jobTemplate/spec/template/spec/containers/0/name
         value: not-the-tokenize-container
 """)
     with pytest.raises(KustomizeError, match="test failed"):

@@ -96,9 +96,13 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 
 def test_optional_settings_reach_the_manifests() -> None:
     docs = render_documents(parse_run_config(everything_set()))
-    assert [d["kind"] for d in docs] == ["ServiceAccount"] + ["Job"] * 7
-    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
-    assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"}
+    # No Job is applied directly: the stages are templates the run driver (the one Job) instantiates.
+    assert [d["kind"] for d in docs] == (["ServiceAccount"] + ["CronJob"] * 7
+                                         + ["ServiceAccount", "Role", "RoleBinding", "Job"])
+    # The driver reads and writes the run's prefix too: its own account carries the same cloud identity.
+    for account in [d for d in docs if d["kind"] == "ServiceAccount"]:
+        assert account["metadata"]["annotations"] == {
+            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"}
     generate = jobs(docs)["generate"]
     pod = generate["spec"]["template"]["spec"]
     assert generate["spec"]["maxFailedIndexes"] == 1 and generate["spec"]["activeDeadlineSeconds"] == 86400
@@ -204,11 +208,13 @@ def test_prefixes_are_wired_stage_to_stage() -> None:
     assert (train["DFLASH_TRAIN_TARGET"] == gen["DFLASH_GENERATE_MODEL"] == tok["DFLASH_TOKENIZE_TOKENIZER"]
             == export["DFLASH_EXPORT_TARGET"] == evaluate["DFLASH_EVALUATE_TARGET"]
             == serve["DFLASH_SERVE_CHECK_TARGET"])
-    for stage, upstream in (("tokenize", "completions"), ("train", "tokenized"), ("export", "drafter"),
-                            ("evaluate", "export"), ("serve-check", "evaluation")):
-        wait = by_stage[stage]["spec"]["template"]["spec"]["initContainers"][0]
-        assert wait["command"][wait["command"].index("--manifest") + 1] == f"{run_prefix}/{upstream}/manifest.json"
-    assert "initContainers" not in by_stage["import"]["spec"]["template"]["spec"]
+    # The driver creates each Job once the manifest its template names as input is committed; no pod waits.
+    for stage, upstream in (("generate", "prompts"), ("tokenize", "completions"), ("train", "tokenized"),
+                            ("export", "drafter"), ("evaluate", "export"), ("serve-check", "evaluation")):
+        assert by_stage[stage]["metadata"]["annotations"]["dflash-pipeline/input"] == (
+            f"{run_prefix}/{upstream}/manifest.json")
+    assert "dflash-pipeline/input" not in by_stage["import"]["metadata"]["annotations"]
+    assert all("initContainers" not in job["spec"]["template"]["spec"] for job in by_stage.values())
     # The CPU request bounds the tokenizer's worker processes (a pod sees all of the node's cores).
     assert tok["DFLASH_TOKENIZE_WORKERS"] == "4"
 
@@ -313,8 +319,9 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
         doc, end = decoder.raw_decode(text.lstrip())
         found.append(doc)
         text = text.lstrip()[end:]
-    assert [d["kind"] for d in found] == ["Namespace", "ServiceAccount", "Job"]
-    assert found[2]["metadata"]["name"] == "dflash-example-tokenize"
+    driver = ["ServiceAccount", "Role", "RoleBinding", "Job"]
+    assert [d["kind"] for d in found] == ["Namespace", "ServiceAccount", "CronJob", *driver]
+    assert found[2]["metadata"]["annotations"]["dflash-pipeline/job-name"] == "dflash-example-tokenize"
 
     # A stand-in for kubectl that records what it is given: submit must pipe exactly the rendered stream.
     fake = tmp_path / "fake-kubectl"
@@ -326,7 +333,8 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
     assert submitted.returncode == 0, submitted.stderr
     assert (tmp_path / "args").read_text().split() == ["apply", "-f", "-"]
     assert (tmp_path / "stdin").read_text() == rendered.stdout == dry.stdout
-    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == ["Namespace", "ServiceAccount"] + ["Job"] * 7
+    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == [
+        "Namespace", "ServiceAccount", *["CronJob"] * 7, *driver]
 
     unknown = _cli("render", "--config", str(EXAMPLE_RUN), "--stage", "trian")
     assert unknown.returncode == ExitCode.USAGE and "unknown stage(s) trian" in unknown.stderr
@@ -340,7 +348,9 @@ def test_render_out_writes_the_base_and_removes_stale_files(tmp_path: Path) -> N
     done = _cli("render", "--config", str(EXAMPLE_RUN), "--out", str(tmp_path), env={**os.environ})
     assert done.returncode == 0, done.stderr
     names = sorted(p.name for p in tmp_path.glob("*.yaml"))
-    assert "job-old.yaml" not in names and "mine.yaml" in names and "job-tokenize.yaml" in names
+    assert "job-old.yaml" not in names and "mine.yaml" in names and "cronjob-tokenize.yaml" in names
+    driver_files = {"job-driver.yaml", "role-driver.yaml", "rolebinding-driver.yaml", "serviceaccount-driver.yaml"}
+    assert driver_files <= set(names)
     kustomization = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
     assert "secret.example.yaml" not in kustomization["resources"]
     assert all((tmp_path / name).is_file() for name in kustomization["resources"])

@@ -152,8 +152,8 @@ def test_export_and_evaluate_follow_training_in_the_trainer_image() -> None:
         assert main["image"] == main_container(by_stage["train"])["image"]
         assert main["command"] == ["/opt/dflash/entrypoint.sh", command] and "args" not in main
         assert job["spec"]["completions"] == 1 and "DFLASH_NUM_SHARDS" not in env_of(main)
-    waits = {s: by_stage[s]["spec"]["template"]["spec"]["initContainers"][0]["command"][-3] for s in by_stage
-             if s != "import"}
+    # The run driver creates each Job once the input its template names is committed.
+    waits = {s: by_stage[s]["metadata"]["annotations"]["dflash-pipeline/input"] for s in by_stage if s != "import"}
     assert waits["export"].endswith("/example/drafter/manifest.json")
     assert waits["evaluate"].endswith("/example/export/manifest.json")
     assert "nvidia.com/gpu" not in main_container(export)["resources"]["limits"]
@@ -223,14 +223,12 @@ def test_train_preempted_and_resumed_then_export_evaluate_and_serve_check_run_as
     output = env_of(main_container(job))["DFLASH_TRAIN_OUTPUT"]
     secrets = {"dflash-s3": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}}
 
-    # First pod: the wait container, then preflight + torchrun; SIGTERM once a checkpoint exists.
+    # First pod: preflight + torchrun (no init container: the driver created the Job once its input was
+    # committed); SIGTERM once a checkpoint exists.
     first = pod_containers(job, 0, secrets, tmp_path / "pod-a", TRAIN_VENV)
-    assert [c.name for c in first] == ["wait-for-input", "train"]
-    wait = subprocess.run(first[0].command, env=first[0].env, cwd=first[0].cwd, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert wait.returncode == 0, wait.stdout + wait.stderr
+    assert [c.name for c in first] == ["train"]
     log = tmp_path / "pod-a.log"
-    proc = start(first[1], log)
+    proc = start(first[0], log)
     deadline = time.monotonic() + 600
     try:
         while not checkpoint_steps(store, output):
@@ -258,7 +256,7 @@ def test_train_preempted_and_resumed_then_export_evaluate_and_serve_check_run_as
     assert f"(step {stopped}, saved by 2 rank(s)" in resumed
     assert checkpoint_steps(store, output)[-1] == 4
 
-    # Then the export and evaluate pods, each after its wait-for-input container.
+    # Then the export and evaluate pods.
     by_stage = jobs(render_documents(run))
     for stage in ("export", "evaluate"):
         for container in pod_containers(by_stage[stage], 0, secrets, tmp_path / stage, TRAIN_VENV):

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.jobs import PART_OF, namespace, service_account, stage_objects
+from dflash_pipeline.driver_objects import driver_objects
+from dflash_pipeline.jobs import PART_OF, namespace, service_account
+from dflash_pipeline.run_objects import stage_documents
 from dflash_pipeline.stages import plan
 from dflash_pipeline.yaml_out import dump_all
 
@@ -47,8 +49,10 @@ def base_files(run: RunConfig, config_name: str) -> dict[str, str]:
     files = {"namespace.yaml": dump_all([namespace(run)], header)} if run.create_namespace else {}
     files["serviceaccount.yaml"] = dump_all([service_account(run)], header)
     for stage in plan(run):
-        for doc in stage_objects(run, stage):
+        for doc in stage_documents(run, stage):
             files[f"{doc['kind'].lower()}-{stage.name}.yaml"] = dump_all([doc], header)
+    for doc in driver_objects(run):
+        files[f"{doc['kind'].lower()}-driver.yaml"] = dump_all([doc], header)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",

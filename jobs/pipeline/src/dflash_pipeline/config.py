@@ -157,11 +157,6 @@ class JobSettings(_Frozen):
     ttl_seconds_after_finished: int = Field(
         default=3 * 86400, ge=0, description="Delete the finished Job (and its pods) after this long."
     )
-    wait_for_input_seconds: int = Field(
-        default=2 * 86400, ge=0,
-        description="An init container waits this long for the input manifest (0: no wait); the Jobs of a run "
-        "can then be applied together. On timeout the pod exits 65 and the Job fails.",
-    )
     config: dict[str, ConfigValue] = Field(
         default_factory=dict,
         description="Stage config overrides by field name (max_length = 8192 becomes DFLASH_<STAGE>_MAX_LENGTH).",

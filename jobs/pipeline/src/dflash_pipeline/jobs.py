@@ -7,8 +7,8 @@ settings to its preflight and its run. Exit codes map onto the Job's podFailureP
 `dflash_shared.exit_codes`): bad configuration and bad input fail the Job at once, preemption is not
 counted as a failure, anything else is retried per index.
 
-Stages that read an upstream manifest get an init container that waits for it, so all Jobs of a run can
-be applied at once and start in order.
+No stage Job waits for its input: the run driver (`driver_objects`, `driver`) creates each Job only once
+its upstream manifest is committed, so a pod never holds a node (GPUs included) while it waits.
 
 The train stage is one process group rather than shards: a pod with several GPUs runs torchrun
 (`--standalone`), and a Job of several nodes is an Indexed Job with one pod per node (completions =
@@ -71,7 +71,6 @@ CONTAINER_SECURITY = {
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
-WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
 RENDEZVOUS_PORT = 29500
 # How long the first torchrun waits for the others: pods of one Job can start minutes apart (image pulls).
 RENDEZVOUS_JOIN_TIMEOUT_S = 1800
@@ -241,23 +240,6 @@ def _placement(run: RunConfig, settings: JobSettings) -> dict[str, Any]:
     return spec
 
 
-def _wait_container(run: RunConfig, stage: StageDef, settings: JobSettings, image: str) -> dict[str, Any]:
-    manifest = stage.input_manifest(layout(run.root, run.run_id))
-    assert manifest is not None
-    return _with_credentials(run, {
-        "name": "wait-for-input",
-        "image": image,
-        "imagePullPolicy": run.images.pull_policy,
-        "command": ["python", "-m", "dflash_pipeline", "wait", "--manifest", manifest,
-                    "--timeout-seconds", str(settings.wait_for_input_seconds)],
-        "env": [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}, *storage_env(run)],
-        "resources": WAIT_RESOURCES,
-        "securityContext": CONTAINER_SECURITY,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}],
-    })
-
-
 def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     """The Indexed Job of one stage; every stage goes through here."""
     settings = run.stages.for_stage(stage.name)
@@ -294,8 +276,6 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     }
     if settings.nodes > 1:
         pod["subdomain"] = job_name(run, stage)
-    if stage.input_kind is not None and settings.wait_for_input_seconds:
-        pod["initContainers"] = [_wait_container(run, stage, settings, image)]
     pod["containers"] = [container]
     pod["volumes"] = volumes
     pod.update(_placement(run, settings))
@@ -417,13 +397,3 @@ def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[Stage
 def stage_jobs(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
     """The Jobs of the run, upstream first; `only` restricts them to the named stages."""
     return [build_job(run, s) for s in selected_stages(run, only)]
-
-
-def render_documents(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """Everything `submit` applies: the namespace, the ServiceAccount, the Jobs (and the Service of a
-    multi-node Job). Never a Secret."""
-    if not run.root.startswith("s3://"):
-        raise ConfigError(f"root {run.root!r} is a local directory: pods can only exchange data through s3://")
-    head = [namespace(run)] if run.create_namespace else []
-    objects = [doc for stage in selected_stages(run, only) for doc in stage_objects(run, stage)]
-    return [*head, service_account(run), *objects]

@@ -1,10 +1,11 @@
-"""Wait for an upstream manifest: the init container that lets every Job of a run be applied at once.
+"""Wait for a manifest from a script: `python -m dflash_pipeline wait --manifest .../evaluation/manifest.json`.
 
-A downstream pod starts, finds its input manifest missing, and polls until the upstream stage writes it
-(the manifest is the upstream's commit point, so its presence means the input is complete). Storage
-errors while polling are logged and retried: the upstream may still be running for hours. Running out
-of time exits BAD_INPUT (65), which the Job's podFailurePolicy turns into a failed Job instead of a
-retry that would wait just as long again.
+No stage Job waits any more (the run driver creates each Job once its input is committed, see `driver`);
+this is for a CI step or a shell that should block until a run, or one stage of it, has committed. The
+manifest is the stage's commit point, so its presence means the output is complete. "Not there yet" and
+transient storage errors are retried; an error no retry can heal (access denied, no such bucket, an endpoint
+nobody answers on: `StorageError.is_environment`) exits ENVIRONMENT (69) at once, naming it. Running out of
+time exits BAD_INPUT (65).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def wait_for_manifest(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
-    """0 once `uri` exists, BAD_INPUT when `timeout_s` passes first."""
+    """0 once `uri` exists, BAD_INPUT when `timeout_s` passes first, ENVIRONMENT on a storage error of access."""
     start = clock()
     last_report = None
     while True:
@@ -38,6 +39,9 @@ def wait_for_manifest(
                 logger.info("input manifest %s is present after %.0f s", uri, clock() - start)
                 return ExitCode.OK
         except StorageError as err:
+            if err.is_environment:
+                logger.error("cannot check %s: %s; exit %d", uri, err, ExitCode.ENVIRONMENT)
+                return ExitCode.ENVIRONMENT
             logger.warning("cannot check %s yet: %s", uri, err)
         waited = clock() - start
         if waited >= timeout_s:

@@ -1,0 +1,184 @@
+"""What `kubectl apply -k` creates for a run: the stage Job templates and the run driver that instantiates them.
+
+No stage Job is applied directly. Each stage's rendered Job travels as the `jobTemplate` of a suspended
+CronJob that never fires (the API's one object that stores a complete Job spec without running it), and a
+small CPU Job, the run driver, creates the stage Job from it once the stage's input manifest is in S3.
+
+Why CronJob templates rather than ConfigMaps holding the Job YAML (or the run file):
+- kustomize still patches them: the overlays' JSON 6902 patches and the `images` transformer reach a
+  CronJob's `spec.jobTemplate`, never text inside a ConfigMap;
+- the API server validates every stage's Job spec (schema, admission policies) at `kubectl apply`, not
+  days later when the driver creates the train Job after generation;
+- `kubectl create job NAME --from=cronjob/TEMPLATE` is a manual fallback anyone knows.
+
+The driver runs as its own ServiceAccount with a namespaced Role: read the templates, create and read Jobs,
+list pods (for a failed pod's exit code and termination message). The stages' ServiceAccount keeps no
+Kubernetes API access at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.jobs import CONTAINER_SECURITY, HOME_DIR, PART_OF, POD_SECURITY, storage_env
+from dflash_shared.exit_codes import ExitCode
+
+# Labels and annotations the driver finds its templates by.
+ROLE_LABEL = "dflash-pipeline/role"
+TEMPLATE_ROLE = "stage-template"
+DRIVER_ROLE = "driver"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+JOB_NAME_ANNOTATION = "dflash-pipeline/job-name"
+ORDER_ANNOTATION = "dflash-pipeline/order"
+INPUT_ANNOTATION = "dflash-pipeline/input"
+OUTPUT_ANNOTATION = "dflash-pipeline/output"
+# Set on every Job the driver creates, so `kubectl get jobs -l` tells them from hand-made ones.
+CREATED_BY_LABEL = "dflash-pipeline/created-by"
+# February 31st: a schedule that never comes, so even an unsuspended template starts nothing.
+NEVER = "0 0 31 2 *"
+# The API server refuses CronJob names over 52 characters (it appends an 11-character suffix to Job names).
+MAX_TEMPLATE_NAME = 52
+DRIVER_IMAGE = "pipeline"
+DRIVER_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+DRIVER_TTL_S = 3 * 86400
+# The driver's exit code when a stage Job failed: retrying the driver cannot help until someone fixes the
+# stage and deletes its failed Job, so the driver Job's podFailurePolicy fails it at once.
+STAGE_FAILED = ExitCode.BAD_INPUT
+
+
+def template_name(run_id: str, stage: str) -> str:
+    """`<run_id>-<stage>`: the stage's Job name is `dflash-<run_id>-<stage>`, up to 55 characters, too long."""
+    name = f"{run_id}-{stage}"
+    assert len(name) <= MAX_TEMPLATE_NAME, name  # MAX_RUN_ID leaves room for the longest stage name
+    return name
+
+
+def driver_name(run_id: str) -> str:
+    return f"dflash-{run_id}-driver"
+
+
+def stage_template(job: dict[str, Any], order: int) -> dict[str, Any]:
+    """The stage Job as a suspended CronJob's jobTemplate; its labels let the overlays' patches find it."""
+    meta = job["metadata"]
+    labels = dict(meta["labels"])
+    stage = labels["app.kubernetes.io/component"]
+    annotations = {**meta.get("annotations", {}), JOB_NAME_ANNOTATION: meta["name"], ORDER_ANNOTATION: str(order)}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": {"name": template_name(labels[INSTANCE_LABEL], stage), "namespace": meta["namespace"],
+                     "labels": {**labels, ROLE_LABEL: TEMPLATE_ROLE}, "annotations": annotations},
+        "spec": {
+            "schedule": NEVER,
+            "suspend": True,
+            "concurrencyPolicy": "Forbid",
+            "jobTemplate": {"metadata": {"labels": labels, "annotations": dict(meta.get("annotations", {}))},
+                            "spec": job["spec"]},
+        },
+    }
+
+
+def _driver_labels(run: RunConfig) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "dflash-driver",
+        INSTANCE_LABEL: run.run_id,
+        "app.kubernetes.io/component": DRIVER_ROLE,
+        "app.kubernetes.io/part-of": PART_OF,
+        ROLE_LABEL: DRIVER_ROLE,
+    }
+
+
+def driver_service_account(run: RunConfig) -> dict[str, Any]:
+    # The same cloud identity as the stages' account: the driver reads and writes the run's prefix too
+    # (with workload identity, the role's trust policy must name this account as well).
+    metadata: dict[str, Any] = {"name": driver_name(run.run_id), "namespace": run.namespace,
+                                "labels": _driver_labels(run)}
+    if run.storage.service_account_annotations:
+        metadata["annotations"] = dict(sorted(run.storage.service_account_annotations.items()))
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata}
+
+
+def driver_role(run: RunConfig) -> dict[str, Any]:
+    """Only what the driver calls: no delete, no update, no suspend; nothing outside the namespace."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": driver_name(run.run_id), "namespace": run.namespace, "labels": _driver_labels(run)},
+        "rules": [
+            {"apiGroups": ["batch"], "resources": ["cronjobs"], "verbs": ["get", "list"]},
+            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "create"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        ],
+    }
+
+
+def driver_role_binding(run: RunConfig) -> dict[str, Any]:
+    name = driver_name(run.run_id)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": run.namespace, "labels": _driver_labels(run)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": run.namespace}],
+    }
+
+
+def driver_job(run: RunConfig) -> dict[str, Any]:
+    """The run driver: one small CPU pod that lives as long as the run."""
+    container: dict[str, Any] = {
+        "name": "driver",
+        "image": run.images.ref(DRIVER_IMAGE),
+        "imagePullPolicy": run.images.pull_policy,
+        "command": ["dflash-pipeline", "drive", "--run-id", run.run_id, "--root", run.root],
+        "env": [
+            # From the pod itself, so an overlay that moves the run to another namespace moves the driver too.
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "HOME", "value": HOME_DIR},
+            {"name": "TMPDIR", "value": "/tmp"},
+            *storage_env(run),
+        ],
+        "resources": DRIVER_RESOURCES,
+        "securityContext": CONTAINER_SECURITY,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}],
+    }
+    if run.storage.secret:
+        container["envFrom"] = [{"secretRef": {"name": run.storage.secret}}]
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": driver_name(run.run_id),
+        # The one pod of a run that talks to the API server.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": POD_SECURITY,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                    {"name": "home", "emptyDir": {"sizeLimit": "256Mi"}}],
+    }
+    if run.images.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
+    fail_now = [int(ExitCode.USAGE), int(ExitCode.ENVIRONMENT), int(STAGE_FAILED)]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": driver_name(run.run_id), "namespace": run.namespace, "labels": _driver_labels(run)},
+        "spec": {
+            # A restarted driver adopts the Jobs it created: a crash or an evicted node costs nothing.
+            "backoffLimit": 6,
+            "podFailurePolicy": {"rules": [
+                # Bad arguments, storage it may not use, a failed stage: the same again on every retry.
+                {"action": "FailJob", "onExitCodes": {"operator": "In", "values": fail_now}},
+                # Stopped (SIGTERM) or evicted: the replacement adopts the run where it stands.
+                {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [int(ExitCode.PREEMPTED)]}},
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]},
+            "ttlSecondsAfterFinished": DRIVER_TTL_S,
+            "template": {"metadata": {"labels": _driver_labels(run)}, "spec": pod},
+        },
+    }
+
+
+def driver_objects(run: RunConfig) -> list[dict[str, Any]]:
+    """ServiceAccount, Role, RoleBinding and Job of the run driver."""
+    return [driver_service_account(run), driver_role(run), driver_role_binding(run), driver_job(run)]

@@ -1,0 +1,245 @@
+"""The run driver's few calls to the Kubernetes API, through the official `kubernetes` client.
+
+    templates(run_id)      list the run's stage templates (suspended CronJobs)   batch/v1 cronjobs: list
+    job(name)              read a stage Job: its phase and failure reason        batch/v1 jobs: get
+    create_job(body)       create a stage Job (an existing one is adopted)       batch/v1 jobs: create
+    failure_detail(name)   a failed pod's container exit code and message        v1 pods: list
+
+Responses are read as raw JSON (`_preload_content=False`) rather than as the client's models: a client
+older than the cluster drops fields it has no model for (a Job's `podFailurePolicy` or `managedBy`
+would vanish from a template on its way to `create`), while the JSON is what the API server stored.
+
+`suspend` is never read to decide anything and never written: Kueue owns it on the Jobs it admits. A
+suspended Job is only reported as waiting for admission.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dflash_pipeline.driver_objects import (
+    CREATED_BY_LABEL,
+    DRIVER_ROLE,
+    INPUT_ANNOTATION,
+    INSTANCE_LABEL,
+    JOB_NAME_ANNOTATION,
+    ORDER_ANNOTATION,
+    OUTPUT_ANNOTATION,
+    ROLE_LABEL,
+    TEMPLATE_ROLE,
+)
+from dflash_shared.errors import PreflightError
+from dflash_shared.exit_codes import describe
+from dflash_shared.manifests import MANIFEST_NAME
+from dflash_shared.storage import join
+
+logger = logging.getLogger("dflash.pipeline.kube")
+JobPhase = Literal["created", "running", "succeeded", "failed"]
+# The Job controller labels every pod with its Job's name (Kubernetes >= 1.27).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# How much of a termination message goes into a reason: the last lines are where the error is.
+_MESSAGE_CHARS = 600
+
+
+class ClusterAccessError(PreflightError):
+    """The API server refused the driver (401/403: its Role lacks a permission). Exit 69; no retry helps."""
+
+
+class ClusterUnavailableError(RuntimeError):
+    """The API server could not be reached or answered an error worth retrying (5xx, timeouts)."""
+
+
+@dataclass(frozen=True)
+class StageTemplate:
+    """One stage as the driver runs it: the Job to create and the manifests that order it."""
+
+    stage: str
+    order: int
+    job_name: str
+    input_manifest: str | None
+    output_manifest: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JobView:
+    name: str
+    phase: JobPhase
+    reason: str | None = None
+
+
+def template_from_cronjob(cronjob: dict[str, Any]) -> StageTemplate:
+    """The Job a template describes, with the driver's label; errors name the template and the missing key."""
+    meta = cronjob.get("metadata", {})
+    annotations = meta.get("annotations") or {}
+    where = f"CronJob {meta.get('name')!r}"
+    missing = [k for k in (JOB_NAME_ANNOTATION, ORDER_ANNOTATION, OUTPUT_ANNOTATION) if k not in annotations]
+    if missing:
+        raise ValueError(f"{where} is labelled a stage template but lacks the annotation(s) {', '.join(missing)}")
+    template = cronjob["spec"]["jobTemplate"]
+    labels = {**(template.get("metadata", {}).get("labels") or {}), CREATED_BY_LABEL: DRIVER_ROLE}
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": annotations[JOB_NAME_ANNOTATION], "namespace": meta.get("namespace"), "labels": labels,
+                     "annotations": dict(template.get("metadata", {}).get("annotations") or {})},
+        "spec": template["spec"],
+    }
+    return StageTemplate(
+        stage=(meta.get("labels") or {}).get("app.kubernetes.io/component", meta.get("name", "?")),
+        order=int(annotations[ORDER_ANNOTATION]),
+        job_name=annotations[JOB_NAME_ANNOTATION],
+        input_manifest=annotations.get(INPUT_ANNOTATION),
+        output_manifest=join(annotations[OUTPUT_ANNOTATION], MANIFEST_NAME),
+        body=body,
+    )
+
+
+def job_view(job: dict[str, Any]) -> JobView:
+    """A Job's phase from its status conditions; only Failed and Complete are final."""
+    name = job["metadata"]["name"]
+    status = job.get("status") or {}
+    true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
+    if "Failed" in true:
+        cond = true["Failed"]
+        return JobView(name, "failed", ": ".join(p for p in (cond.get("reason"), cond.get("message")) if p) or None)
+    if "Complete" in true:
+        return JobView(name, "succeeded")
+    if (status.get("active") or 0) > 0:
+        return JobView(name, "running", f"{status['active']} pod(s) active")
+    if (job.get("spec") or {}).get("suspend"):
+        return JobView(name, "created", "suspended: waiting for admission (a queue such as Kueue releases it)")
+    return JobView(name, "created", "no pod running yet")
+
+
+def pod_failure(pods: list[dict[str, Any]]) -> str | None:
+    """The latest failed container of these pods: exit code and termination message; else a pod's own reason."""
+    found: list[tuple[str, str]] = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+            if term and term.get("exitCode", 0) != 0:
+                message = (term.get("message") or term.get("reason") or "").strip()
+                if len(message) > _MESSAGE_CHARS:
+                    message = "..." + message[-_MESSAGE_CHARS:]
+                text = f"pod {name} container {cs.get('name')} exited {describe(int(term['exitCode']))}"
+                found.append((term.get("finishedAt") or "", text + (f": {message}" if message else "")))
+        if status.get("phase") == "Failed" and status.get("reason") and not found:
+            # Evicted, DeadlineExceeded: the pod failed without a container exit of its own.
+            found.append(("", f"pod {name} {status['reason']}: {status.get('message', '')}".rstrip(": ")))
+    return max(found)[1] if found else None
+
+
+class Cluster:
+    """The namespace the driver runs in, through one ApiClient: the pod's own ServiceAccount in the cluster,
+    else the kubeconfig ($KUBECONFIG, ~/.kube/config) as for kubectl, or an ApiClient given by the caller."""
+
+    def __init__(self, namespace: str, api_client: Any = None) -> None:
+        from kubernetes import client
+
+        if api_client is None:
+            from kubernetes import config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                # Outside a pod (a laptop, CI): drive the run with the user's own kubeconfig and rights.
+                try:
+                    config.load_kube_config()
+                except (config.ConfigException, OSError) as err:
+                    raise ClusterAccessError(
+                        f"no Kubernetes API to talk to: not in a pod, and no usable kubeconfig ({err})") from err
+            api_client = client.ApiClient()
+        self.namespace = namespace
+        # Any: with _preload_content=False the calls return the raw HTTP response, not the annotated model.
+        self.batch: Any = client.BatchV1Api(api_client)
+        self.core: Any = client.CoreV1Api(api_client)
+
+    @contextlib.contextmanager
+    def _api(self, what: str) -> Iterator[None]:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            yield
+        except ApiException as err:
+            detail = _api_message(err)
+            if err.status in (401, 403):
+                raise ClusterAccessError(
+                    f"the API server refused to {what} in namespace {self.namespace}: {err.status} {detail}; "
+                    "the driver's Role (k8s/base/role-driver.yaml) must allow it"
+                ) from err
+            raise ClusterUnavailableError(f"cannot {what}: {err.status} {detail}") from err
+        except (HTTPError, OSError) as err:
+            raise ClusterUnavailableError(f"cannot {what}: {err}") from err
+
+    def templates(self, run_id: str) -> list[StageTemplate]:
+        selector = f"{ROLE_LABEL}={TEMPLATE_ROLE},{INSTANCE_LABEL}={run_id}"
+        with self._api(f"list CronJobs ({selector})"):
+            resp = self.batch.list_namespaced_cron_job(self.namespace, label_selector=selector,
+                                                       _preload_content=False)
+        items = json.loads(resp.data).get("items", [])
+        return sorted((template_from_cronjob(item) for item in items), key=lambda t: t.order)
+
+    def job(self, name: str) -> JobView | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            with self._api(f"get Job {name}"):
+                resp = self.batch.read_namespaced_job(name, self.namespace, _preload_content=False)
+        except ClusterUnavailableError as err:
+            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 404:
+                return None
+            raise
+        return job_view(json.loads(resp.data))
+
+    def create_job(self, body: dict[str, Any]) -> bool:
+        """True when created, False when a Job of that name exists already (a driver before this one made it)."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = body["metadata"]["name"]
+        try:
+            with self._api(f"create Job {name}"):
+                self.batch.create_namespaced_job(self.namespace, quantities_as_strings(body),
+                                                 _preload_content=False)
+        except ClusterUnavailableError as err:
+            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 409:
+                return False
+            raise
+        return True
+
+    def failure_detail(self, job_name: str) -> str | None:
+        selector = f"{JOB_NAME_LABEL}={job_name}"
+        with self._api(f"list pods ({selector})"):
+            resp = self.core.list_namespaced_pod(self.namespace, label_selector=selector, _preload_content=False)
+        return pod_failure(json.loads(resp.data).get("items", []))
+
+
+def quantities_as_strings(obj: Any, key: str = "") -> Any:
+    """A copy with every resource quantity a string (`nvidia.com/gpu: 1` -> "1").
+
+    The API takes a quantity as an int or a string and stores the string; the client checks its arguments
+    against its models before sending, and those accept only strings.
+    """
+    if isinstance(obj, dict):
+        if key in ("requests", "limits"):
+            return {k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in obj.items()}
+        return {k: quantities_as_strings(v, k) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [quantities_as_strings(v, key) for v in obj]
+    return obj
+
+
+def _api_message(err: Any) -> str:
+    """The Status message the API server sent, else the HTTP reason."""
+    try:
+        return str(json.loads(err.body).get("message") or err.reason)
+    except (TypeError, ValueError):
+        return str(err.reason)

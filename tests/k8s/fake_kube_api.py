@@ -1,0 +1,238 @@
+"""A small Kubernetes API server over real HTTP, for the run driver's tests: the official client talks to it.
+
+It serves the few endpoints the driver calls, as the API server answers them (JSON bodies, Status objects
+for errors, 404/409 codes):
+
+    GET    /apis/batch/v1/namespaces/{ns}/cronjobs?labelSelector=a=b,c=d     list
+    GET    /apis/batch/v1/namespaces/{ns}/jobs/{name}                       get
+    POST   /apis/batch/v1/namespaces/{ns}/jobs                              create (409 when it exists)
+    DELETE /apis/batch/v1/namespaces/{ns}/jobs/{name}                       delete
+    PUT    /apis/batch/v1/namespaces/{ns}/jobs/{name}/status                replace the status
+    GET    /api/v1/namespaces/{ns}/pods?labelSelector=...                   list
+
+Every request is authorized against the rules of a Role (the driver's rendered Role): a verb the Role does
+not grant answers 403 as RBAC would, so the tests also show the Role is enough. No controller runs: a test
+moves Jobs along itself (`set_status`) and adds the pods a failed Job would have left (`add`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+_PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1)/namespaces/(?P<ns>[^/]+)/(?P<plural>[a-z]+)"
+                   r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$")
+_GROUP = {"api/v1": "", "apis/batch/v1": "batch"}
+_KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod"}
+Key = tuple[str, str, str]  # (plural, namespace, name)
+
+
+def _matches(labels: dict[str, str], selector: str) -> bool:
+    """Equality-based label selectors (`a=b,c=d`), the only kind the driver sends."""
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class FakeKubeApi:
+    """The objects of one small cluster and the HTTP server that serves them."""
+
+    def __init__(self, role: dict[str, Any] | None = None) -> None:
+        self.objects: dict[Key, dict[str, Any]] = {}
+        self.role = role
+        self.requests: list[tuple[str, str]] = []  # (verb, plural) of every request served
+        self.on_create: Callable[[dict[str, Any]], None] | None = None
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeKubeApi:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def api_client(self) -> Any:
+        """An ApiClient of the official client configured for this server, as a kubeconfig would."""
+        from kubernetes import client
+
+        config = client.Configuration(host=self.url)
+        return client.ApiClient(config)
+
+    def kubeconfig(self) -> str:
+        """A kubeconfig naming this server, for a process that loads its configuration itself."""
+        return json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake", "user": {"token": "fake-token"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        })
+
+    # What kubectl would do, and what the Job controller would report: no authorization, no HTTP.
+
+    def add(self, obj: dict[str, Any]) -> None:
+        obj = copy.deepcopy(obj)
+        plural = obj["kind"].lower() + "s"
+        self._stamp(obj)
+        with self._lock:
+            self.objects[(plural, obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
+
+    def get(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            found = self.objects.get((plural, namespace, name))
+            return copy.deepcopy(found) if found else None
+
+    def names(self, plural: str) -> list[str]:
+        with self._lock:
+            return sorted(name for (p, _, name) in self.objects if p == plural)
+
+    def set_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        with self._lock:
+            self.objects[("jobs", namespace, name)]["status"] = status
+
+    def delete(self, plural: str, namespace: str, name: str) -> None:
+        with self._lock:
+            del self.objects[(plural, namespace, name)]
+
+    @staticmethod
+    def _stamp(obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta.setdefault("resourceVersion", "1")
+        obj.setdefault("status", {})
+
+    def _allowed(self, verb: str, group: str, plural: str) -> bool:
+        if self.role is None:
+            return True
+        return any(group in rule["apiGroups"] and plural in rule["resources"] and verb in rule["verbs"]
+                   for rule in self.role["rules"])
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+                pass
+
+            def _send(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _status(self, code: int, reason: str, message: str) -> None:
+                self._send(code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                  "message": message, "reason": reason, "code": code})
+
+            def _body(self) -> dict[str, Any]:
+                length = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(length) or b"{}")
+
+            @contextmanager
+            def _route(self, method: str) -> Iterator[tuple[dict[str, str], dict[str, list[str]]] | None]:
+                url = urlsplit(self.path)
+                match = _PATH.match(url.path)
+                if match is None:
+                    self._status(404, "NotFound", f"no route for {url.path}")
+                    yield None
+                    return
+                parts = {k: v or "" for k, v in match.groupdict().items()}
+                query = parse_qs(url.query)
+                verb = {"GET": "get" if parts["name"] else "list", "POST": "create", "DELETE": "delete",
+                        "PUT": "update"}[method]
+                if "watch" in query:
+                    verb = "watch"
+                api.requests.append((verb, parts["plural"] + ("/status" if parts["sub"] else "")))
+                resource = parts["plural"] + ("/status" if parts["sub"] else "")
+                if not api._allowed(verb, _GROUP[parts["prefix"]], resource):
+                    self._status(403, "Forbidden",
+                                 f'{parts["plural"]} is forbidden: User "system:serviceaccount:{parts["ns"]}:driver" '
+                                 f'cannot {verb} resource "{resource}" in API group "{_GROUP[parts["prefix"]]}" '
+                                 f'in the namespace "{parts["ns"]}"')
+                    yield None
+                    return
+                yield parts, query
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's names
+                with self._route("GET") as routed:
+                    if routed is None:
+                        return
+                    parts, query = routed
+                    if parts["name"]:
+                        found = api.get(parts["plural"], parts["ns"], parts["name"])
+                        if found is None:
+                            self._status(404, "NotFound", f'{parts["plural"]} "{parts["name"]}" not found')
+                        else:
+                            self._send(200, found)
+                        return
+                    selector = query.get("labelSelector", [""])[0]
+                    with api._lock:
+                        items = [copy.deepcopy(o) for (p, ns, _), o in sorted(api.objects.items())
+                                 if p == parts["plural"] and ns == parts["ns"]
+                                 and _matches(o["metadata"].get("labels") or {}, selector)]
+                    version = "v1" if parts["prefix"] == "api/v1" else "batch/v1"
+                    self._send(200, {"kind": _KIND[parts["plural"]] + "List", "apiVersion": version,
+                                     "metadata": {"resourceVersion": "1"}, "items": items})
+
+            def do_POST(self) -> None:  # noqa: N802
+                with self._route("POST") as routed:
+                    if routed is None:
+                        return
+                    parts, _ = routed
+                    body = self._body()
+                    body["metadata"].setdefault("namespace", parts["ns"])
+                    key = (parts["plural"], parts["ns"], body["metadata"]["name"])
+                    with api._lock:
+                        exists = key in api.objects
+                    if exists:
+                        self._status(409, "AlreadyExists", f'{parts["plural"]} "{key[2]}" already exists')
+                        return
+                    if api.on_create is not None:
+                        api.on_create(body)
+                    api.add(body)
+                    self._send(201, api.get(*key) or {})
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                with self._route("DELETE") as routed:
+                    if routed is None:
+                        return
+                    parts, _ = routed
+                    if api.get(parts["plural"], parts["ns"], parts["name"]) is None:
+                        self._status(404, "NotFound", f'{parts["plural"]} "{parts["name"]}" not found')
+                        return
+                    api.delete(parts["plural"], parts["ns"], parts["name"])
+                    self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
+
+            def do_PUT(self) -> None:  # noqa: N802
+                with self._route("PUT") as routed:
+                    if routed is None:
+                        return
+                    parts, _ = routed
+                    if not parts["sub"] or api.get("jobs", parts["ns"], parts["name"]) is None:
+                        self._status(404, "NotFound", f'{parts["plural"]} "{parts["name"]}" not found')
+                        return
+                    api.set_status(parts["ns"], parts["name"], self._body().get("status") or {})
+                    self._send(200, api.get("jobs", parts["ns"], parts["name"]) or {})
+
+        return Handler

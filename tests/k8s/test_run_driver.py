@@ -1,0 +1,331 @@
+"""The run driver against a real S3 endpoint (moto) and a Kubernetes API below the official client library.
+
+The cluster is `fake_kube_api.FakeKubeApi`: a local HTTP server holding the run's rendered templates and
+authorizing every request against the driver's rendered Role. No controller runs there: `Cluster` below
+plays the Job controller and the stage pods, one step each time the driver sleeps between passes, and
+commits a stage's output manifest to S3 when its Job succeeds, as the stage's last pod would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from dflash_pipeline import RunConfig, parse_run_config, render_documents
+from dflash_pipeline.config import read_run_file
+from dflash_pipeline.driver import RunDriver, StageFailedError
+from dflash_pipeline.kube import Cluster as KubeCluster
+from dflash_pipeline.kube import ClusterAccessError
+from dflash_pipeline.run_state import read_run_state
+from dflash_pipeline.wait import wait_for_manifest
+from dflash_shared.errors import exit_code_for
+from dflash_shared.exit_codes import ExitCode
+from dflash_shared.storage import ObjectStore, join
+from tests.k8s.fake_kube_api import FakeKubeApi
+from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT, schema_errors
+
+NS = "dflash"
+STAGES = ["import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"]
+GPU_STAGES = {"generate", "train", "evaluate", "serve-check"}
+
+
+class DriverKilledError(Exception):
+    """The driver pod dies (node lost): raised from its sleep, as a SIGKILL would end it there."""
+
+
+def example_run(bucket: str) -> RunConfig:
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = f"{bucket}/runs"
+    return parse_run_config(data, "test run")
+
+
+def output_manifest(job: dict[str, Any]) -> str:
+    return join(job["metadata"]["annotations"]["dflash-pipeline/output"], "manifest.json")
+
+
+class Cluster:
+    """The Job controller and the stage pods: on each driver sleep, every unfinished Job moves one step.
+
+    A Job is first running (one active pod), then, after `run_ticks[stage]` more steps (default 1), either
+    failed (`fail[stage]`: the Job's Failed condition and a pod that exited with a code and message) or
+    complete, with its output manifest committed to S3 first.
+    """
+
+    def __init__(self, api: FakeKubeApi, store: ObjectStore, *, fail: dict[str, tuple[int, str]] | None = None,
+                 run_ticks: dict[str, int] | None = None, kill_when_running: str | None = None) -> None:
+        self.api, self.store = api, store
+        self.fail = fail or {}
+        self.run_ticks = run_ticks or {}
+        self.kill_when_running = kill_when_running
+        self.sleeps: list[float] = []
+        self.created: list[tuple[str, bool]] = []  # (stage, its input manifest existed at creation)
+        self._ticks: dict[str, int] = {}
+        api.on_create = self._created
+
+    def _created(self, job: dict[str, Any]) -> None:
+        stage = job["metadata"]["labels"]["app.kubernetes.io/component"]
+        upstream = job["metadata"]["annotations"].get("dflash-pipeline/input")
+        self.created.append((stage, upstream is None or self.store.exists(upstream)))
+
+    def __call__(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        assert len(self.sleeps) < 200, "the driver did not finish"
+        for name in self.api.names("jobs"):
+            job = self.api.get("jobs", NS, name)
+            assert job is not None
+            stage = job["metadata"]["labels"]["app.kubernetes.io/component"]
+            status = job["status"]
+            if status.get("conditions"):
+                continue
+            if not status.get("active"):
+                self.api.set_status(NS, name, {"active": 1})
+                continue
+            if stage == self.kill_when_running:
+                raise DriverKilledError(stage)
+            self._ticks[stage] = self._ticks.get(stage, 0) + 1
+            if self._ticks[stage] < self.run_ticks.get(stage, 1):
+                continue
+            if stage in self.fail:
+                code, message = self.fail[stage]
+                self._failed(job, code, message)
+                continue
+            self.store.write_bytes(output_manifest(job), b'{"kind": "test"}\n')
+            self.api.set_status(NS, name, {"succeeded": 1, "conditions": [
+                {"type": "Complete", "status": "True"}]})
+
+    def _failed(self, job: dict[str, Any], code: int, message: str) -> None:
+        name = job["metadata"]["name"]
+        self.api.add({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"{name}-0-x7k2p", "namespace": NS, "labels": {"batch.kubernetes.io/job-name": name}},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": "main", "state": {"terminated": {
+                "exitCode": code, "message": message, "finishedAt": "2026-12-01T12:00:00Z"}}}]}})
+        self.api.set_status(NS, name, {"failed": 1, "conditions": [
+            {"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy"},
+            {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+             "message": f"Container main for pod {NS}/{name}-0-x7k2p failed with exit code {code} matching "
+                        "FailJob rule at index 0"}]})
+
+
+@pytest.fixture
+def run(s3_bucket: str) -> RunConfig:
+    return example_run(s3_bucket)
+
+
+@pytest.fixture
+def api(run: RunConfig) -> Iterator[FakeKubeApi]:
+    """The cluster after `kubectl apply`: the run's templates, authorization by the driver's own Role."""
+    docs = render_documents(run)
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    fake = FakeKubeApi(role).start()
+    for doc in docs:
+        if doc["kind"] == "CronJob":
+            fake.add(doc)
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+def driver(api: FakeKubeApi, store: ObjectStore, run: RunConfig, sim: Cluster) -> RunDriver:
+    return RunDriver(KubeCluster(NS, api.api_client()), store, run.root, run.run_id, poll_s=0.01, max_poll_s=0.04,
+                     sleep=sim)
+
+
+def stage_states(store: ObjectStore, run: RunConfig) -> dict[str, str]:
+    state = read_run_state(store, run.root, run.run_id)
+    assert state is not None
+    return {name: s.state for name, s in state.stages.items()}
+
+
+def test_each_stage_job_is_created_only_once_its_input_is_committed(
+    api: FakeKubeApi, store: ObjectStore, run: RunConfig
+) -> None:
+    sim = Cluster(api, store, run_ticks={"train": 4})
+    assert driver(api, store, run, sim).run() == ExitCode.OK
+
+    assert [stage for stage, _ in sim.created] == STAGES
+    assert all(input_was_there for _, input_was_there in sim.created), sim.created
+    # Only what the Role grants was asked for (a verb outside it would have been answered 403).
+    assert {verb for verb, _ in api.requests} <= {"get", "list", "create"}
+    assert stage_states(store, run) == dict.fromkeys(STAGES, "succeeded")
+    # While train ran on unchanged, the driver backed off: the interval doubled up to its maximum.
+    assert 0.02 in sim.sleeps and max(sim.sleeps) == 0.04 and sim.sleeps[0] == 0.01
+    # What the driver created is a valid Job of every supported Kubernetes version.
+    jobs = [api.get("jobs", NS, name) for name in api.names("jobs")]
+    bodies = [{k: v for k, v in job.items() if k != "status"} for job in jobs if job]
+    for job in bodies:
+        for key in ("uid", "creationTimestamp", "resourceVersion"):
+            job["metadata"].pop(key)
+        assert job["metadata"]["labels"]["dflash-pipeline/created-by"] == "driver"
+        assert "suspend" not in job["spec"]  # Kueue's to set; the driver never touches it
+    assert schema_errors(bodies) == []
+
+
+def test_no_gpu_stage_is_created_while_its_input_is_missing(
+    api: FakeKubeApi, store: ObjectStore, run: RunConfig
+) -> None:
+    # Generation never finishes here: the driver keeps waiting and creates nothing after it.
+    sim = Cluster(api, store, run_ticks={"generate": 10**6})
+    sim_sleep = sim.__call__
+
+    def sleep(seconds: float) -> None:
+        if len(sim.sleeps) >= 30:
+            raise DriverKilledError("enough")
+        sim_sleep(seconds)
+
+    rd = RunDriver(KubeCluster(NS, api.api_client()), store, run.root, run.run_id, poll_s=0.01, max_poll_s=0.04,
+                   sleep=sleep)
+    with pytest.raises(DriverKilledError):
+        rd.run()
+    assert api.names("jobs") == ["dflash-example-generate", "dflash-example-import"]
+    states = stage_states(store, run)
+    assert states["generate"] == "running" and states["tokenize"] == "waiting"
+    state = read_run_state(store, run.root, run.run_id)
+    assert state is not None
+    assert state.stages["tokenize"].reason == f"input {run.root}/example/completions/manifest.json not committed yet"
+    assert not any(name.endswith(tuple(GPU_STAGES - {"generate"})) for name in api.names("jobs"))
+
+
+def test_a_failed_stage_stops_the_run_with_its_reason_and_a_rerun_after_the_fix_continues(
+    api: FakeKubeApi, store: ObjectStore, run: RunConfig
+) -> None:
+    message = "quality gate: 812 of 1,000 records have no loss tokens (empty_completion)"
+    sim = Cluster(api, store, fail={"train": (int(ExitCode.BAD_INPUT), message)})
+    with pytest.raises(StageFailedError) as failed:
+        driver(api, store, run, sim).run()
+
+    text = str(failed.value)
+    assert text.startswith("stage train failed (Job dflash-example-train): PodFailurePolicy: Container main")
+    assert f"exited 65 (BAD_INPUT): {message}" in text
+    assert "kubectl delete job dflash-example-train dflash-example-driver" in text
+    assert exit_code_for(failed.value) == ExitCode.BAD_INPUT  # the driver Job's policy: FailJob
+    # Nothing downstream of the failure was created.
+    assert [stage for stage, _ in sim.created] == ["import", "generate", "tokenize", "train"]
+    state = read_run_state(store, run.root, run.run_id)
+    assert state is not None
+    assert state.stages["train"].state == "failed" and message in (state.stages["train"].reason or "")
+    assert state.stages["export"].state == "waiting"
+    assert state.stages["export"].reason == "run stopped: upstream stage train failed"
+
+    # The fix: delete the failed stage Job (and the finished driver Job), apply again. The new driver skips
+    # what is committed and creates train again.
+    api.delete("jobs", NS, "dflash-example-train")
+    rerun = Cluster(api, store)
+    assert driver(api, store, run, rerun).run() == ExitCode.OK
+    assert [stage for stage, _ in rerun.created] == ["train", "export", "evaluate", "serve-check"]
+    assert stage_states(store, run) == {**dict.fromkeys(STAGES[:3], "skipped"),
+                                        **dict.fromkeys(STAGES[3:], "succeeded")}
+
+
+def test_a_failed_job_left_in_place_stops_the_rerun_again(api: FakeKubeApi, store: ObjectStore, run: RunConfig) -> None:
+    sim = Cluster(api, store, fail={"tokenize": (137, "")})
+    with pytest.raises(StageFailedError, match="exited 137"):
+        driver(api, store, run, sim).run()
+    again = Cluster(api, store)
+    with pytest.raises(StageFailedError, match="stage tokenize failed"):
+        driver(api, store, run, again).run()
+    assert again.created == []
+
+
+def test_a_restarted_driver_adopts_the_running_job_instead_of_creating_another(
+    api: FakeKubeApi, store: ObjectStore, run: RunConfig
+) -> None:
+    first = Cluster(api, store, kill_when_running="train")
+    with pytest.raises(DriverKilledError):
+        driver(api, store, run, first).run()
+    assert [stage for stage, _ in first.created][-1] == "train"
+
+    second = Cluster(api, store)
+    assert driver(api, store, run, second).run() == ExitCode.OK
+    assert [stage for stage, _ in second.created] == ["export", "evaluate", "serve-check"]
+    states = stage_states(store, run)
+    assert states["train"] == "succeeded" and states["import"] == "skipped"
+
+
+def test_a_role_without_the_needed_verb_exits_environment_naming_it(store: ObjectStore, run: RunConfig) -> None:
+    (role,) = [d for d in render_documents(run) if d["kind"] == "Role"]
+    role["rules"] = [r for r in role["rules"] if r["resources"] != ["jobs"]]
+    fake = FakeKubeApi(role).start()
+    try:
+        for doc in render_documents(run):
+            if doc["kind"] == "CronJob":
+                fake.add(doc)
+        with pytest.raises(ClusterAccessError, match='cannot get resource "jobs"') as refused:
+            driver(fake, store, run, Cluster(fake, store)).run()
+        assert exit_code_for(refused.value) == ExitCode.ENVIRONMENT
+    finally:
+        fake.stop()
+
+
+# ---------------------------------------------------------------------- S3 access refused (real IAM checks)
+
+
+def _reset_auth(endpoint: str, count: str) -> None:
+    req = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                 headers={"Content-Type": "text/plain"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+
+
+@pytest.fixture
+def refused_keys(moto_endpoint: str, s3_bucket: str) -> Iterator[tuple[str, str]]:
+    """Keys of an IAM user with no S3 permission; IAM enforced meanwhile (torn down before the bucket)."""
+    iam = boto3.client("iam", endpoint_url=moto_endpoint, region_name="us-east-1")
+    user = f"nobody-{uuid.uuid4().hex[:12]}"
+    iam.create_user(UserName=user)
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    _reset_auth(moto_endpoint, "0")
+    try:
+        yield key["AccessKeyId"], key["SecretAccessKey"]
+    finally:
+        _reset_auth(moto_endpoint, "inf")
+
+
+def test_a_403_from_s3_exits_69_at_once_naming_it(
+    api: FakeKubeApi, run: RunConfig, refused_keys: tuple[str, str], tmp_path: Path
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(api.kubeconfig())
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "AWS_ACCESS_KEY_ID": refused_keys[0],
+           "AWS_SECRET_ACCESS_KEY": refused_keys[1], "AWS_MAX_ATTEMPTS": "1", "POD_NAMESPACE": NS}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "dflash_pipeline", "drive", "--run-id", run.run_id, "--root",
+                           run.root, "--poll-seconds", "600", "--max-poll-seconds", "600"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    elapsed = time.monotonic() - start
+    assert done.returncode == ExitCode.ENVIRONMENT, done.stderr
+    assert "AccessDenied" in done.stderr and f"{run.root}/{run.run_id}/driver/state.json" in done.stderr
+    assert elapsed < 300  # a retry would have slept the 600 s poll interval first
+    assert api.names("jobs") == []
+
+
+def test_wait_fails_fast_on_a_403(store: ObjectStore, run: RunConfig, refused_keys: tuple[str, str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", refused_keys[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", refused_keys[1])
+    slept: list[float] = []
+    uri = f"{run.root}/{run.run_id}/completions/manifest.json"
+    assert wait_for_manifest(ObjectStore(max_attempts=1), uri, timeout_s=3600, sleep=slept.append) == (
+        ExitCode.ENVIRONMENT)
+    assert slept == []
+
+
+def test_state_file_schema(api: FakeKubeApi, store: ObjectStore, run: RunConfig) -> None:
+    sim = Cluster(api, store)
+    driver(api, store, run, sim).run()
+    raw = json.loads(store.read_bytes(f"{run.root}/{run.run_id}/driver/state.json"))
+    assert raw["schema"] == 1 and set(raw) == {"schema", "updated", "stages"}
+    assert list(raw["stages"]) == STAGES
+    assert set(raw["stages"]["train"]) == {"state", "job", "reason", "updated"}
+    assert raw["stages"]["train"]["job"] == "dflash-example-train"
