@@ -83,8 +83,8 @@ def test_two_ranks_rank0_loads_and_the_other_holds_only_its_shard(tmp_path: Path
     target = wide_qwen3()
     log_path = tmp_path / "torchrun.log"
     # A fixed mmap threshold: glibc's default raises it as large blocks are freed, after which the
-    # broadcast's freed transient tensors stay in the heap and count as resident (the non-zero rank's peak
-    # is then ~360 MB instead of ~250 MB); on CUDA the broadcast lands on the device and none of this applies.
+    # broadcast's freed transient tensors stay in the heap and count as resident (the non-zero rank's
+    # peak was 290-360 MB in runs here instead of ~240 MB); on CUDA the broadcast lands on the device.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     with open(log_path, "wb") as log_file:
         proc = subprocess.run(

@@ -15,14 +15,16 @@ node with 8 GPUs would hold 8 full copies of the target in host memory before FS
    broadcasts rank 0's tensors one at a time on the device (NCCL on GPU, gloo on CPU); each rank keeps
    its FSDP shard of a sharded tensor, or the whole tensor where it is replicated.
 
-A non-zero rank therefore never holds more host memory than one tensor in flight (none at all on CUDA,
-where the broadcast lands on the device), and the disk is read once per job instead of once per rank.
-Rank 0 holds one full copy (on the device directly under DDP after the load). Rejected alternative: each
-rank reading only its shard's tensors from the safetensors files by name (safe_open with mmap) would
-avoid the broadcast, but it would duplicate transformers' per-architecture checkpoint conventions listed
-in 1., and the broadcast costs seconds (one pipelined NCCL broadcast at link speed) against minutes of
-model copy. Under DDP on CPU (tests) each rank's device is host memory, so each holds a full copy there
-by definition; on CUDA the host holds none outside rank 0.
+A non-zero rank therefore reads nothing from disk and holds no host copy: on CUDA the broadcast lands
+on its device; on CPU (gloo, tests) it holds what it keeps plus the one tensor in flight. Rank 0 holds
+one full host copy while it loads (transformers reads into host memory; under DDP it then moves to the
+device). The checkpoint is read once per job instead of once per rank.
+
+Rejected alternative: each rank reading only its shard's tensors from the safetensors files by name
+(safe_open with mmap) avoids the broadcast, but it duplicates the per-architecture checkpoint
+conventions of 1. (renamed prefixes, skipped weights, tied heads, dtype); the broadcast is one pass over
+the weights at interconnect speed. Under DDP on CPU each rank's device is host memory, so there each
+rank holds a full copy by definition.
 """
 
 from __future__ import annotations
