@@ -1,0 +1,200 @@
+"""One-command GPU check of the DFlash training step on a Qwen3.6-shaped random target (one GPU, < 8 min).
+
+Builds in process (no files, no downloads) a random bf16 target with the real widths of Qwen3.6-27B
+(hidden 5120, 24/4 attention heads of 256 with partial rotary 0.25, Gated DeltaNet 16 QK / 48 V heads of
+128, intermediate 17408, untied 248,320-row vocabulary) and `--layers` decoder layers in the real 3:1
+linear/full pattern, using transformers' own Qwen3.5 text classes; the reference ~1.7B drafter for it
+(`DrafterConfig.from_target`: 5 layers, 32/8 heads of 128, 4 sliding-window + 1 full); then runs, each part
+in its own try block (one failure still reports the rest):
+- train_step: the project's step (`dflash_step`: target features, anchors, flex attention, chunked loss) +
+  backward + AdamW under bf16 autocast, drafter layers torch.compiled, over packed batches of varied
+  document boundaries. Reports tokens/s, MFU with every FLOP term stated (gpu_check_flops), peak memory,
+  compile counts (torch._dynamo counters) and flex attention's unfused-fallback warnings;
+- flex_vs_sdpa: the drafter's attention output on the same inputs and the step's real masks through both
+  backends, forward and (on CUDA) backward, max abs diff against a stated tolerance;
+- packed_features: the hybrid target's features of two documents packed in one row against each document
+  alone (max abs diff, stated tolerance), and against the leak one gets when the boundary is ignored.
+Exits 1 if any part failed or was skipped for time, 69 without a GPU (unless --tiny), 0 otherwise.
+
+  python bench/gpu_check.py                  (one H200: 8 layers, 2 rows x 4096 tokens, 30 timed steps)
+  python bench/gpu_check.py --tiny           (CPU, small widths, real vocabulary: the CI smoke run, < 60 s)
+JSON goes to --out (default $OUT when set) as gpu_check.json, and to stdout. Needs torch >= 2.11,
+transformers >= 5.17 and pydantic; flash-linear-attention for the packed hybrid forward (bench/gpu_check_wheels.sh
+downloads the wheels a GPU machine without them needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for _src in (ROOT / "jobs" / "train" / "src", ROOT / "shared" / "src"):
+    if str(_src) not in sys.path:  # a checkout without the packages installed (the GPU machine)
+        sys.path.append(str(_src))
+
+import gpu_check_flops as flops  # noqa: E402 - beside this file
+from gpu_check_parts import (  # noqa: E402
+    QWEN3_6_27B,
+    TINY,
+    Built,
+    build,
+    check_flex_vs_sdpa,
+    check_packed_features,
+    run_train_step,
+)
+
+from dflash_shared.exit_codes import ExitCode  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="CPU, small widths (the smoke run a test does)")
+    p.add_argument("--steps", type=int, help="timed steps (default 30; 2 with --tiny)")
+    p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; 1 --tiny)")
+    p.add_argument("--layers", type=int, default=8, help="target decoder layers (3 linear : 1 full), >= 4")
+    p.add_argument("--rows", type=int, help="packed rows per step (default 2; 1 with --tiny)")
+    p.add_argument("--seq", type=int, help="tokens per row (default 4096; 256 with --tiny)")
+    p.add_argument("--docs-per-row", type=int, default=2, help="documents per row (their boundaries vary)")
+    p.add_argument("--batches", type=int, default=3, help="distinct packed batches the steps cycle through")
+    p.add_argument("--num-anchors", type=int, help="anchors per document (default: the drafter config's)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile the drafter layers (auto: on, as the trainer on GPU)")
+    p.add_argument("--peak-tflops", type=float, help="bf16 dense peak for MFU (default: datasheet by GPU name)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="skip parts that would start after this")
+    p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                   help="directory for gpu_check.json (default $OUT)")
+    args = p.parse_args(argv)
+    tiny = args.tiny
+    args.steps = args.steps or (2 if tiny else 30)
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 3)
+    args.rows = args.rows or (1 if tiny else 2)
+    args.seq = args.seq or (256 if tiny else 4096)
+    if args.layers < 4:
+        p.error(f"--layers {args.layers}: need at least 4 (one full-attention layer after three linear ones)")
+    return args
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in ("torch", "transformers", "triton", "pydantic", "fla-core", "flash-linear-attention"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+class Report:
+    """Runs each part in its own try block under a shared time budget and collects the results."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+        self.parts: dict[str, dict[str, Any]] = {}
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        elapsed = time.perf_counter() - self.start
+        if elapsed > self.budget_s:
+            reason = f"{elapsed:.0f} s spent of --budget-s {self.budget_s:.0f}"
+            self.parts[name] = {"status": "skipped", "reason": reason}
+            return
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+            status = "ok" if result.pop("ok") else "failed"
+            self.parts[name] = {"status": status, **result}
+        except Exception as e:  # noqa: BLE001 - every part reports, whatever broke
+            self.parts[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                "traceback": traceback.format_exc(limit=-8)}
+        self.parts[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[gpu_check] {name}: {self.parts[name]['status']} ({self.parts[name]['seconds']} s)", flush=True)
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, part in self.parts.items() if part["status"] != "ok"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch; run it on a GPU machine, or pass --tiny for the CPU"
+              " smoke run", file=sys.stderr)
+        return int(ExitCode.ENVIRONMENT)
+    warnings.simplefilter("default")
+    report = Report(args.budget_s)
+    env: dict[str, Any] = {"device": str(device), "versions": versions(), "tiny": args.tiny,
+                           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    matmul = flops.measured_matmul_flops(device)
+    env["measured_matmul_tflops"] = {k: float(f"{v / 1e12:.4g}") for k, v in matmul.items()}
+    sheet = flops.datasheet_peak(env.get("gpu", "")) if device.type == "cuda" else None
+    if args.peak_tflops:
+        peak, source = args.peak_tflops * 1e12, "--peak-tflops"
+    elif sheet:
+        peak, source = sheet
+    else:
+        per = "per CPU second of this process" if device.type == "cpu" else "per second"
+        peak, source = max(matmul.values()), f"measured {device.type} matmul FLOP {per} (no datasheet figure)"
+    env |= {"peak_tflops": float(f"{peak / 1e12:.4g}"), "peak_source": source}
+
+    built: dict[str, Built] = {}
+
+    def do_build() -> dict[str, Any]:
+        built["b"] = build(QWEN3_6_27B if not args.tiny else TINY, args.layers, device, args.tiny, args.num_anchors)
+        return {"ok": True, **built["b"].describe()}
+
+    def need() -> Built:
+        if "b" not in built:
+            raise RuntimeError("the build part failed; nothing to run on")
+        return built["b"]
+
+    report.run("build", do_build)
+    report.run("train_step", lambda: run_train_step(need(), args, device, peak, max(matmul.values())))
+    report.run("flex_vs_sdpa", lambda: check_flex_vs_sdpa(need(), device))
+    report.run("packed_features", lambda: check_packed_features(need(), device))
+    result = {"environment": env, **report.parts, "failed": report.failed, "ok": not report.failed,
+              "wall_s": round(time.perf_counter() - report.start, 1)}
+    text = json.dumps(result, indent=1, default=str)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_check.json").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    print_summary(result)
+    return int(ExitCode.OK) if result["ok"] else int(ExitCode.RETRYABLE)
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """A few lines last: the device tool returns only the tail of the output."""
+    step = result.get("train_step", {})
+    env = result["environment"]
+    print(f"\ngpu_check on {env.get('gpu', env['device'])} (torch {env['versions']['torch']}):")
+    for name in ("build", "train_step", "flex_vs_sdpa", "packed_features"):
+        part = result.get(name, {})
+        print(f"  {name:<16} {part.get('status', '-'):<8} {part.get('error') or part.get('reason') or ''}")
+    if step.get("tokens_per_s"):
+        timed = step.get("compiles", {}).get("timed_steps")
+        print(f"  tokens/s {step['tokens_per_s']:,.0f}  MFU {step['mfu']:.1%} of {env['peak_tflops']} TFLOP/s"
+              f" ({step['mfu_vs_measured_matmul']:.1%} of the measured matmul)  step {step['step_s']} s"
+              f"  peak memory {step.get('peak_memory_gib')} GiB  compiles while timed {timed}")
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  wall {result['wall_s']} s, peak host RSS {peak_rss:,.0f} MiB; failed: {result['failed'] or 'none'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
