@@ -1,7 +1,8 @@
 """Multi-node training as a JobSet (sigs.k8s.io JobSet, jobset.x-k8s.io/v1alpha2): one gang, restarted whole.
 
-Selected with `[stages.train] gang = "jobset"`. The plain Indexed Job (`jobs.build_job`) replaces a failed pod
-on its own and the gang meets again at the rendezvous; a JobSet instead treats the N pods as one unit:
+Selected with `[stages.train] gang = "jobset"`; needs JobSet v0.10 or later (onJobFailureMessagePatterns).
+The plain Indexed Job (`jobs.build_job`) replaces a failed pod on its own and the gang meets again at the
+rendezvous; a JobSet instead treats the N pods as one unit:
 
 - replicatedJob `node`: one Indexed Job of N pods (one torchrun agent per node), built from the same pod
   template as the plain Job. `backoffLimit: 0` and a podFailurePolicy that fails the child Job on ANY failure
@@ -34,6 +35,7 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.jobs import (
     CONTAINER_SECURITY,
     HOME_DIR,
+    POD_SECURITY,
     RENDEZVOUS_PORT,
     _with_credentials,
     build_job,
@@ -128,7 +130,7 @@ def _wait_job(run: RunConfig, stage: StageDef, labels: dict[str, str]) -> dict[s
         "serviceAccountName": run.storage.service_account,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": build_job(run, stage)["spec"]["template"]["spec"]["securityContext"],
+        "securityContext": POD_SECURITY,
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                     {"name": "home", "emptyDir": {"sizeLimit": "64Mi"}}],
