@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile the drafter layers (auto: on, as the trainer on GPU)")
     p.add_argument("--peak-tflops", type=float, help="bf16 dense peak for MFU (default: datasheet by GPU name)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="skip parts that would start after this")
+    p.add_argument("--budget-s", type=float, default=360.0,
+                   help="seconds after which parts not yet started are skipped (and count as failed)")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="directory for gpu_check.json (default $OUT)")
     args = p.parse_args(argv)
@@ -100,9 +101,11 @@ def versions() -> dict[str, str | None]:
 class Report:
     """Runs each part in its own try block under a shared time budget and collects the results."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, env: dict[str, Any], out: Path | None) -> None:
         self.start = time.perf_counter()
         self.budget_s = budget_s
+        self.env = env
+        self.out = out
         self.parts: dict[str, dict[str, Any]] = {}
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
@@ -121,6 +124,20 @@ class Report:
                                 "traceback": traceback.format_exc(limit=-8)}
         self.parts[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"[gpu_check] {name}: {self.parts[name]['status']} ({self.parts[name]['seconds']} s)", flush=True)
+        self.write()  # after every part: a run killed at its time limit still leaves what it measured
+
+    def result(self) -> dict[str, Any]:
+        return {"environment": self.env, **self.parts, "failed": self.failed, "ok": not self.failed,
+                "wall_s": round(time.perf_counter() - self.start, 1)}
+
+    def write(self) -> str:
+        text = json.dumps(self.result(), indent=1, default=str)
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            tmp = self.out / "gpu_check.json.tmp"
+            tmp.write_text(text + "\n", encoding="utf-8")
+            tmp.replace(self.out / "gpu_check.json")
+        return text
 
     @property
     def failed(self) -> list[str]:
@@ -135,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
               " smoke run", file=sys.stderr)
         return int(ExitCode.ENVIRONMENT)
     warnings.simplefilter("default")
-    report = Report(args.budget_s)
     env: dict[str, Any] = {"device": str(device), "versions": versions(), "tiny": args.tiny,
                            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     if device.type == "cuda":
@@ -153,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         peak, source = max(matmul.values()), f"measured {device.type} matmul FLOP {per} (no datasheet figure)"
     env |= {"peak_tflops": float(f"{peak / 1e12:.4g}"), "peak_source": source}
 
+    report = Report(args.budget_s, env, args.out)
     built: dict[str, Built] = {}
 
     def do_build() -> dict[str, Any]:
@@ -168,12 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     report.run("train_step", lambda: run_train_step(need(), args, device, peak, max(matmul.values())))
     report.run("flex_vs_sdpa", lambda: check_flex_vs_sdpa(need(), device))
     report.run("packed_features", lambda: check_packed_features(need(), device))
-    result = {"environment": env, **report.parts, "failed": report.failed, "ok": not report.failed,
-              "wall_s": round(time.perf_counter() - report.start, 1)}
-    text = json.dumps(result, indent=1, default=str)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_check.json").write_text(text + "\n", encoding="utf-8")
+    text = report.write()
+    result = report.result()
     print(text)
     print_summary(result)
     return int(ExitCode.OK) if result["ok"] else int(ExitCode.RETRYABLE)

@@ -18,7 +18,7 @@ import gpu_check_flops as flops
 import torch
 
 from dflash_train.anchors import sample_anchors
-from dflash_train.attention import attend, build_drafter_mask, compiled_flex_on_cpu
+from dflash_train.attention import DrafterMask, attend, build_drafter_mask, compiled_flex_on_cpu
 from dflash_train.batch import PackedBatch, pack_row, stack_rows
 from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, DrafterConfig, default_target_layer_ids
 from dflash_train.model import DFlashDrafter
@@ -138,6 +138,11 @@ def random_batches(count: int, rows: int, seq: int, docs_per_row: int, min_doc: 
     return out
 
 
+def _first_rows(batch: PackedBatch, rows: int) -> PackedBatch:
+    return PackedBatch(batch.input_ids[:rows], batch.position_ids[:rows], batch.document_ids[:rows],
+                       batch.loss_mask[:rows])
+
+
 def _compile_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
@@ -164,11 +169,13 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=device.type == "cuda")
     seen: list[tuple[Any, int]] = []  # (drafter mask, query length) of every step
 
-    def capture(module: Any, inputs: tuple[Any, ...]) -> None:
+    def capture(module: Any, args_: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         del module
-        seen.append((inputs[4], int(inputs[0].shape[1])))
+        values = [*args_, *kwargs.values()]
+        mask = next(v for v in values if isinstance(v, DrafterMask))
+        seen.append((mask, int(values[0].shape[1])))  # block_embeds [B, Q, H] comes first
 
-    hook = drafter.register_forward_pre_hook(capture)
+    hook = drafter.register_forward_pre_hook(capture, with_kwargs=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def step(i: int) -> tuple[int, float]:
@@ -181,12 +188,42 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         optimizer.zero_grad(set_to_none=True)
         return out.tokens, float(out.loss.detach())
 
+    # A GPU run is a scarce, single shot: when the first step breaks, record why, step down to a plainer
+    # setting and measure that (the part still fails, with the first error among its problems).
+    recovered: list[str] = []
+
+    def step_down(error: Exception) -> bool:
+        nonlocal batches
+        why = f"{type(error).__name__}: {str(error)[:300]}"
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if isinstance(error, torch.OutOfMemoryError) and batches[0].shape[0] > 1:
+            batches = [_first_rows(x, x.shape[0] // 2) for x in batches]
+            recovered.append(f"out of memory ({why}): rows halved to {batches[0].shape[0]}")
+        elif target.packing == "varlen":
+            target.packing = "per_document"
+            recovered.append(f"varlen packing failed ({why}): the target ran per document")
+        elif any(getattr(layer, "_compiled_call_impl", None) is not None for layer in drafter.layers):
+            for layer in drafter.layers:
+                layer._compiled_call_impl = None  # undoes nn.Module.compile(); attend still compiles flex
+            recovered.append(f"compiled drafter layers failed ({why}): layers eager, flex still compiled")
+        else:
+            return False
+        return True
+
     before = _compile_counts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
         for i in range(args.warmup):
-            step(i)
+            while True:
+                try:
+                    step(i)
+                    break
+                except Exception as e:
+                    if i > 0 or not step_down(e):
+                        raise
         _sync(device)
         warmup_s = time.perf_counter() - t0
         after_warmup = _compile_counts()
@@ -228,7 +265,8 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     compiles = {"warmup": {k: after_warmup[k] - before[k] for k in before},
                 "timed_steps": {k: after[k] - after_warmup[k] for k in before}}
     result: dict[str, Any] = {
-        "rows": args.rows, "seq": args.seq, "docs_per_row": args.docs_per_row, "distinct_batches": len(batches),
+        "rows": batches[0].shape[0], "seq": args.seq, "docs_per_row": args.docs_per_row,
+        "distinct_batches": len(batches),
         "steps": args.steps, "warmup_steps": args.warmup, "compiled_layers": use_compile,
         "warmup_s": round(warmup_s, 1),
         "step_s": round(step_s, 4), "tokens_per_s": round(context_tokens / wall, 1),
@@ -247,7 +285,7 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     else:
         result["peak_memory_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         result["peak_memory_kind"] = "host RSS (CPU run)"
-    problems = []
+    problems: list[str] = []
     if not all(torch.isfinite(torch.tensor(losses))):
         problems.append("a loss is not finite")
     if compiles["timed_steps"]["graphs"] or compiles["timed_steps"]["aot_autograd"]:
@@ -256,7 +294,9 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         problems.append("flex attention fell back to its unfused implementation")
     if not 0 < result["mfu"] <= 1:
         problems.append(f"MFU {result['mfu']} outside (0, 1]: the FLOP count or the peak is wrong")
+    problems.extend(recovered)
     result["problems"] = problems
+    result["recovered_by"] = recovered
     optimizer.state.clear()  # the other checks need the memory of the Adam states back
     drafter.zero_grad(set_to_none=True)
     if device.type == "cuda":
