@@ -3,14 +3,16 @@
     render --config run.toml [--stage tokenize] [--format yaml|json] [--out DIR]
     submit --config run.toml [--stage tokenize] [--dry-run] [--kubectl PATH]
     status --config run.toml [--json]
+    plan   --config run.toml [--json] [--offline]
     local  --config run.toml [--stage tokenize] [--repo DIR] [--log-dir DIR] [--verbose]
     drive  --run-id ID --root s3://... [--namespace NS] [--poll-seconds S] [--max-poll-seconds S]
     wait   --manifest s3://.../manifest.json [--timeout-seconds N] [--poll-seconds S]
 
 `render` prints the run's objects as a multi-document stream (or writes a kustomize base with --out);
-`submit` pipes the same stream to `kubectl apply -f -`; `status` reads the run's prefixes; `drive` is the run
-driver (the in-cluster Job that creates each stage's Job once its input is committed); `wait` blocks a script
-until a manifest is committed; `local` runs the same stages on this machine (the demo).
+`submit` pipes the same stream to `kubectl apply -f -`; `status` reads the run's prefixes; `plan` sizes every
+stage (pods, GPU-hours, wall time, disk) before anything is submitted; `drive` is the run driver (the
+in-cluster Job that creates each stage's Job once its input is committed); `wait` blocks a script until a
+manifest is committed; `local` runs the same stages on this machine (the demo).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--dry-run", action="store_true", help="print what would be applied, apply nothing")
     submit.add_argument("--kubectl", default="kubectl", help="kubectl executable")
     sub.choices["status"].add_argument("--json", action="store_true", help="machine-readable output")
+    plan = sub.add_parser("plan", help="size every stage before submitting: pods, GPU-hours, wall time, disk")
+    plan.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--offline", action="store_true",
+                      help="read no manifests from the object store (figures from the run file and estimates only)")
     local = sub.add_parser("local", help="run every stage on this machine, each in its own environment")
     local.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
     local.add_argument("--repo", type=Path, default=Path.cwd(), help="checkout holding .venv, .venv-generate, ...")
@@ -128,6 +135,18 @@ def _status(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from dflash_pipeline.plan import build_plan, format_plan, plan_json
+
+    run = load_run_config(args.config)
+    planned = build_plan(run, None if args.offline else ObjectStore())
+    if args.json:
+        print(json.dumps(plan_json(planned), indent=2))
+    else:
+        sys.stdout.write(format_plan(planned))
+    return ExitCode.OK
+
+
 def _local(args: argparse.Namespace) -> int:
     from dflash_pipeline.local import run_local_and_report
 
@@ -152,8 +171,8 @@ def _wait(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = _parser().parse_args(argv)
-    commands = {"render": _render, "submit": _submit, "status": _status, "local": _local, "drive": _drive,
-                "wait": _wait}
+    commands = {"render": _render, "submit": _submit, "status": _status, "plan": _plan, "local": _local,
+                "drive": _drive, "wait": _wait}
     run_stage_main(f"pipeline {args.command}", lambda: commands[args.command](args))
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_pipeline.k8s_names import AnnotationMap, ExtraResources, LabelMap, LabelValue
+from dflash_pipeline.plan_inputs import PlanInputs
 from dflash_shared.errors import ConfigError
 
 # Kubernetes quantities as written in manifests ("500m", "4", "16Gi", "1.5G"); the schema validator
@@ -396,6 +397,8 @@ class RunConfig(_Frozen):
     scheduling: SchedulingSettings = Field(
         default_factory=SchedulingSettings, description="Labels, annotations, queue and priority of every stage."
     )
+    plan: PlanInputs = Field(default_factory=PlanInputs,
+                             description="Workload and throughput figures for `pipeline plan` (sizing only).")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -270,3 +270,25 @@ def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict
                 f"(fields: {', '.join(sorted(fields))})"
             )
     return {**wired, **dict(sorted(chosen.items()))}
+
+
+def _config_default(module_class: str, name: str) -> Any:
+    """A stage config field's default, where that stage's package is importable here; else None."""
+    module_name, _, class_name = module_class.partition(":")
+    try:
+        model = getattr(importlib.import_module(module_name), class_name)
+    except ImportError:
+        return None
+    info = model.model_fields.get(name)
+    return None if info is None or info.is_required() else info.get_default(call_default_factory=True)
+
+
+def stage_value(run: RunConfig, stage: str, name: str, module_class: str, fallback: Any) -> Any:
+    """A stage config value for sizing and progress: the run file's override, else the stage's own default, else
+    `fallback` (the same default, stated by the caller for an environment without the stage package, such as the
+    driver image)."""
+    given = run.stages.for_stage(stage).config.get(name)
+    if given is not None:
+        return given
+    default = _config_default(module_class, name)
+    return fallback if default is None else default

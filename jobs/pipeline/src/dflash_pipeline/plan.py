@@ -1,0 +1,379 @@
+"""`pipeline plan`: what each stage of a run will take, before anything is submitted.
+
+Per stage: pods, GPUs, GPU-hours, wall time, scratch disk per pod, bytes written to the object store and
+copies of the target pulled from it. The arithmetic is deliberately simple (work / rate, all pods of a stage in
+parallel, a start-up term for the target copy), so a reader can check every line by hand; its value is in
+putting the run file's choices (shards, GPUs, nodes, deadlines, scratch sizes) next to the size of the work.
+
+Where each figure comes from is kept beside it and printed: `manifest` (this run's own manifests: counts already
+known), `measured` (an earlier run's manifests, `[plan] measured_from`), `run file` (`[plan]` or stage settings),
+`estimate` (a stated default). A deadline shorter than the predicted wall time, and a scratch volume smaller than
+what the pod will copy into it, are warnings: the Job would be killed or its pod evicted partway.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_pipeline.config import RunConfig, quantity_value
+from dflash_pipeline.layout import layout
+from dflash_pipeline.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
+from dflash_pipeline.stages import plan as run_stages
+from dflash_pipeline.stages import stage_value
+from dflash_shared.manifest_io import ManifestError, parse_manifest
+from dflash_shared.manifests import MANIFEST_NAME, Kind, Manifest
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, join
+
+# Default estimates, used only where neither a manifest nor the run file says; each is printed as `estimate`.
+# Mean prompt length of chat SFT data (ShareGPT/UltraChat-like histories).
+DEFAULT_PROMPT_TOKENS = 600.0
+# Thinking-mode completions stop well before their budget on most prompts; half of it is a round middle.
+DEFAULT_COMPLETION_FRACTION = 0.5
+# vLLM, a ~30B bf16 target on one H100/H200-class GPU at a few hundred sequences in flight.
+DEFAULT_GENERATE_TOKENS_PER_S_PER_GPU = 1500.0
+# bench/bench_tokenize.py's order of magnitude: ~0.5 Mtok/s per pod of 4 CPU.
+DEFAULT_TOKENIZE_TOKENS_PER_S_PER_POD = 500_000.0
+# Target forward + drafter forward/backward on one H200 (SpecForge-class figure for a 27B target).
+DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU = 3000.0
+# The offline acceptance loop decodes one prompt at a time (target + drafter per block).
+DEFAULT_EVALUATE_TOKENS_PER_S = 100.0
+# Object store to local NVMe, one pod, parallel ranged GETs.
+DEFAULT_COPY_BYTES_PER_S = 500e6
+# Engine/process start after the copy: CUDA context, weights to the GPU, graph capture or compilation.
+START_SECONDS = 300.0
+# Stored bytes per token: completions as JSONL with text and token ids, zstd; tokenized Arrow rows (int32 ids,
+# loss mask, document ids, uncompressed). Measured ratios from an earlier run replace these.
+COMPLETION_BYTES_PER_TOKEN = 4.0
+TOKENIZED_BYTES_PER_TOKEN = 9.0
+PROMPT_BYTES_PER_TOKEN = 1.5
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A number and where it came from."""
+
+    value: float
+    source: str  # manifest | measured | run file | estimate
+
+
+@dataclass
+class StagePlan:
+    """What one stage takes."""
+
+    stage: str
+    pods: int
+    gpus: int
+    wall_seconds: float | None
+    scratch_bytes_per_pod: float
+    store_bytes: float
+    model_copies: int
+    work: str  # the work in words, with its figures' sources
+    deadline_seconds: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_hours(self) -> float | None:
+        return None if self.wall_seconds is None else self.gpus * self.wall_seconds / 3600
+
+
+@dataclass
+class RunPlan:
+    run_id: str
+    stages: list[StagePlan]
+    figures: dict[str, Figure]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f"{s.stage}: {w}" for s in self.stages for w in s.warnings]
+
+
+def _manifest(store: ObjectStore | None, prefix: str) -> Manifest | None:
+    if store is None:
+        return None
+    uri = join(prefix, MANIFEST_NAME)
+    try:
+        return parse_manifest(uri, store.read_bytes(uri))
+    except (ObjectNotFoundError, ManifestError):
+        return None
+
+
+class _Figures:
+    """Resolves each figure once, from the first source that has it."""
+
+    def __init__(self, run: RunConfig, store: ObjectStore | None) -> None:
+        self.run = run
+        self.inputs = run.plan
+        lay = layout(run.root, run.run_id)
+        self.own = {kind: _manifest(store, lay.prefix(kind)) for kind in (Kind.prompts, Kind.completions,
+                                                                          Kind.tokenized)}
+        earlier = run.plan.measured_from
+        self.earlier = ({kind: _manifest(store, join(earlier, kind.value)) for kind in (Kind.completions,
+                                                                                        Kind.tokenized, Kind.drafter)}
+                        if earlier else {})
+        self.table: dict[str, Figure] = {}
+
+    def put(self, name: str, figure: Figure) -> float:
+        self.table[name] = figure
+        return figure.value
+
+    def target_bytes(self) -> float:
+        """The target copy's size, as the Jobs size its scratch for it (target.disk_size, or from the model id)."""
+        source = "run file" if self.run.target.disk_size is not None else "estimate"
+        return self.put("target bytes", Figure(float(target_disk_bytes(self.run)), source))
+
+    def prompts(self) -> float | None:
+        own = self.own[Kind.prompts]
+        if own is not None:
+            return self.put("prompts", Figure(own.total_records, "manifest"))
+        if self.inputs.prompts is not None:
+            return self.put("prompts", Figure(self.inputs.prompts, "run file"))
+        return None
+
+    def prompt_tokens(self) -> float:
+        given = self.inputs.mean_prompt_tokens
+        return self.put("mean prompt tokens", Figure(given, "run file") if given else
+                        Figure(DEFAULT_PROMPT_TOKENS, "estimate"))
+
+    def completion_tokens(self, max_new_tokens: int) -> float:
+        for manifest, source in ((self.own[Kind.completions], "manifest"),
+                                 (self.earlier.get(Kind.completions), "measured")):
+            section = getattr(manifest, "section", None)
+            if manifest is not None and manifest.total_records and getattr(section, "output_tokens", 0):
+                mean = section.output_tokens / manifest.total_records  # type: ignore[union-attr]
+                return self.put("mean completion tokens", Figure(mean, source))
+        if self.inputs.mean_completion_tokens:
+            return self.put("mean completion tokens", Figure(self.inputs.mean_completion_tokens, "run file"))
+        return self.put("mean completion tokens", Figure(DEFAULT_COMPLETION_FRACTION * max_new_tokens, "estimate"))
+
+    def rate(self, name: str, given: float | None, measured: float | None, default: float) -> float:
+        if measured:
+            return self.put(name, Figure(measured, "measured"))
+        if given:
+            return self.put(name, Figure(given, "run file"))
+        return self.put(name, Figure(default, "estimate"))
+
+    def measured_generate_rate(self) -> float | None:
+        manifest = self.earlier.get(Kind.completions)
+        throughput = getattr(getattr(manifest, "section", None), "throughput", {}) or {}
+        return throughput.get("output_tokens_per_s_per_gpu")
+
+    def bytes_per_token(self, kind: Kind, tokens_of: str, default: float) -> float:
+        """Stored bytes per token, measured from an earlier run's shards where it has them."""
+        manifest = self.earlier.get(kind)
+        tokens = getattr(getattr(manifest, "section", None), tokens_of, 0) if manifest else 0
+        stored = sum(s.bytes for s in manifest.shards) if manifest and tokens else 0
+        if stored:
+            return self.put(f"{kind.value} bytes per token", Figure(stored / tokens, "measured"))
+        return self.put(f"{kind.value} bytes per token", Figure(default, "estimate"))
+
+
+def _wall(work: float | None, rate_per_unit: float, units: int, start_seconds: float) -> float | None:
+    """Seconds for `work` spread evenly over `units` running at once, plus their start."""
+    if work is None:
+        return None
+    return start_seconds + work / (rate_per_unit * max(units, 1))
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """The run-wide figures every stage's estimate starts from."""
+
+    target_bytes: float
+    target_start: float  # seconds from pod start to a loaded target: the copy, then the engine's start
+    prompts: float | None
+    prompt_tokens: float
+    completion_tokens: float
+    total_tokens: float | None  # tokens of the tokenized data (prompt + completion per record)
+
+
+def _workload(run: RunConfig, figures: _Figures) -> _Workload:
+    target = figures.target_bytes()
+    copy_rate = figures.rate("copy bytes/s", run.plan.copy_bytes_per_s, None, DEFAULT_COPY_BYTES_PER_S)
+    prompts = figures.prompts()
+    prompt_tokens = figures.prompt_tokens()
+    max_new = int(stage_value(run, "generate", "max_new_tokens", "dflash_generate.config:GenerateConfig", None)
+                  or (32768 if re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) else 8192))
+    completion_tokens = figures.completion_tokens(max_new) if run.source.kind == "prompts" else 0.0
+    tokenized = figures.own[Kind.tokenized]
+    if tokenized is not None:
+        total: float | None = figures.put("tokens", Figure(tokenized.section.total_tokens, "manifest"))  # type: ignore[union-attr]
+    elif prompts is None:
+        total = None
+    else:
+        total = figures.put("tokens", Figure(prompts * (prompt_tokens + completion_tokens), "derived"))
+    return _Workload(target, target / copy_rate + START_SECONDS, prompts, prompt_tokens, completion_tokens, total)
+
+
+def _import(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
+    # Import reads and validates conversations at thousands per second per pod; its start is a minute.
+    return StagePlan("import", pods, gpus, _wall(w.prompts, 2000.0, pods, 60.0), 0.0,
+                     (w.prompts or 0) * w.prompt_tokens * PROMPT_BYTES_PER_TOKEN, 0,
+                     f"{_count(w.prompts)} conversations")
+
+
+def _generate(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
+    rate = figures.rate("generate tokens/s/GPU", run.plan.generate_tokens_per_s_per_gpu,
+                        figures.measured_generate_rate(), DEFAULT_GENERATE_TOKENS_PER_S_PER_GPU)
+    work = None if w.prompts is None else w.prompts * w.completion_tokens
+    per_token = figures.bytes_per_token(Kind.completions, "output_tokens", COMPLETION_BYTES_PER_TOKEN)
+    # Every pod copies the whole target to its scratch and serves it from there.
+    return StagePlan("generate", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes,
+                     (work or 0) * per_token, pods,
+                     f"{_count(work)} tokens to generate ({_count(w.prompts)} prompts x {w.completion_tokens:,.0f}); "
+                     f"{rate:,.0f} tok/s/GPU")
+
+
+def _tokenize(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
+    rate = figures.rate("tokenize tokens/s/pod", run.plan.tokenize_tokens_per_s_per_pod, None,
+                        DEFAULT_TOKENIZE_TOKENS_PER_S_PER_POD)
+    per_token = figures.bytes_per_token(Kind.tokenized, "total_tokens", TOKENIZED_BYTES_PER_TOKEN)
+    return StagePlan("tokenize", pods, gpus, _wall(w.total_tokens, rate, pods, 60.0), 0.0,
+                     (w.total_tokens or 0) * per_token, 0, f"{_count(w.total_tokens)} tokens; {rate:,.0f} tok/s/pod")
+
+
+def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
+    rate = figures.rate("train tokens/s/GPU", run.plan.train_tokens_per_s_per_gpu, None,
+                        DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU)
+    config = "dflash_train.config:TrainConfig"
+    epochs = int(stage_value(run, "train", "epochs", config, 6))
+    max_steps = stage_value(run, "train", "max_steps", config, None)
+    batch = int(stage_value(run, "train", "batch_tokens", config, 65536))
+    keep = int(stage_value(run, "train", "keep_checkpoints", config, 2))
+    cache = float(stage_value(run, "train", "cache_gib", config, 20.0)) * 2**30
+    # Rows are packed: every token of the data is a training token, once per epoch (or max_steps x batch).
+    work = max_steps * batch if max_steps else None if w.total_tokens is None else w.total_tokens * epochs
+    steps = None if work is None else math.ceil(work / batch)
+    limit = f", max_steps {max_steps}" if max_steps else f", {epochs} epochs"
+    # One target copy per pod (node), its ranks share it; the data cache beside it. The store keeps `keep`
+    # checkpoints of the drafter's weights and AdamW states (~16 bytes per parameter of a ~2B drafter).
+    return StagePlan("train", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes + cache,
+                     keep * 2e9 * 16, pods,
+                     f"{_count(work)} training tokens ({_count(steps)} steps{limit}); {rate:,.0f} tok/s/GPU")
+
+
+def _decode(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int, stage: str) -> StagePlan:
+    rate = figures.rate("evaluate tokens/s", run.plan.evaluate_tokens_per_s, None, DEFAULT_EVALUATE_TOKENS_PER_S)
+    config = ("dflash_train.evaluate_config:EvaluateConfig" if stage == "evaluate"
+              else "dflash_generate.serve_check:ServeCheckConfig")
+    prompts = int(stage_value(run, stage, "num_prompts", config, 256))
+    new = int(stage_value(run, stage, "max_new_tokens", config, 256))
+    # serve-check decodes twice (with and without speculation) in a batched engine, ~10x the offline loop's rate.
+    work = prompts * new * (1.0 if stage == "evaluate" else 0.2)
+    return StagePlan(stage, pods, gpus, _wall(work, rate, 1, w.target_start), w.target_bytes, 1e6, pods,
+                     f"{prompts} prompts x {new} tokens")
+
+
+def _export(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
+    # Reads the final checkpoint (~2B drafter, fp32 weights and optimizer states) and writes bf16 serving files.
+    return StagePlan("export", pods, gpus, 600.0, 2e9 * 16, 2e9 * 2, 0, "the final checkpoint to serving files")
+
+
+def build_plan(run: RunConfig, store: ObjectStore | None = None) -> RunPlan:
+    """The plan of every stage of the run, upstream first. `store` (optional) reads the manifests already there."""
+    figures = _Figures(run, store)
+    workload = _workload(run, figures)
+    out: list[StagePlan] = []
+    for stage in run_stages(run):
+        settings = run.stages.for_stage(stage.name)
+        pods = settings.nodes if stage.name == "train" else settings.shards
+        args = (run, figures, workload, pods, pods * settings.gpus)
+        if stage.name in ("evaluate", "serve-check"):
+            item = _decode(*args, stage.name)
+        else:
+            item = {"import": _import, "generate": _generate, "tokenize": _tokenize, "train": _train,
+                    "export": _export}[stage.name](*args)
+        item.deadline_seconds = active_deadline_seconds(settings)
+        _scratch_warning(item, float(quantity_value(scratch_limit(run, stage, settings))))
+        _deadline_warning(item)
+        out.append(item)
+    return RunPlan(run.run_id, out, figures.table)
+
+
+def _scratch_warning(plan: StagePlan, limit: float) -> None:
+    """`limit`: the scratch volume's sizeLimit as rendered (scratch_size, plus the target copy where one is made)."""
+    if plan.scratch_bytes_per_pod > limit:
+        plan.warnings.append(
+            f"needs ~{_bytes(plan.scratch_bytes_per_pod)} of scratch per pod, its volume holds {_bytes(limit)}: the "
+            f"pod would be evicted; raise stages.{plan.stage}.scratch_size")
+
+
+def _deadline_warning(plan: StagePlan) -> None:
+    if plan.deadline_seconds is None or plan.wall_seconds is None or plan.deadline_seconds >= plan.wall_seconds:
+        return
+    plan.warnings.append(
+        f"active_deadline_seconds {plan.deadline_seconds:,} is shorter than the predicted "
+        f"{_hours(plan.wall_seconds)}: the Job would be stopped partway; raise "
+        f"stages.{plan.stage}.active_deadline_seconds or add pods")
+
+
+def _count(value: float | None) -> str:
+    if value is None:
+        return "?"
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= size:
+            return f"{value / size:,.1f}{unit}"
+    return f"{value:,.0f}"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if value >= size:
+            return f"{value / size:,.1f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def _hours(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min"
+
+
+def _gpu_hours(value: float | None) -> str:
+    if value is None:
+        return "?"
+    return f"{value:,.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def format_plan(plan: RunPlan) -> str:
+    rows = [("stage", "pods", "GPUs", "GPU-hours", "wall", "scratch/pod", "written", "model copies", "work")]
+    for s in plan.stages:
+        rows.append((s.stage, str(s.pods), str(s.gpus), "-" if not s.gpus else
+                     _gpu_hours(s.gpu_hours), _hours(s.wall_seconds),
+                     _bytes(s.scratch_bytes_per_pod) if s.scratch_bytes_per_pod else "-", _bytes(s.store_bytes),
+                     str(s.model_copies), s.work))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = [f"plan of run {plan.run_id}"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    gpu_hours = sum(s.gpu_hours or 0 for s in plan.stages)
+    wall = sum(s.wall_seconds or 0 for s in plan.stages)
+    copies = sum(s.model_copies for s in plan.stages)
+    lines.append(f"total: {_gpu_hours(gpu_hours)} GPU-hours, {_hours(wall)} of wall time with the stages one after "
+                 f"another; {copies} copies of the target pulled from the object store "
+                 f"({_bytes(copies * plan.figures['target bytes'].value)})")
+    if any(s.wall_seconds is None for s in plan.stages):
+        lines.append("unknown (?): the run's prompt count is not known yet: set [plan] prompts, or plan again once "
+                     "the import has written its manifest")
+    lines.append("figures (source: manifest = this run's, measured = [plan] measured_from, run file, estimate):")
+    lines += [f"  {name}: {_count(f.value) if f.value >= 1000 else f'{f.value:,.2f}'} ({f.source})"
+              for name, f in plan.figures.items()]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines) + "\n"
+
+
+def plan_json(plan: RunPlan) -> dict[str, Any]:
+    return {
+        "run_id": plan.run_id,
+        "stages": [{"stage": s.stage, "pods": s.pods, "gpus": s.gpus, "gpu_hours": s.gpu_hours,
+                    "wall_seconds": s.wall_seconds, "scratch_bytes_per_pod": s.scratch_bytes_per_pod,
+                    "store_bytes": s.store_bytes, "model_copies": s.model_copies, "work": s.work,
+                    "deadline_seconds": s.deadline_seconds, "warnings": s.warnings} for s in plan.stages],
+        "figures": {name: {"value": f.value, "source": f.source} for name, f in plan.figures.items()},
+        "warnings": plan.warnings,
+    }

@@ -1,0 +1,47 @@
+"""`[plan]` of a run file: the workload and throughput figures `pipeline plan` sizes a run from.
+
+Every field is optional. What the run's own manifests already say (prompts counted by import, tokens
+generated, tokens tokenized) always wins over these; an earlier run named in `measured_from` supplies measured
+throughputs and per-record sizes; what neither gives comes from these fields, and what they leave out from
+stated default estimates. The plan prints where each figure came from, so an estimate never passes for a
+measurement.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PlanInputs(BaseModel):
+    """Figures for sizing a run before it is submitted (`python -m dflash_pipeline plan`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompts: int | None = Field(
+        default=None, ge=1, description="Conversations the import will produce; the prompts manifest's count wins."
+    )
+    mean_prompt_tokens: float | None = Field(
+        default=None, gt=0, description="Mean prompt (conversation history) tokens per record."
+    )
+    mean_completion_tokens: float | None = Field(
+        default=None, gt=0,
+        description="Mean generated tokens per prompt; default: half the generate stage's max_new_tokens.",
+    )
+    measured_from: str | None = Field(
+        default=None, description="An earlier run's prefix (<root>/<run_id>) whose manifests give measured figures."
+    )
+    generate_tokens_per_s_per_gpu: float | None = Field(
+        default=None, gt=0, description="Generated tokens per second per GPU (vLLM, the whole batch)."
+    )
+    tokenize_tokens_per_s_per_pod: float | None = Field(
+        default=None, gt=0, description="Tokens rendered, tokenized and masked per second per tokenize pod."
+    )
+    train_tokens_per_s_per_gpu: float | None = Field(
+        default=None, gt=0, description="Training tokens (packed rows x length) per second per GPU."
+    )
+    evaluate_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="Tokens per second of the offline acceptance loop (one prompt at a time)."
+    )
+    copy_bytes_per_s: float | None = Field(
+        default=None, gt=0, description="Object store -> pod scratch copy rate of the target, bytes per second."
+    )

@@ -1,0 +1,162 @@
+"""`pipeline plan`: each stage's pods, GPU-hours, wall time and disk follow from the run file and the manifests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_pipeline import layout, parse_run_config
+from dflash_pipeline.config import RunConfig, read_run_file
+from dflash_pipeline.plan import START_SECONDS, build_plan, format_plan
+from dflash_shared.errors import ConfigError
+from dflash_shared.manifest_io import write_manifest
+from dflash_shared.manifests import (
+    Accounting,
+    CompletionsSection,
+    Kind,
+    Manifest,
+    Producer,
+    PromptsSection,
+    Shard,
+    SpecialTokens,
+    TargetIdentity,
+)
+from dflash_shared.storage import ObjectStore, join
+from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT
+
+HEADLINE_RUN = REPO_ROOT / "k8s" / "examples" / "qwen3.6-27b.toml"
+
+
+def headline(**plan: Any) -> RunConfig:
+    data = read_run_file(HEADLINE_RUN)
+    data["plan"] = {**data["plan"], **plan}
+    return parse_run_config(data)
+
+
+def stages(run: RunConfig, store: ObjectStore | None = None) -> dict[str, Any]:
+    return {s.stage: s for s in build_plan(run, store).stages}
+
+
+def test_the_headline_run_is_sized_from_its_run_file() -> None:
+    run = headline()
+    got = stages(run)
+    assert list(got) == ["import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"]
+    generate, train = got["generate"], got["train"]
+    # 64 one-GPU pods; 900K prompts x 4,000 tokens at 1,500 tok/s/GPU, after the target copy (target.disk_size,
+    # as the Jobs size their scratch for it, at 500 MB/s) and the engine's start.
+    assert (generate.pods, generate.gpus, generate.model_copies) == (64, 64, 64)
+    target = 56 * 2**30  # target.disk_size
+    start = target / 500e6 + START_SECONDS
+    assert generate.wall_seconds == pytest.approx(start + 900_000 * 4000 / (1500 * 64))
+    assert generate.gpu_hours == pytest.approx(64 * generate.wall_seconds / 3600)
+    assert generate.scratch_bytes_per_pod == pytest.approx(target)
+    # 4 nodes x 8 GPUs; 6 epochs over 900K x (700 + 4,000) tokens at 3,000 tok/s/GPU.
+    assert (train.pods, train.gpus, train.model_copies) == (4, 32, 4)
+    assert train.wall_seconds == pytest.approx(start + 6 * 900_000 * 4700 / (3000 * 32))
+    assert train.wall_seconds > 2 * 86400  # days, not hours: what a user must see before submitting
+    assert "steps" in train.work and "6 epochs" in train.work
+
+
+def test_twice_the_prompts_takes_twice_the_generation() -> None:
+    one, two = stages(headline()), stages(headline(prompts=1_800_000))
+    start = one["generate"].wall_seconds - 900_000 * 4000 / (1500 * 64)
+    assert two["generate"].wall_seconds - start == pytest.approx(2 * (one["generate"].wall_seconds - start))
+    assert two["generate"].store_bytes == pytest.approx(2 * one["generate"].store_bytes)
+    assert two["train"].gpu_hours > 1.9 * one["train"].gpu_hours
+
+
+def test_a_deadline_shorter_than_the_stage_and_a_small_scratch_are_warned() -> None:
+    data = read_run_file(HEADLINE_RUN)
+    data["stages"]["generate"] |= {"active_deadline_seconds": 3600}
+    # The train pod's shard cache (cache_gib, 20 GiB by default) does not fit in 10Gi beside the target copy.
+    data["stages"]["train"] |= {"scratch_size": "10Gi"}
+    plan = build_plan(parse_run_config(data))
+    warnings = "\n".join(plan.warnings)
+    assert "generate: active_deadline_seconds 3,600 is shorter than the predicted" in warnings
+    assert "raise stages.generate.active_deadline_seconds" in warnings
+    assert "train: needs ~" in warnings and "raise stages.train.scratch_size" in warnings
+    assert len(plan.warnings) == 2, plan.warnings
+    # 0 is "no deadline" in the run file: nothing to warn about.
+    data["stages"]["generate"] |= {"active_deadline_seconds": 0}
+    assert not [w for w in build_plan(parse_run_config(data)).warnings if w.startswith("generate")]
+
+
+def test_an_unsized_model_id_asks_for_the_disk_size() -> None:
+    data = read_run_file(EXAMPLE_RUN)
+    data["target"]["model_id"] = "acme/house-model"
+    with pytest.raises(ConfigError, match=r"target.disk_size"):
+        build_plan(parse_run_config(data))
+
+
+def _target() -> TargetIdentity:
+    return TargetIdentity(model_id="Qwen/Qwen3-8B", tokenizer_sha256="0" * 64, chat_template_sha256="0" * 64,
+                          enable_thinking=True, special_tokens=SpecialTokens(end_of_turn=1))
+
+
+def _completions(run_id: str, records: int, output_tokens: int, stored: int, seconds: float) -> Manifest:
+    return Manifest(
+        kind=Kind.completions, run_id=run_id, producer=Producer(stage="generate"),
+        shards=[Shard(uri="part-00000.jsonl.zst", bytes=stored, sha256="0" * 64, records=records)],
+        accounting=Accounting(input_records=records, succeeded=records, failed=0, skipped=0),
+        section=CompletionsSection(target=_target(), has_token_ids=True, output_tokens=output_tokens,
+                                   throughput={"output_tokens_per_s_per_gpu": output_tokens / seconds}),
+    )
+
+
+def test_manifests_and_an_earlier_run_replace_the_estimates(s3_bucket: str, store: ObjectStore) -> None:
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = join(s3_bucket, "runs")
+    earlier = join(s3_bucket, "runs", "last-month")
+    data["plan"] = {"measured_from": earlier}
+    run = parse_run_config(data)
+    lay = layout(run.root, run.run_id)
+    # This run's import counted 5,000 prompts; last month's generate made 2,500 tokens per prompt at 800 tok/s/GPU,
+    # stored in 2 bytes per token.
+    write_manifest(store, lay.prompts, Manifest(
+        kind=Kind.prompts, run_id=run.run_id, producer=Producer(stage="import"),
+        shards=[Shard(uri="p.jsonl.zst", bytes=1, sha256="0" * 64, records=5000)],
+        accounting=Accounting(input_records=5000, succeeded=5000, failed=0, skipped=0),
+        section=PromptsSection(sources=[run.source.uri], duplicates=0)))
+    write_manifest(store, join(earlier, "completions"), _completions("last-month", 1000, 2_500_000, 5_000_000, 3125.0))
+
+    plan = build_plan(run, store)
+    sources = {name: (f.value, f.source) for name, f in plan.figures.items()}
+    assert sources["prompts"] == (5000, "manifest")
+    assert sources["mean completion tokens"] == (2500, "measured")
+    assert sources["generate tokens/s/GPU"] == (800, "measured")
+    assert sources["completions bytes per token"] == (2.0, "measured")
+    generate = {s.stage: s for s in plan.stages}["generate"]
+    assert generate.store_bytes == pytest.approx(5000 * 2500 * 2.0)
+    text = format_plan(plan)
+    assert "prompts: 5.0K (manifest)" in text and "generate tokens/s/GPU: 800.00 (measured)" in text
+
+
+def test_the_command_prints_the_table_and_json_offline() -> None:
+    base = [sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(HEADLINE_RUN), "--offline"]
+    text = subprocess.run(base, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True).stdout
+    assert text.splitlines()[1].split() == ["stage", "pods", "GPUs", "GPU-hours", "wall", "scratch/pod", "written",
+                                            "model", "copies", "work"]
+    assert "generate     64    64" in text and "(run file)" in text and "(estimate)" in text
+    out = json.loads(subprocess.run([*base, "--json"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                                    check=True).stdout)
+    train = next(s for s in out["stages"] if s["stage"] == "train")
+    assert train["gpus"] == 32 and train["gpu_hours"] == pytest.approx(32 * train["wall_seconds"] / 3600)
+    # Without a prompt count, the example's times are unknown and the table says how to give them.
+    example = subprocess.run([sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(EXAMPLE_RUN),
+                              "--offline"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True)
+    assert "set [plan] prompts" in example.stdout
+
+
+def test_the_headline_run_renders_and_validates(tmp_path: Path) -> None:
+    from dflash_pipeline import render_documents
+    from tests.k8s.k8s_support import schema_errors
+
+    docs = render_documents(headline())
+    assert schema_errors(docs) == []
+    components = {d["metadata"].get("labels", {}).get("app.kubernetes.io/component") for d in docs}
+    assert {"import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"} <= components
