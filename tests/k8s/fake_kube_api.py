@@ -9,6 +9,7 @@ for errors, 404/409 codes):
     DELETE /apis/batch/v1/namespaces/{ns}/jobs/{name}                       delete
     PUT    /apis/batch/v1/namespaces/{ns}/jobs/{name}/status                replace the status
     GET    /api/v1/namespaces/{ns}/pods?labelSelector=...                   list
+    GET    /apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets?labelSelector=...   list
 
 Every request is authorized against the rules of a Role (the driver's rendered Role): a verb the Role does
 not grant answers 403 as RBAC would, so the tests also show the Role is enough. No controller runs: a test
@@ -29,10 +30,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-_PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1)/namespaces/(?P<ns>[^/]+)/(?P<plural>[a-z]+)"
+_PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1|apis/jobset\.x-k8s\.io/v1alpha2)/namespaces/(?P<ns>[^/]+)/"
+                   r"(?P<plural>[a-z]+)"
                    r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$")
-_GROUP = {"api/v1": "", "apis/batch/v1": "batch"}
-_KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod"}
+_GROUP = {"api/v1": "", "apis/batch/v1": "batch", "apis/jobset.x-k8s.io/v1alpha2": "jobset.x-k8s.io"}
+_KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod", "jobsets": "JobSet"}
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 
@@ -104,9 +106,9 @@ class FakeKubeApi:
         with self._lock:
             return sorted(name for (p, _, name) in self.objects if p == plural)
 
-    def set_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    def set_status(self, namespace: str, name: str, status: dict[str, Any], plural: str = "jobs") -> None:
         with self._lock:
-            self.objects[("jobs", namespace, name)]["status"] = status
+            self.objects[(plural, namespace, name)]["status"] = status
 
     def delete(self, plural: str, namespace: str, name: str) -> None:
         with self._lock:
@@ -191,7 +193,7 @@ class FakeKubeApi:
                         items = [copy.deepcopy(o) for (p, ns, _), o in sorted(api.objects.items())
                                  if p == parts["plural"] and ns == parts["ns"]
                                  and _matches(o["metadata"].get("labels") or {}, selector)]
-                    version = "v1" if parts["prefix"] == "api/v1" else "batch/v1"
+                    version = parts["prefix"].removeprefix("apis/").removeprefix("api/")
                     self._send(200, {"kind": _KIND[parts["plural"]] + "List", "apiVersion": version,
                                      "metadata": {"resourceVersion": "1"}, "items": items})
 

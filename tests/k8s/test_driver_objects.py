@@ -81,7 +81,7 @@ def test_the_driver_role_grants_only_what_it_calls(built: tuple[str, list[dict[s
     grants = {(rule["apiGroups"][0], resource, verb) for rule in role["rules"] for resource in rule["resources"]
               for verb in rule["verbs"]}
     assert grants == {("batch", "cronjobs", "get"), ("batch", "cronjobs", "list"), ("batch", "jobs", "get"),
-                      ("batch", "jobs", "create"), ("", "pods", "list")}
+                      ("batch", "jobs", "create"), ("", "pods", "list"), ("jobset.x-k8s.io", "jobsets", "list")}
     (binding,) = by_kind(docs, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}

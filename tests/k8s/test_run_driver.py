@@ -253,6 +253,44 @@ def test_a_restarted_driver_adopts_the_running_job_instead_of_creating_another(
     assert states["train"] == "succeeded" and states["import"] == "skipped"
 
 
+def test_a_failed_train_jobset_stops_the_run_before_export(s3_bucket: str, store: ObjectStore) -> None:
+    # Multi-node training as a JobSet is applied with the run (it waits for its data itself); the driver
+    # creates the other stages and notices the JobSet's failure while export waits for the drafter.
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = f"{s3_bucket}/runs"
+    data["stages"]["train"] = {**data["stages"]["train"], "gang": "jobset", "nodes": 2}
+    run = parse_run_config(data, "jobset run")
+    docs = render_documents(run)
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    fake = FakeKubeApi(role).start()
+    try:
+        for doc in docs:
+            if doc["kind"] in ("CronJob", "JobSet"):
+                fake.add(doc)
+        sim = Cluster(fake, store)
+        tokenized = f"{run.root}/{run.run_id}/tokenized/manifest.json"
+        reason = "FailedJobs: jobset failed due to job dflash-example-train-node-0: exit code 65 (BAD_INPUT)"
+
+        def sleep(seconds: float) -> None:
+            sim(seconds)
+            if store.exists(tokenized):
+                fake.set_status(NS, "dflash-example-train", {"conditions": [
+                    {"type": "Failed", "status": "True", "reason": reason.split(": ", 1)[0],
+                     "message": reason.split(": ", 1)[1]}]}, plural="jobsets")
+
+        rd = RunDriver(KubeCluster(NS, fake.api_client()), store, run.root, run.run_id, poll_s=0.01,
+                       max_poll_s=0.04, sleep=sleep)
+        with pytest.raises(StageFailedError, match=r"stage train failed \(JobSet dflash-example-train\): FailedJobs"):
+            rd.run()
+        assert [stage for stage, _ in sim.created] == ["import", "generate", "tokenize"]
+        state = read_run_state(store, run.root, run.run_id)
+        assert state is not None
+        assert state.stages["train"].state == "failed" and state.stages["train"].reason == reason
+        assert state.stages["export"].reason == "run stopped: upstream stage train failed"
+    finally:
+        fake.stop()
+
+
 def test_a_role_without_the_needed_verb_exits_environment_naming_it(store: ObjectStore, run: RunConfig) -> None:
     (role,) = [d for d in render_documents(run) if d["kind"] == "Role"]
     role["rules"] = [r for r in role["rules"] if r["resources"] != ["jobs"]]

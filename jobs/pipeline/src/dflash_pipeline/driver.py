@@ -103,7 +103,7 @@ class RunDriver:
                 continue
             job = self.cluster.job(t.job_name)
             if job is None:
-                return False, self._start(t) or changed
+                return False, self._start(t, templates) or changed
             if t.stage not in self._watched:
                 logger.info("stage %s: adopting the existing Job %s (%s)", t.stage, job.name, job.phase)
                 self._watched.add(t.stage)
@@ -119,8 +119,12 @@ class RunDriver:
             return False, self._set(t.stage, job.phase, job=job.name, reason=job.reason) or changed
         return True, changed
 
-    def _start(self, t: StageTemplate) -> bool:
+    def _start(self, t: StageTemplate, templates: list[StageTemplate]) -> bool:
         if t.input_manifest is not None and not self.store.exists(t.input_manifest):
+            if t.order - 1 not in {u.order for u in templates}:
+                # The upstream stage has no template: a JobSet applied with the run. Its failure stops the run too.
+                for stage, jobset in self.cluster.failed_jobsets(self.run_id):
+                    self._fail(t, templates, jobset, kind="JobSet", failed_stage=stage)
             return self._set(t.stage, "waiting", reason=f"input {t.input_manifest} not committed yet")
         if self.cluster.create_job(t.body):
             logger.info("stage %s: input committed, created Job %s", t.stage, t.job_name)
@@ -138,17 +142,23 @@ class RunDriver:
             logger.info("stage %s: output %s committed", t.stage, t.output_manifest)
         return self._set(t.stage, state, reason=f"output {t.output_manifest} committed")
 
-    def _fail(self, t: StageTemplate, templates: list[StageTemplate], job: JobView) -> None:
-        detail = self.cluster.failure_detail(job.name)
+    def _fail(self, t: StageTemplate, templates: list[StageTemplate], job: JobView, *, kind: str = "Job",
+              failed_stage: str | None = None) -> None:
+        """Record the failure and stop the run. `failed_stage`: a JobSet upstream of `t` failed, not `t` itself."""
+        detail = self.cluster.failure_detail(job.name) if kind == "Job" else None
         reason = "; ".join(p for p in (job.reason, detail) if p) or "no reason given"
-        self._set(t.stage, "failed", job=job.name, reason=reason)
-        for later in templates[templates.index(t) + 1:]:
-            self._set(later.stage, "waiting", reason=f"run stopped: upstream stage {t.stage} failed")
+        stage = failed_stage or t.stage
+        self._set(stage, "failed", job=job.name, reason=reason)
+        later = templates[templates.index(t) + (1 if failed_stage is None else 0):]
+        for u in later:
+            self._set(u.stage, "waiting", reason=f"run stopped: upstream stage {stage} failed")
         self._save()
+        driver = driver_name(self.run_id)
+        delete = (f"kubectl delete job {job.name} {driver}" if kind == "Job"
+                  else f"kubectl delete jobset {job.name}; kubectl delete job {driver}")
         raise StageFailedError(
-            f"stage {t.stage} failed (Job {job.name}): {reason}. Nothing downstream was created. Fix the cause, "
-            f"then `kubectl delete job {job.name} {driver_name(self.run_id)}` and apply the run again: committed "
-            "stages are skipped"
+            f"stage {stage} failed ({kind} {job.name}): {reason}. Nothing downstream was created. Fix the cause, "
+            f"then `{delete}` and apply the run again: committed stages are skipped"
         )
 
     def _set(self, stage: str, state: StageStateName, *, job: str | None = None, reason: str | None = None) -> bool:

@@ -109,6 +109,8 @@ def driver_role(run: RunConfig) -> dict[str, Any]:
             {"apiGroups": ["batch"], "resources": ["cronjobs"], "verbs": ["get", "list"]},
             {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "create"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+            # A multi-node train stage rendered as a JobSet runs on its own; the driver only notices its failure.
+            {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["list"]},
         ],
     }
 

@@ -4,6 +4,7 @@
     job(name)              read a stage Job: its phase and failure reason        batch/v1 jobs: get
     create_job(body)       create a stage Job (an existing one is adopted)       batch/v1 jobs: create
     failure_detail(name)   a failed pod's container exit code and message        v1 pods: list
+    failed_jobsets(run_id) the run's JobSets that failed, with their reason      jobset.x-k8s.io jobsets: list
 
 Responses are read as raw JSON (`_preload_content=False`) rather than as the client's models: a client
 older than the cluster drops fields it has no model for (a Job's `podFailurePolicy` or `managedBy`
@@ -42,6 +43,8 @@ logger = logging.getLogger("dflash.pipeline.kube")
 JobPhase = Literal["created", "running", "succeeded", "failed"]
 # The Job controller labels every pod with its Job's name (Kubernetes >= 1.27).
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# A multi-node stage rendered as a JobSet is applied with the run, not created by the driver (see jobset.py).
+JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
 # How much of a termination message goes into a reason: the last lines are where the error is.
 _MESSAGE_CHARS = 600
 
@@ -161,6 +164,7 @@ class Cluster:
         # Any: with _preload_content=False the calls return the raw HTTP response, not the annotated model.
         self.batch: Any = client.BatchV1Api(api_client)
         self.core: Any = client.CoreV1Api(api_client)
+        self.custom: Any = client.CustomObjectsApi(api_client)
 
     @contextlib.contextmanager
     def _api(self, what: str) -> Iterator[None]:
@@ -214,6 +218,25 @@ class Cluster:
                 return False
             raise
         return True
+
+    def failed_jobsets(self, run_id: str) -> list[tuple[str, JobView]]:
+        """(stage, JobSet) of the run's JobSets whose Failed condition is true; none where JobSet is not installed."""
+        from kubernetes.client.exceptions import ApiException
+
+        selector = f"{INSTANCE_LABEL}={run_id}"
+        try:
+            with self._api(f"list JobSets ({selector})"):
+                resp = self.custom.list_namespaced_custom_object(
+                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, "jobsets", label_selector=selector,
+                    _preload_content=False)
+        except ClusterUnavailableError as err:
+            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 404:
+                return []
+            raise
+        items = json.loads(resp.data).get("items", [])
+        views = [((i["metadata"].get("labels") or {}).get("app.kubernetes.io/component", "?"), job_view(i))
+                 for i in items]
+        return [(stage, view) for stage, view in views if view.phase == "failed"]
 
     def failure_detail(self, job_name: str) -> str | None:
         selector = f"{JOB_NAME_LABEL}={job_name}"
