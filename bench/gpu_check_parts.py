@@ -227,6 +227,7 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         _sync(device)
         warmup_s = time.perf_counter() - t0
         after_warmup = _compile_counts()
+        warmup_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         seen.clear()
@@ -246,10 +247,9 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     for i, (mask, q_len) in enumerate(seen):
         batch = batches[(args.warmup + i) % len(batches)]
         rows, seq = batch.shape
-        pairs, kept = [], 0
-        for layer_type in cfg.layer_types:
-            n, kept = flops.allowed_pairs(mask.for_layer(layer_type), rows, q_len, seq + q_len)
-            pairs.append(n)
+        by_type = {t: flops.allowed_pairs(mask.for_layer(t), rows, q_len, seq + q_len) for t in set(cfg.layer_types)}
+        pairs = [by_type[t][0] for t in cfg.layer_types]
+        kept = by_type[cfg.layer_types[0]][1]  # kept block tokens: the same under every layer type
         context = int((batch.document_ids >= 0).sum())
         for part in (flops.target_flops(target, batch.input_ids, batch.document_ids),
                      flops.drafter_flops(cfg, context, kept, pairs),
@@ -281,6 +281,7 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     }
     if device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        result["peak_memory_warmup_gib"] = round(warmup_peak / 2**30, 2)  # compilation included
         result["device_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
     else:
         result["peak_memory_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
