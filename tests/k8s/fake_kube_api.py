@@ -38,6 +38,10 @@ _KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod", "jobsets": "JobSet
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 
+class AdmissionDenied(Exception):  # noqa: N818 - named as the API server says it
+    """Raised by an `on_create` hook: the request is denied as a validating admission webhook denies it."""
+
+
 def _matches(labels: dict[str, str], selector: str) -> bool:
     """Equality-based label selectors (`a=b,c=d`), the only kind the driver sends."""
     for term in filter(None, selector.split(",")):
@@ -211,7 +215,12 @@ class FakeKubeApi:
                         self._status(409, "AlreadyExists", f'{parts["plural"]} "{key[2]}" already exists')
                         return
                     if api.on_create is not None:
-                        api.on_create(body)
+                        try:
+                            api.on_create(body)
+                        except AdmissionDenied as denied:
+                            self._status(403, "Forbidden", f'admission webhook "validate.example.io" denied the '
+                                                           f"request: {denied}")
+                            return
                     api.add(body)
                     self._send(201, api.get(*key) or {})
 

@@ -26,13 +26,13 @@ from dflash_pipeline import RunConfig, parse_run_config, render_documents
 from dflash_pipeline.config import read_run_file
 from dflash_pipeline.driver import RunDriver, StageFailedError
 from dflash_pipeline.kube import Cluster as KubeCluster
-from dflash_pipeline.kube import ClusterAccessError
+from dflash_pipeline.kube import ClusterAccessError, ClusterRejectedError
 from dflash_pipeline.run_state import read_run_state
 from dflash_pipeline.wait import wait_for_manifest
 from dflash_shared.errors import exit_code_for
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.storage import ObjectStore, join
-from tests.k8s.fake_kube_api import FakeKubeApi
+from tests.k8s.fake_kube_api import AdmissionDenied, FakeKubeApi
 from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT, schema_errors
 
 NS = "dflash"
@@ -304,6 +304,24 @@ def test_a_role_without_the_needed_verb_exits_environment_naming_it(store: Objec
         assert exit_code_for(refused.value) == ExitCode.ENVIRONMENT
     finally:
         fake.stop()
+
+
+def test_a_job_an_admission_webhook_denies_exits_usage_naming_it(
+    api: FakeKubeApi, store: ObjectStore, run: RunConfig
+) -> None:
+    sim = Cluster(api, store)
+
+    def deny(job: dict[str, Any]) -> None:
+        if job["metadata"]["name"] == "dflash-example-generate":
+            raise AdmissionDenied("LocalQueue gpu-queue does not exist")
+        sim._created(job)
+
+    api.on_create = deny
+    with pytest.raises(ClusterRejectedError, match="create Job dflash-example-generate: 403 admission webhook "
+                       '"validate.example.io" denied the request: LocalQueue gpu-queue does not exist') as denied:
+        driver(api, store, run, sim).run()
+    assert exit_code_for(denied.value) == ExitCode.USAGE
+    assert api.names("jobs") == ["dflash-example-import"]
 
 
 # ---------------------------------------------------------------------- S3 access refused (real IAM checks)

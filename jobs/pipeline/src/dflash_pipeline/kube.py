@@ -34,7 +34,7 @@ from dflash_pipeline.driver_objects import (
     ROLE_LABEL,
     TEMPLATE_ROLE,
 )
-from dflash_shared.errors import PreflightError
+from dflash_shared.errors import ConfigError, PreflightError
 from dflash_shared.exit_codes import describe
 from dflash_shared.manifests import MANIFEST_NAME
 from dflash_shared.storage import join
@@ -51,6 +51,11 @@ _MESSAGE_CHARS = 600
 
 class ClusterAccessError(PreflightError):
     """The API server refused the driver (401/403: its Role lacks a permission). Exit 69; no retry helps."""
+
+
+class ClusterRejectedError(ConfigError):
+    """The API server refused a request as invalid (400/422: a template's Job spec, an admission webhook such as
+    Kueue's). Exit 64: the same request fails on every retry until the run file is fixed."""
 
 
 class ClusterUnavailableError(RuntimeError):
@@ -83,7 +88,8 @@ def template_from_cronjob(cronjob: dict[str, Any]) -> StageTemplate:
     where = f"CronJob {meta.get('name')!r}"
     missing = [k for k in (JOB_NAME_ANNOTATION, ORDER_ANNOTATION, OUTPUT_ANNOTATION) if k not in annotations]
     if missing:
-        raise ValueError(f"{where} is labelled a stage template but lacks the annotation(s) {', '.join(missing)}")
+        raise ConfigError(f"{where} is labelled a stage template but lacks the annotation(s) {', '.join(missing)}; "
+                          "render the run again (python -m dflash_pipeline render)")
     template = cronjob["spec"]["jobTemplate"]
     labels = {**(template.get("metadata", {}).get("labels") or {}), CREATED_BY_LABEL: DRIVER_ROLE}
     body = {
@@ -175,6 +181,9 @@ class Cluster:
             yield
         except ApiException as err:
             detail = _api_message(err)
+            # Admission webhooks (Kueue's, Gatekeeper's) deny with 403 too, naming themselves; RBAC names the verb.
+            if err.status in (400, 422) or (err.status == 403 and "admission webhook" in detail):
+                raise ClusterRejectedError(f"the API server refused to {what}: {err.status} {detail}") from err
             if err.status in (401, 403):
                 raise ClusterAccessError(
                     f"the API server refused to {what} in namespace {self.namespace}: {err.status} {detail}; "
