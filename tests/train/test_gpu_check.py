@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +33,9 @@ PARTS = ("build", "train_step", "flex_vs_sdpa", "packed_features")
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # $OUT would be the default --out
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+                          cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")
