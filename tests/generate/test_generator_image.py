@@ -10,9 +10,11 @@ from the default package index.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -42,6 +44,29 @@ LOCKS = {"cuda": REPO / "jobs" / "generate" / "requirements.lock",
 PYPROJECTS = (REPO / "shared" / "pyproject.toml", REPO / "jobs" / "generate" / "pyproject.toml")
 NON_ROOT_UID = 10001
 GIB = 2**30
+OS_PACKAGES = REPO / "docker" / "generator" / "os-packages.sh"
+LOCAL_BASE = "localhost/dflash-base:bookworm-py311"  # docker/build-images.sh's stand-in for python:3.11-slim
+# Triton's own C build path (gcc, Python.h), which its GPU kernels go through when vLLM's engine starts: a stub
+# extension including Python.h, compiled and linked as triton does it, as the image's non-root user.
+TRITON_BUILD_PROBE = """
+import json, os, shutil, sysconfig, tempfile
+from triton.runtime.build import _build
+d = tempfile.mkdtemp()
+src = os.path.join(d, "stub.c")
+with open(src, "w") as fh:
+    fh.write("#include <Python.h>\\nint dflash_stub(void) { return Py_IsInitialized(); }\\n")
+so = _build("stub", src, d, [], [], [], [])
+print(json.dumps({"uid": os.getuid(), "gcc": shutil.which("gcc"), "triton_build": os.path.isfile(so),
+                  "python_h": os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))}))
+"""
+
+
+def os_packages(flavour: str) -> list[str]:
+    """The Debian packages the Dockerfile installs for a flavour, as its os-packages.sh lists them here."""
+    done = subprocess.run(["sh", str(OS_PACKAGES), flavour], capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
 
 
 @pytest.mark.parametrize("flavour", ["cuda", "cpu"])
@@ -56,6 +81,23 @@ def test_locks_pin_the_engine_and_every_project_dependency(flavour: str) -> None
     if flavour == "cpu":
         assert pins["torchvision"][0] == "0.28.0"
     assert unlocked_dependencies(LOCKS[flavour], PYPROJECTS) == []
+
+
+@pytest.mark.parametrize("flavour", ["cuda", "cpu"])
+def test_both_flavours_install_the_c_compiler_and_python_headers_triton_needs(flavour: str) -> None:
+    # The CUDA flavour cannot be built here (its wheels come from no local index): its package list is the one
+    # os-packages.sh prints for it, which the Dockerfile's first RUN installs for every flavour.
+    dockerfile = DOCKERFILE.read_text()
+    assert 'packages="$(/opt/dflash/os-packages.sh "$FLAVOR")"' in dockerfile
+    assert "apt-get install -y --no-install-recommends $packages;" in dockerfile
+    packages = os_packages(flavour)
+    assert "gcc=4:12.2.0-3" in packages and "libc6-dev" in packages
+    # python3-dev exactly where this Python (the build's base stands in) has no Python.h of its own.
+    has_header = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    assert ("python3-dev" in packages) is not has_header, (packages, sysconfig.get_paths()["include"])
+    assert ("libnuma1=2.0.16-1" in packages) is (flavour == "cpu")
+    bad = subprocess.run(["sh", str(OS_PACKAGES), "rocm"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 1 and "FLAVOR must be cuda or cpu, not 'rocm'" in bad.stderr
 
 
 def test_dockerfile_passes_hadolint() -> None:
@@ -104,6 +146,21 @@ def test_image_is_the_cpu_flavour_run_by_a_non_root_user(generator: tuple[Contai
     done = engine.command("run", "--rm", "--entrypoint", "python", tag, "-c", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-4:] == [str(NON_ROOT_UID), "0.32.0", "2.13.0", "0.28.0+cu130"]
+
+
+@in_image
+def test_triton_builds_its_launchers_in_the_image(generator: tuple[ContainerEngine, str]) -> None:
+    engine, tag = generator
+    done = engine.command("run", "--rm", "--entrypoint", "python", tag, "-c", TRITON_BUILD_PROBE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe == {"uid": NON_ROOT_UID, "gcc": "/usr/bin/gcc", "triton_build": True, "python_h": True}
+    # The CUDA flavour on the same base: what its first RUN would install there (Debian's python3 lacks Python.h).
+    if engine.command("image", "inspect", LOCAL_BASE).returncode == 0:
+        listed = engine.command("run", "--rm", "--volume", f"{OS_PACKAGES}:/os-packages.sh:ro", LOCAL_BASE,
+                                "sh", "/os-packages.sh", "cuda")
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.split() == ["gcc=4:12.2.0-3", "libc6-dev", "python3-dev"]
 
 
 @ONE_ARCH
