@@ -253,7 +253,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
     import torch
 
     from dflash_train import checkpoint as ckpt
-    from dflash_train import data, distributed, optim
+    from dflash_train import data, distributed, memory_plan, optim
     from dflash_train.metrics import MetricsSink
     from dflash_train.model import DFlashDrafter
     from dflash_train.target_loading import load_target
@@ -264,13 +264,15 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
     os.makedirs(scratch, exist_ok=True)
     cache = data.ShardCache(store, os.path.join(root, "shards"), int(config.cache_gib * 2**30), config.verify_shards)
     try:
-        plan = plan_data(resolved, store, cache, env)
-        steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         dtype = optim.target_dtype(config, env.device)
         with torch.device("meta"):
             drafter_params = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
         parallelism = distributed.choose_parallelism(
             config.parallelism, target_replica_bytes(resolved.target_dir, dtype.itemsize), drafter_params, env)
+        # Before the data plan and the target load: a configuration predicted not to fit stops here (exit 64).
+        memory_plan.check_run(config, cfg, resolved.target_dir, resolved.max_length, parallelism, env, dtype.itemsize)
+        plan = plan_data(resolved, store, cache, env)
+        steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         sharded = parallelism == "fsdp" and env.distributed
         # Rank 0 reads the checkpoint and broadcasts it: no rank but rank 0 holds a host copy of the target.
         target = load_target(resolved.target_dir, cfg.target_layer_ids, env, sharded, dtype,

@@ -1,0 +1,173 @@
+"""The memory plan's predicted peak beside the measured peak of real CPU training steps, for a few shapes.
+
+Each shape runs in a fresh interpreter (so one shape's freed memory cannot hide another's peak): it saves a
+random-weight Qwen3 target of the shape to a temporary directory (or takes --target-dir), computes the
+plan from the configs as the train stage does (`memory_plan.plan_for_run`), then loads the target, builds
+the drafter and AdamW and runs two optimizer steps with `dflash_step` + backward. The first step has a few
+anchors only (it creates the AdamW moments, as every step after the first has them); the second has one
+document filling each row with every token trained, so it reaches the plan's worst-case anchor count.
+Measured = peak RSS (getrusage ru_maxrss) minus the RSS before the target is loaded: it includes what glibc
+keeps of freed memory, as the device's free memory would.
+
+  python bench/bench_memory_plan.py                 # all shapes, one line each, then a JSON list
+  python bench/bench_memory_plan.py --shape tiny-fp32 --json
+Runs on CPU with the train environment (.venv-train): torch, transformers, pydantic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+try:
+    import dflash_train  # noqa: F401
+except ImportError:  # running from a checkout without the package installed
+    sys.path.insert(0, str(REPO / "jobs" / "train" / "src"))
+
+# target: a Qwen3 shape; drafter: DrafterConfig.debug overrides; train: TrainConfig fields.
+SHAPES: dict[str, dict[str, Any]] = {
+    # The test suite's tiny target shape and drafter (block 8) over its real 151,936-row vocabulary: the
+    # LM-head chunks (1 GiB of logits each) dominate.
+    "tiny-fp32": {"target": dict(layers=4, hidden=128, heads=2, kv=1, head_dim=64, inter=256, vocab=151936),
+                  "drafter": dict(num_layers=2, block_size=8, num_anchors=512),
+                  "train": dict(max_length=256, precision="fp32", target_dtype="fp32")},
+    # Block 16, 128 anchors per row (2048 query tokens), a wider drafter: activations and the SDPA mask dominate.
+    "acts-fp32": {"target": dict(layers=4, hidden=512, heads=4, kv=2, head_dim=64, inter=1024, vocab=32768),
+                  "drafter": dict(num_layers=3, block_size=16, num_anchors=512, max_anchors_per_row=128,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024),
+                  "train": dict(max_length=512, precision="fp32", target_dtype="fp32", chunk_tokens=512)},
+    # The GPU recipe's dtypes (bf16 target, bf16 autocast over fp32 weights), two rows per micro-batch; small,
+    # because this CPU has no native bf16 arithmetic.
+    "acts-bf16": {"target": dict(layers=4, hidden=256, heads=4, kv=2, head_dim=64, inter=512, vocab=8192),
+                  "drafter": dict(num_layers=3, block_size=16, num_anchors=512, max_anchors_per_row=64,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+                  "train": dict(max_length=256, precision="bf16", target_dtype="bf16", chunk_tokens=512,
+                                micro_batch_rows=2)},
+}
+
+
+def save_target(shape: dict[str, int], out: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
+        head_dim=shape["head_dim"], max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def worker(name: str, target_dir: str | None) -> dict[str, Any]:
+    """One shape in this process: the plan, then the measured peak of two real training steps."""
+    import torch
+
+    from dflash_train.batch import pack_row, stack_rows
+    from dflash_train.config import debug
+    from dflash_train.distributed import DistEnv
+    from dflash_train.drafter_config import DrafterConfig
+    from dflash_train.memory_plan import plan_for_run
+    from dflash_train.optim import autocast, build_optimizer, clip_gradients, target_dtype
+    from dflash_train.step import dflash_step
+    from dflash_train.target import FrozenTarget
+    from dflash_train.trainer import build_drafter
+
+    spec = SHAPES[name]
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(target_dir) if target_dir else save_target(spec["target"], Path(tmp) / "target")
+        hf = json.loads((target / "config.json").read_text())
+        hidden, vocab = int(hf["hidden_size"]), int(hf["vocab_size"])
+        cfg = DrafterConfig.debug(**{"hidden_size": hidden, "target_hidden_size": hidden,
+                                     "num_target_layers": int(hf["num_hidden_layers"]), "mask_token_id": vocab - 1,
+                                     **spec["drafter"]})
+        config = debug("unused", "unused", str(target), device="cpu", **spec["train"])
+        env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        dtype = target_dtype(config, env.device)
+        plan = plan_for_run(config, cfg, str(target), config.max_length or 0, "ddp", env, dtype.itemsize)
+        rows, seq = config.micro_batch_rows, int(config.max_length or 0)
+        gen = torch.Generator().manual_seed(0)
+
+        def batch(trained_tokens: int) -> Any:
+            out = []
+            for _ in range(rows):
+                ids = torch.randint(0, vocab - 1, (seq,), generator=gen).tolist()
+                out.append(pack_row([(ids, [False] * (seq - trained_tokens) + [True] * trained_tokens)], seq))
+            return stack_rows(out)
+
+        warmup, full = batch(8), batch(seq - 1)
+        before = _rss()
+        frozen = FrozenTarget.from_pretrained(target, cfg.target_layer_ids, device="cpu", dtype=dtype,
+                                              attn_implementation=config.target_attn_implementation)
+        drafter = build_drafter(cfg, config, env.device)
+        optimizer = build_optimizer(drafter.parameters(), config, env.device)
+        anchors = 0
+        for step, packed in enumerate((warmup, full)):
+            with autocast(config, env.device):
+                out = dflash_step(drafter, frozen, packed, cfg, torch.Generator().manual_seed(step), noise=True,
+                                  chunk_tokens=config.chunk_tokens)
+            out.loss.backward()
+            clip_gradients(drafter.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            anchors = int(out.counted.sum())
+        measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"shape": name, "predicted_bytes": plan.peak, "measured_bytes": measured,
+            "ratio": round(plan.peak / measured, 3), "anchors": plan.inputs.anchors, "trained_slots": anchors,
+            "table": plan.table()}
+
+
+def measure(name: str, target_dir: str | None = None, python: str = sys.executable) -> dict[str, Any]:
+    """Run `worker` for one shape in a fresh interpreter and return its result."""
+    cmd = [python, str(Path(__file__).resolve()), "--worker", name]
+    if target_dir:
+        cmd += ["--target-dir", str(target_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "jobs" / "train" / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="shape(s) to run (default: all)")
+    parser.add_argument("--target-dir", help="use this target checkpoint instead of a random one of the shape")
+    parser.add_argument("--json", action="store_true", help="print only the JSON list")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.target_dir)))
+        return
+    results = []
+    for name in args.shape or list(SHAPES):
+        result = measure(name, args.target_dir)
+        results.append(result)
+        if not args.json:
+            print(result["table"])
+            print(f"{name}: predicted {result['predicted_bytes'] / 2**30:.2f} GiB, measured "
+                  f"{result['measured_bytes'] / 2**30:.2f} GiB (ratio {result['ratio']:.2f}), N={result['anchors']}\n")
+    print(json.dumps([{k: v for k, v in r.items() if k != "table"} for r in results]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,531 @@
+"""Predicted peak memory of one training rank, printed and checked before anything heavy is loaded.
+
+`plan_memory` adds up, in bytes, what one rank holds at the moment memory peaks, from the configs alone
+(the target's shapes come from its config.json and safetensors headers, nothing is loaded):
+
+- the frozen target's weights (whole under DDP; under FSDP this rank's shard of the decoder layers plus
+  the gathered layers, with the embedding and LM head whole on every rank, as `distributed` wraps it);
+- the drafter's fp32 weights, gradients and AdamW moments (`distributed.DRAFTER_BYTES_PER_PARAM`);
+- the target features the drafter reads, the drafter's activations saved for backward for the worst-case
+  anchor count N (N x block_size query tokens over max_length context tokens), the attention's own
+  buffers (SDPA: a dense float mask [rows, 1, N*B, S+N*B], and on CUDA the score matrix; flex: none),
+  and one LM-head chunk of logits;
+- a margin for the allocator (fragmentation, cached blocks) and, on CUDA, library workspaces.
+
+The activation coefficients are counted from what autograd keeps for each op of `model.DFlashDrafter`
+(eager, op by op) and were checked against a census of saved tensors (`torch.autograd.graph.
+saved_tensors_hooks`) on CPU in fp32 and under bf16 autocast; compiled layers save less, so the plan is an
+upper bound there. `check` compares the peak with the memory this rank may use (CUDA: free device memory
+from torch.cuda.mem_get_info; CPU: MemAvailable, the cgroup's room, shared by the node's ranks) and refuses
+a configuration that does not fit with a ConfigError (exit 64) naming the settings that would make it fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from dflash_shared.errors import ConfigError
+from dflash_train.drafter_config import DrafterConfig
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+# Bytes per drafter parameter held all run long: fp32 weight, fp32 gradient, two fp32 AdamW moments
+# (the same figure `distributed.choose_parallelism` uses; repeated here so this module imports no torch).
+DRAFTER_STATE_BYTES = 16
+# Allocator margin: CUDA's caching allocator and glibc both keep freed blocks that a later, differently
+# shaped tensor cannot reuse; 10% of the peak covers what was measured on CPU. CUDA adds workspaces that
+# no tensor accounts for (cuBLAS, NCCL buffers, Triton autotuning): a fixed 1 GiB.
+MARGIN_FRACTION = 0.10
+CUDA_WORKSPACE_BYTES = 1 * GIB
+# Default LM-head chunk budget of `loss.linear_cross_entropy` (1 GiB of float32 logits).
+DEFAULT_LOGITS_BYTES = 1 << 30
+# SDPA mask: the float32 mask (4 B per element) plus the boolean predicate temporaries its build leaves
+# behind (measured on CPU: 6 B per element at the peak, per layer type).
+MASK_BYTES_PER_ELEMENT = 6
+# FSDP2 prefetches the next layer's all-gather while the current one computes: two unsharded layers.
+FSDP_GATHERED_LAYERS = 2
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Checkpoint parts AutoModelForCausalLM does not load (Qwen3.5/3.6: the vision tower and the MTP head).
+_NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|multi_modal_projector)\.|^mtp\.")
+
+Backend = Literal["flex", "sdpa"]
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What the plan needs of the target, read without loading it."""
+
+    layer_params: tuple[int, ...]  # parameters of each decoder layer, in order
+    whole_params: int  # everything outside the decoder layers: embedding, LM head (if untied), final norm
+    hidden_size: int
+    intermediate_size: int
+    vocab_rows: int
+
+    @classmethod
+    def from_checkpoint(cls, target_dir: str | Path) -> TargetShape:
+        """Parameter counts from the safetensors headers (exact); shapes from config.json (text_config)."""
+        root = Path(target_dir)
+        raw = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        cfg = raw.get("text_config") or raw
+        tied = bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+        layers = int(cfg["num_hidden_layers"])
+        per_layer = [0] * layers
+        whole = 0
+        vocab = int(cfg.get("vocab_size", 0))
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"target {root} holds no .safetensors files; the memory plan reads their headers")
+        for file in files:
+            for name, numel, shape in _safetensors_entries(file):
+                if _NOT_LOADED.search(name) or (tied and name.endswith("lm_head.weight")):
+                    continue
+                match = _LAYER.search(name)
+                if match and int(match.group(1)) < layers:
+                    per_layer[int(match.group(1))] += numel
+                else:
+                    whole += numel
+                    if name.endswith("embed_tokens.weight"):
+                        vocab = int(shape[0])
+        return cls(tuple(per_layer), whole, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), vocab)
+
+
+def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
+    """(name, element count, shape) of each tensor: the file's 8-byte length, then its JSON header."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        numel = 1
+        for dim in info["shape"]:
+            numel *= int(dim)
+        out.append((name, numel, [int(d) for d in info["shape"]]))
+    return out
+
+
+def drafter_parameter_count(cfg: DrafterConfig) -> tuple[int, int]:
+    """(all parameters, parameters of one layer) of `model.DFlashDrafter` for `cfg`."""
+    h, hq, hkv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = h * hq * 2 + h * hkv * 2 + 3 * h * cfg.intermediate_size + 2 * cfg.head_dim + 2 * h
+    return cfg.num_layers * layer + cfg.feature_size * h + 2 * h, layer
+
+
+def planned_anchor_count(cfg: DrafterConfig, max_length: int) -> int:
+    """The largest N a step can use: one anchor per valid position (at most S - 1), at most the per-row cap,
+    on the anchor-count ladder of `anchors` (the plan must hold for the widest step of the run)."""
+    from dflash_train import anchors
+
+    cap = getattr(cfg, "max_anchors_per_row", None)
+    most = max_length - 1 if cap is None else min(max_length - 1, int(cap))
+    bucket = getattr(anchors, "bucket_anchor_count", None)
+    if bucket is not None:
+        return int(bucket(most, cfg.block_size, cap))
+    multiple = anchors.anchor_count_multiple(cfg.block_size)
+    return -(-most // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the prediction depends on; `plan_for_run` fills it from a run's configs."""
+
+    drafter: DrafterConfig
+    target: TargetShape
+    max_length: int
+    micro_batch_rows: int
+    anchors: int  # N, anchors per row of the widest step
+    target_bytes: int  # bytes per target parameter as loaded (2 bf16, 4 fp32)
+    autocast_bf16: bool
+    backend: Backend
+    device_type: str  # "cuda" or "cpu"
+    parallelism: str  # "ddp" or "fsdp"
+    world_size: int
+    shard_size: int  # ranks one FSDP shard group spans (the world on one node)
+    activation_checkpointing: bool
+    chunk_tokens: int | None
+    feature_noise: bool
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the plan: what it is, its bytes, and the formula that gives them."""
+
+    name: str
+    bytes: int
+    formula: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The predicted peak of one rank (`peak`), its terms, and how it compares with what is available."""
+
+    inputs: PlanInputs
+    terms: tuple[Term, ...]  # the terms alive together at the peak (the drafter forward/backward)
+    phases: dict[str, int]  # peak of each phase of a step, margin excluded
+    margin: Term
+    available: int | None = None
+    available_source: str = ""
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values()) + self.margin.bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.peak <= self.available
+
+    def with_available(self, available: int, source: str) -> MemoryPlan:
+        return replace(self, available=available, available_source=source)
+
+    def table(self) -> str:
+        """The plan as printed in the log: one line per term, then the peak and what is available."""
+        i = self.inputs
+        q_len = i.anchors * i.drafter.block_size
+        head = (f"memory plan per rank ({i.device_type}, {i.parallelism}, {i.world_size} rank(s)): max_length "
+                f"{i.max_length}, {i.micro_batch_rows} row(s) per micro-batch, N={i.anchors} anchors x block "
+                f"{i.drafter.block_size} = {q_len} query tokens, {i.backend} attention, "
+                f"{'bf16 autocast' if i.autocast_bf16 else 'fp32'}"
+                f"{', activation checkpointing' if i.activation_checkpointing else ''}")
+        width = max(len(t.name) for t in (*self.terms, self.margin))
+        lines = [head]
+        for term in (*self.terms, self.margin):
+            lines.append(f"  {term.name:<{width}} {_gib(term.bytes):>9}  {term.formula}")
+        phases = ", ".join(f"{name} {_gib(b + self.margin.bytes)}" for name, b in self.phases.items())
+        lines.append(f"  {'predicted peak':<{width}} {_gib(self.peak):>9}  max over phases (with margin): {phases}")
+        if self.available is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(f"  {'available':<{width}} {_gib(self.available):>9}  {self.available_source}: {verdict}")
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def plan_memory(i: PlanInputs) -> MemoryPlan:
+    """The plan for `i` (see the module docstring; every formula is commented where it is made)."""
+    cfg, tgt = i.drafter, i.target
+    rows, seq, block = i.micro_batch_rows, i.max_length, cfg.block_size
+    q_tok = rows * i.anchors * block  # block (query) tokens of a micro-batch
+    c_tok = rows * seq  # context tokens
+    kv_tok = c_tok + q_tok  # drafter keys: the context, then the block tokens
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hq, hkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layers = cfg.num_layers
+    params, layer_params = drafter_parameter_count(cfg)
+    sharded = i.parallelism == "fsdp" and i.world_size > 1
+    shards = max(1, i.shard_size) if sharded else 1
+
+    # Target weights. FrozenTarget keeps decoder layers 0..max(target_layer_ids) and drops the rest, but
+    # only after loading: the load itself holds the whole model (on the device under DDP). Under FSDP each
+    # rank holds 1/shards of every kept layer plus the gathered (whole) layers of the current forward.
+    kept = list(tgt.layer_params[: max(cfg.target_layer_ids) + 1])
+    if sharded:
+        target_w = (sum(kept) // shards + FSDP_GATHERED_LAYERS * max(kept) + tgt.whole_params) * i.target_bytes
+        target_note = (f"{len(kept)} of {len(tgt.layer_params)} layers kept, 1/{shards} of each + "
+                       f"{FSDP_GATHERED_LAYERS} gathered; embedding and LM head whole")
+        target_load = target_w
+    else:
+        target_w = (sum(kept) + tgt.whole_params) * i.target_bytes
+        target_note = f"{len(kept)} of {len(tgt.layer_params)} layers kept, whole on this rank"
+        # `target_loading` drops the unused layers before placing the model on a GPU; on CPU the host is the
+        # device, and transformers reads the whole checkpoint into it first.
+        target_load = target_w
+        if i.device_type == "cpu":
+            target_load = (sum(tgt.layer_params) + tgt.whole_params) * i.target_bytes
+    target_note += f", {i.target_bytes} B/param"
+
+    # Drafter state: fp32 weights, gradients and two AdamW moments, sharded under FSDP (plus the two gathered
+    # layers' bf16 weights and fp32 gradients before their reduce-scatter). DDP keeps a second copy of the
+    # gradients in its all-reduce buckets (4 B/param).
+    if sharded:
+        state = params * DRAFTER_STATE_BYTES // shards + FSDP_GATHERED_LAYERS * layer_params * (2 + 4)
+        state_note = f"{params / 1e6:.1f}M params x {DRAFTER_STATE_BYTES} B / {shards} + gathered layers"
+    else:
+        ddp_buckets = 4 * params if i.world_size > 1 else 0
+        state = params * DRAFTER_STATE_BYTES + ddp_buckets
+        state_note = (f"{params / 1e6:.1f}M params x {DRAFTER_STATE_BYTES} B (fp32 weight, grad, 2 AdamW moments)"
+                      + (" + DDP buckets 4 B" if ddp_buckets else ""))
+
+    # Target features [rows, S, n * H_t] in the target dtype, saved by `fc` for its weight gradient. Without
+    # autocast a bf16 target's features are cast to the fp32 drafter (a second, fp32 copy is what fc saves).
+    feat_elems = c_tok * cfg.feature_size
+    feat_bytes = feat_elems * i.target_bytes
+    if not i.autocast_bf16 and i.target_bytes != 4:
+        feat_bytes += feat_elems * 4
+
+    # Drafter activations saved for backward, per token, from the ops of model.py (a = saved bytes):
+    # fp32: per layer and block token 6H (norm inputs/outputs, normed x) + 5Hq (q, its norm, the rotated q,
+    #   attention output and its reshaped copy) + 4I (gate, silu, up, product); per key token 4Hkv (k, its
+    #   norm, rotated k, v). RoPE's multiplications save only the cos/sin tables.
+    # bf16 autocast: each linear saves its own bf16 cast of its input (q/k/v of the normed x: 3 copies, gate/up:
+    #   2), RMSNorm saves an fp32 copy and a bf16 result: per block token 22H + 12Hq + 8I bytes, per key token
+    #   10Hkv, per context token 4H (the fp32 context cast to bf16 for k_proj and v_proj in every layer).
+    if i.autocast_bf16:
+        per_q, per_kv, per_ctx = 22 * h + 12 * hq + 8 * inter, 10 * hkv, 4 * h
+        shared = c_tok * 10 * h + q_tok * (10 * h + 2 * h) + 2 * params  # context, final norm, embeds, casts
+        layer_input = 2 * h  # the bf16 residual stream a checkpointed layer keeps
+    else:
+        per_q, per_kv, per_ctx = 4 * (6 * h + 5 * hq + 4 * inter), 16 * hkv, 0
+        shared = c_tok * 12 * h + q_tok * 12 * h  # context (fc out, norm, result), final norm and its output
+        layer_input = 4 * h
+    shared += 8 * cfg.head_dim * (q_tok + kv_tok + c_tok)  # RoPE cos/sin tables, fp32
+    one_layer = q_tok * per_q + kv_tok * per_kv + c_tok * per_ctx
+    if i.activation_checkpointing:
+        # Checkpointed layers keep only their input; backward recomputes one layer at a time.
+        acts = layers * q_tok * layer_input + one_layer + shared
+        acts_note = f"checkpointed: {layers} layer inputs + 1 recomputed layer"
+    else:
+        acts = layers * one_layer + shared
+        acts_note = f"{layers} layers x ({q_tok} block + {kv_tok} key tokens)"
+    acts_note += f", {per_q} B/block token/layer"
+
+    # Attention. flex saves q, k, v, out (counted above) and a logsumexp; its BlockMask is a few KB. SDPA
+    # takes a dense float mask [rows, 1, Q, S + Q] per layer type; under autocast every layer saves its own
+    # bf16 copy. On CPU SDPA runs the flash kernel (no score matrix, measured); on CUDA torch's fused kernels
+    # refuse a float mask with grouped-query heads, so the math kernel keeps softmax scores
+    # [rows, heads, Q, S + Q] in fp32 per layer, plus one being computed.
+    q_row, kv_row = i.anchors * block, seq + i.anchors * block
+    grid = rows * q_row * kv_row  # elements of one [rows, 1, Q, S + Q] mask
+    mask_types = len(set(cfg.layer_types)) or 1
+    if i.backend == "flex":
+        attn = q_tok * cfg.num_attention_heads * 4 * layers
+        attn_note = "flex: no score matrix (logsumexp only)"
+    else:
+        attn = grid * MASK_BYTES_PER_ELEMENT * mask_types + (grid * 2 * layers if i.autocast_bf16 else 0)
+        attn_note = f"sdpa: float mask [{rows}, 1, {q_row}, {kv_row}] x {mask_types} layer type(s)"
+        if i.device_type == "cuda":
+            attn += grid * cfg.num_attention_heads * 4 * (layers + 1)
+            attn_note += f" + fp32 scores x {cfg.num_attention_heads} heads x {layers + 1} (math kernel)"
+        else:
+            attn_note += " (CPU flash kernel: no score matrix)"
+
+    # LM head: the loss takes the weighted slots (at most N x (B - 1) per row), gathers their hidden states
+    # h [T, H] and keeps their gradient [T, H] (both fp32) from its forward. A chunk of logits [chunk, V] is
+    # fp32 (the softmax and its gradient work in place in it); a bf16 head adds the bf16 matmul output, then
+    # the bf16 copy of the gradient: 6 B per logit, 4 B with an fp32 head. With more than one chunk the loop
+    # still holds the previous chunk's gradient (`grad`) while the next chunk's logits are made: 8 B per logit
+    # either way (measured on CPU: the peak is two chunks).
+    trained = rows * i.anchors * (block - 1)
+    chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_rows))
+    chunk = min(chunk, trained)
+    per_logit = 4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes
+    if trained > chunk:
+        per_logit = 8
+    lm = chunk * tgt.vocab_rows * per_logit + 2 * trained * h * 4
+    lm_note = f"{chunk} tokens x {tgt.vocab_rows} vocab x {per_logit} B + h, grad_h [{trained}, {h}] fp32"
+
+    terms = (
+        Term("target weights", target_w, target_note),
+        Term("drafter + AdamW", state, state_note),
+        Term("target features", feat_bytes, f"[{rows}, {seq}, {cfg.feature_size}] x {i.target_bytes} B"),
+        Term("drafter activations", acts, acts_note),
+        Term("attention", attn, attn_note),
+        Term("LM-head chunk", lm, lm_note),
+    )
+    resident = target_w + state
+    # The target's own forward (no grad) before the drafter runs: the captured layer outputs and their
+    # concatenation (2x the features), the packed-row mask [rows, 1, S, S] and about one layer's hidden
+    # states and MLP activations; feature noise adds an fp32 draw of the features' size and its sum.
+    target_fwd = 2 * feat_elems * i.target_bytes + rows * seq * seq * i.target_bytes
+    target_fwd += c_tok * (4 * tgt.hidden_size + 3 * tgt.intermediate_size) * i.target_bytes
+    if i.feature_noise:
+        target_fwd += feat_elems * 4 * 2
+    phases = {
+        "target load": target_load + (state if sharded else 0),
+        "target forward": resident + target_fwd,
+        "drafter forward/backward": sum(t.bytes for t in terms),
+        # foreach AdamW (CPU) computes sqrt of the second moments into a new list: 4 B/param; CUDA's fused
+        # kernel allocates nothing of that size.
+        "optimizer step": resident + (4 * params // shards if i.device_type != "cuda" else 0),
+    }
+    top = max(phases.values())
+    margin_bytes = int(MARGIN_FRACTION * top) + (CUDA_WORKSPACE_BYTES if i.device_type == "cuda" else 0)
+    workspaces = " + 1 GiB CUDA workspaces" if i.device_type == "cuda" else ""
+    margin = Term("allocator margin", margin_bytes, f"{MARGIN_FRACTION:.0%} of the peak{workspaces}")
+    return MemoryPlan(i, terms, phases, margin)
+
+
+# ------------------------------------------------------------------------------------------ the run's plan
+
+
+def plan_for_run(config: Any, cfg: DrafterConfig, target_dir: str, max_length: int, parallelism: str,
+                 env: Any, target_bytes: int) -> MemoryPlan:
+    """The plan of a train-stage run (config: TrainConfig; env: distributed.DistEnv)."""
+    from dflash_train.attention import resolve_backend
+
+    mesh = getattr(env, "mesh_shape", None) or (env.world_size,)
+    inputs = PlanInputs(
+        drafter=cfg, target=TargetShape.from_checkpoint(target_dir), max_length=max_length,
+        micro_batch_rows=config.micro_batch_rows, anchors=planned_anchor_count(cfg, max_length),
+        target_bytes=target_bytes, autocast_bf16=config.precision == "bf16",
+        backend=resolve_backend(cfg.attention_backend, env.device), device_type=env.device.type,
+        parallelism=parallelism, world_size=env.world_size, shard_size=int(mesh[-1]),
+        activation_checkpointing=config.activation_checkpointing, chunk_tokens=config.chunk_tokens,
+        feature_noise=cfg.feature_noise_std > 0,
+    )
+    return plan_memory(inputs)
+
+
+def check_run(config: Any, cfg: DrafterConfig, target_dir: str, max_length: int, parallelism: str, env: Any,
+              target_bytes: int) -> MemoryPlan:
+    """The train stage's hook: plan, compare with this rank's memory, log the table, refuse if it does not fit."""
+    plan = plan_for_run(config, cfg, target_dir, max_length, parallelism, env, target_bytes)
+    plan = plan.with_available(*available_memory(env.device))
+    check(plan, env.any)
+    return plan
+
+
+def available_memory(device: Any) -> tuple[int, str]:
+    """(bytes this rank may use, where the figure comes from) on `device` (a torch.device)."""
+    if device.type == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), f"torch.cuda.mem_get_info: free of {total / GIB:.1f} GiB on {device}"
+    avail, source = _host_available()
+    ranks = _local_ranks()
+    if ranks > 1:
+        return avail // ranks, f"{source} / {ranks} ranks on this host"
+    return avail, source
+
+
+def _host_available() -> tuple[int, str]:
+    """MemAvailable from /proc/meminfo, lowered to the cgroup's room (a pod's limit) where that is less."""
+    avail, source = None, ""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail, source = int(line.split()[1]) * 1024, "MemAvailable (/proc/meminfo)"
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        source = "available physical pages (sysconf)"
+    room = _cgroup_room()
+    if room is not None and room < avail:
+        return room, "cgroup memory limit minus its usage"
+    return avail, source
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Limit minus usage (page cache not counted) of this process's memory cgroup; None when unlimited."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            raw = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or int(raw) >= 1 << 60:
+            return None
+        stat_file = root / (limit_file.rsplit("/", 1)[0] + "/memory.stat" if "/" in limit_file else "memory.stat")
+        cache = 0
+        try:
+            for line in stat_file.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    cache = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(raw) - max(0, usage - cache))
+    return None
+
+
+def _local_ranks() -> int:
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+# ------------------------------------------------------------------------------------------ refusal
+
+
+def _fits(plan: MemoryPlan, **change: Any) -> bool:
+    assert plan.available is not None
+    return plan_memory(replace(plan.inputs, **change)).peak <= plan.available
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """Largest v in [lo, hi] with ok(v), for ok monotonic (true below some point); None if ok(lo) fails."""
+    if not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def remedies(plan: MemoryPlan) -> list[str]:
+    """Settings that would make `plan` fit, each checked by re-planning with it changed."""
+    i = plan.inputs
+    out = []
+    cfg = i.drafter
+
+    def at_length(length: int) -> bool:
+        anchors = planned_anchor_count(cfg, length)
+        return _fits(plan, max_length=length, anchors=anchors)
+
+    longest = _largest(32, i.max_length - 1, at_length) if i.max_length > 32 else None
+    if longest is not None:
+        out.append(f"max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= {longest}")
+    if i.micro_batch_rows > 1:
+        rows = _largest(1, i.micro_batch_rows - 1, lambda r: _fits(plan, micro_batch_rows=r))
+        if rows is not None:
+            out.append(f"micro_batch_rows (--micro-batch-rows) <= {rows}")
+    if hasattr(cfg, "max_anchors_per_row") and i.anchors > 1:
+        def at_cap(cap: int) -> bool:
+            capped = cfg.model_copy(update={"max_anchors_per_row": cap})
+            return _fits(plan, drafter=capped, anchors=planned_anchor_count(capped, i.max_length))
+
+        cap = _largest(1, i.anchors - 1, at_cap)
+        if cap is not None:
+            out.append(f'max_anchors_per_row <= {cap} (--drafter-overrides \'{{"max_anchors_per_row": {cap}}}\')')
+    if not i.activation_checkpointing and _fits(plan, activation_checkpointing=True):
+        out.append("activation_checkpointing=true (--activation-checkpointing)")
+    if i.backend == "sdpa" and i.device_type == "cuda" and _fits(plan, backend="flex"):
+        out.append('attention_backend flex (--drafter-overrides \'{"attention_backend": "flex"}\')')
+    if i.parallelism == "ddp" and i.world_size > 1 and _fits(plan, parallelism="fsdp"):
+        out.append("parallelism=fsdp (--parallelism fsdp)")
+    elif i.parallelism == "ddp" and i.world_size == 1 and i.device_type == "cuda":
+        shards = 8
+        if _fits(plan, parallelism="fsdp", world_size=shards, shard_size=shards):
+            out.append(f"parallelism=fsdp over {shards} ranks (torchrun --nproc-per-node {shards})")
+    return out
+
+
+def refusal_message(plan: MemoryPlan) -> str:
+    assert plan.available is not None
+    biggest = sorted(plan.terms, key=lambda t: t.bytes, reverse=True)[:3]
+    fixes = remedies(plan)
+    text = (f"predicted peak memory {_gib(plan.peak)} per rank does not fit the {_gib(plan.available)} available "
+            f"({plan.available_source}); largest terms: "
+            + ", ".join(f"{t.name} {_gib(t.bytes)}" for t in biggest)
+            + ". Change one of: " + ("; ".join(fixes) if fixes else
+                                   "max_length, micro_batch_rows, max_anchors_per_row, parallelism (none alone fits)")
+            + f"\n{plan.table()}")
+    return text
+
+
+def check(plan: MemoryPlan, any_rank: Callable[[bool], bool] | None = None) -> None:
+    """Log the plan; raise ConfigError (exit 64) when it does not fit on this rank or, with `any_rank`
+    (DistEnv.any), on any rank, so that all ranks stop together instead of waiting on the one that stopped."""
+    log.info("%s", plan.table())
+    refuse = not plan.fits
+    if any_rank is not None:
+        refuse = any_rank(refuse)
+    if refuse:
+        if plan.fits:
+            raise ConfigError("another rank predicts that its memory will not fit (see its log); stopping with it")
+        raise ConfigError(refusal_message(plan))
