@@ -123,8 +123,9 @@ bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer
 bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU setting)
 	.venv-generate/bin/python bench/bench_eval.py
 
-bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, data loader rate, target features per packing
+bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, drafter shapes and compilations, data loader rate, target features per packing
 	.venv-train/bin/python bench/bench_train_step.py
+	.venv-train/bin/python bench/bench_train_shapes.py
 	.venv-train/bin/python bench/bench_train_data.py
 	.venv-train/bin/python bench/bench_target_features.py
 

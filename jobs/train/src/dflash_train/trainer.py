@@ -29,6 +29,7 @@ from torch import nn
 from dflash_shared.errors import ConfigError, Preempted
 from dflash_shared.storage import ObjectStore
 from dflash_train import checkpoint as ckpt
+from dflash_train.anchors import anchor_count_buckets
 from dflash_train.config import TrainConfig
 from dflash_train.data import DataPlan, ShardCache, StepLoader
 from dflash_train.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
@@ -170,6 +171,10 @@ class Trainer:
         log.info("training steps %d..%d of %d: %d rows of %d tokens per step, %d micro-batch(es) per rank",
                  self.step + 1, self.total_steps, self.total_steps, self.rows_per_step, self.plan.max_length,
                  self.accumulation)
+        cfg = self.cfg
+        log.info("anchors: up to %d per document, at most %d per row; blocks per micro-batch row on the ladder %s"
+                 " (at most that many drafter attention shapes, each compiled once)", cfg.num_anchors,
+                 cfg.max_anchors_per_row, list(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
         try:
             with deferred_stop() as stop:
                 for item in loader:
