@@ -21,11 +21,14 @@ dynamic=False)`), so every new query length recompiles it, and past torch's reco
 object) flex falls back to an unfused kernel that materialises the whole score matrix. N is therefore not
 the exact per-row count but the smallest rung of a fixed ladder that holds it (`anchor_count_buckets`):
 m, 2m, 4m, ... (m = `anchor_count_multiple(block_size)`, which makes N x B a whole number of 128-token
-query tiles), topped by the cap rounded up to m. With rows of a fixed length S (the packer always fills
-rows to max_length) and a fixed number of rows per micro-batch, the drafter's attention sees at most
+query tiles), topped by the cap rounded up to m. With rows of a fixed length S (the packer pads every
+row to max_length) and a fixed number of rows per micro-batch, the drafter's attention sees at most
 len(ladder) distinct (query, key) lengths over a whole run: query N x B, key S + N x B, one pair per rung.
 For block 16 and the 512 cap that is 7 (N in 8, 16, 32, 64, 128, 256, 512); for block 8, 6 (16 ... 512).
-Each drafter layer type (full and sliding attention) is a separate compiled graph per shape.
+Full and sliding-window layers share one compiled kernel per shape (see `dflash_train.attention`). The
+price is padding: the rounding can add nearly N/2 padding blocks (a count of 257 becomes 512); they cost
+projection and MLP work only, as flex skips their empty attention blocks and the loss reads only weighted
+slots.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def sample_anchors(
 
     count = int(chosen.sum(dim=1).max()) if rows else 0
     if max_anchors_per_row is not None and count > max_anchors_per_row:
-        chosen = _cap_round_robin(chosen, rank, take_sorted, order, max_anchors_per_row, generator)
+        chosen = _cap_round_robin(rank, take_sorted, order, max_anchors_per_row, generator)
         count = max_anchors_per_row
     wanted = max(count, pad_to or 0, 1)
     if bucket:
@@ -168,7 +171,6 @@ def sample_anchors(
 
 
 def _cap_round_robin(
-    chosen: torch.Tensor,
     rank: torch.Tensor,
     take_sorted: torch.Tensor,
     order: torch.Tensor,
@@ -177,14 +179,17 @@ def _cap_round_robin(
 ) -> torch.Tensor:
     """Keep at most `cap` of the chosen anchors per row, by round (rank within the document) first.
 
-    Inside one round the documents are ordered at random (a uniform tie-break), so when the last round
-    does not fit whole, which documents get one more block is not decided by their place in the row.
+    `rank` and `take_sorted` ([B, S]) are in the grouped order `order` (see `sample_anchors`); the result
+    is a [B, S] mask over positions. Inside one round the documents are ordered at random (a uniform
+    tie-break), so when the last round does not fit whole, which documents get one more block is not
+    decided by their place in the row.
     """
-    rows, seq = chosen.shape
-    tie = torch.rand(rows, seq, generator=generator, device=chosen.device, dtype=torch.float64)
+    rows, seq = take_sorted.shape
+    device = take_sorted.device
+    tie = torch.rand(rows, seq, generator=generator, device=device, dtype=torch.float64)
     priority = torch.where(take_sorted, rank.to(torch.float64) + tie, torch.full_like(tie, float("inf")))
     by_priority = torch.argsort(priority, dim=1)
     within_cap = torch.zeros_like(take_sorted).scatter(
-        1, by_priority, torch.arange(seq, device=chosen.device).expand(rows, seq) < cap
+        1, by_priority, torch.arange(seq, device=device).expand(rows, seq) < cap
     )
-    return torch.zeros_like(chosen).scatter(1, order, take_sorted & within_cap)
+    return torch.zeros_like(take_sorted).scatter(1, order, take_sorted & within_cap)
