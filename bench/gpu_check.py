@@ -157,16 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
-    matmul = flops.measured_matmul_flops(device)
+    try:
+        matmul = flops.measured_matmul_flops(device)
+    except Exception as e:  # noqa: BLE001 - the datasheet peak still serves
+        matmul, env["measured_matmul_error"] = {}, f"{type(e).__name__}: {e}"
     env["measured_matmul_tflops"] = {k: float(f"{v / 1e12:.4g}") for k, v in matmul.items()}
     sheet = flops.datasheet_peak(env.get("gpu", "")) if device.type == "cuda" else None
     if args.peak_tflops:
         peak, source = args.peak_tflops * 1e12, "--peak-tflops"
     elif sheet:
         peak, source = sheet
-    else:
+    elif matmul:
         per = "per CPU second of this process" if device.type == "cpu" else "per second"
         peak, source = max(matmul.values()), f"measured {device.type} matmul FLOP {per} (no datasheet figure)"
+    else:
+        print("gpu_check: no datasheet peak for this device and the matmul could not be measured; pass"
+              " --peak-tflops", file=sys.stderr)
+        return int(ExitCode.ENVIRONMENT)
     env |= {"peak_tflops": float(f"{peak / 1e12:.4g}"), "peak_source": source}
 
     report = Report(args.budget_s, env, args.out)
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         return built["b"]
 
     report.run("build", do_build)
-    report.run("train_step", lambda: run_train_step(need(), args, device, peak, max(matmul.values())))
+    ceiling = max(matmul.values()) if matmul else peak
+    report.run("train_step", lambda: run_train_step(need(), args, device, peak, ceiling))
     report.run("flex_vs_sdpa", lambda: check_flex_vs_sdpa(need(), device))
     report.run("packed_features", lambda: check_packed_features(need(), device))
     text = report.write()
@@ -199,7 +207,8 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"\ngpu_check on {env.get('gpu', env['device'])} (torch {env['versions']['torch']}):")
     for name in ("build", "train_step", "flex_vs_sdpa", "packed_features"):
         part = result.get(name, {})
-        print(f"  {name:<16} {part.get('status', '-'):<8} {part.get('error') or part.get('reason') or ''}")
+        why = part.get("error") or part.get("reason") or part.get("problem") or "; ".join(part.get("problems", []))
+        print(f"  {name:<16} {part.get('status', '-'):<8} {why}")
     if step.get("tokens_per_s"):
         timed = step.get("compiles", {}).get("timed_steps")
         print(f"  tokens/s {step['tokens_per_s']:,.0f}  MFU {step['mfu']:.1%} of {env['peak_tflops']} TFLOP/s"

@@ -360,6 +360,8 @@ def check_flex_vs_sdpa(b: Built, device: torch.device, seq: int | None = None) -
     after = _compile_counts()
     # Graphs compiled here: flex's kernel for this check's shape (none if the step already compiled it).
     out["compiles"] = {k: after[k] - before[k] for k in before}
+    if not ok:
+        out["problem"] = "outside tolerance: " + ", ".join(t for t, r in out["layer_types"].items() if not r["ok"])
     return {"ok": ok, **out}
 
 
@@ -394,6 +396,9 @@ def check_packed_features(b: Built, device: torch.device) -> dict[str, Any]:
               "linear_kernels": target.kernels.describe() if target.kernels else None}
     worst = max(diffs)
     ok = worst <= rtol * scale and worst * LEAK_MARGIN <= leak
+    if not ok:
+        result["problem"] = (f"packed vs alone {worst:.3g} against a tolerance of {rtol * scale:.3g} and a leak of"
+                             f" {leak:.3g} (needs {LEAK_MARGIN}x margin)")
     fla = importlib_find("fla")
     result["fla_importable"] = fla
     if device.type == "cuda" and fla and target.packing != "varlen":
