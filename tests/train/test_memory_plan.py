@@ -152,7 +152,7 @@ def test_cgroup_room(tmp_path: Path) -> None:
     assert _cgroup_room(tmp_path) is None
 
 
-@pytest.mark.parametrize("shape", ["tiny-fp32", "wide-fp32"])
+@pytest.mark.parametrize("shape", ["tiny-fp32", "acts-fp32"])
 def test_prediction_is_close_to_the_measured_peak_of_real_cpu_steps(shape: str) -> None:
     """Two real training steps (target, drafter, AdamW, backward) in a fresh process: peak RSS growth vs plan."""
     result = bench_memory_plan.measure(shape, str(tiny_target()) if shape == "tiny-fp32" else None)

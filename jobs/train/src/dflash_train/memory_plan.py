@@ -126,15 +126,10 @@ def drafter_parameter_count(cfg: DrafterConfig) -> tuple[int, int]:
 def planned_anchor_count(cfg: DrafterConfig, max_length: int) -> int:
     """The largest N a step can use: one anchor per valid position (at most S - 1), at most the per-row cap,
     on the anchor-count ladder of `anchors` (the plan must hold for the widest step of the run)."""
-    from dflash_train import anchors
+    from dflash_train.anchors import bucket_anchor_count
 
-    cap = getattr(cfg, "max_anchors_per_row", None)
-    most = max_length - 1 if cap is None else min(max_length - 1, int(cap))
-    bucket = getattr(anchors, "bucket_anchor_count", None)
-    if bucket is not None:
-        return int(bucket(most, cfg.block_size, cap))
-    multiple = anchors.anchor_count_multiple(cfg.block_size)
-    return -(-most // multiple) * multiple
+    cap = cfg.max_anchors_per_row
+    return bucket_anchor_count(min(max_length - 1, cap), cfg.block_size, cap)
 
 
 @dataclass(frozen=True)
@@ -165,6 +160,12 @@ class Term:
     name: str
     bytes: int
     formula: str
+    # When the term is alive: all run long ("resident"), or in one phase of a step only.
+    phase: str = "drafter forward/backward"
+
+
+DRAFTER_PHASE = "drafter forward/backward"
+TARGET_PHASE = "target forward"
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,10 @@ class MemoryPlan:
                 f"{', activation checkpointing' if i.activation_checkpointing else ''}")
         width = max(len(t.name) for t in (*self.terms, self.margin))
         lines = [head]
-        for term in (*self.terms, self.margin):
-            lines.append(f"  {term.name:<{width}} {_gib(term.bytes):>9}  {term.formula}")
+        for term in self.terms:
+            where = "" if term.phase == DRAFTER_PHASE else f" [{term.phase}]"
+            lines.append(f"  {term.name:<{width}} {_gib(term.bytes):>9}  {term.formula}{where}")
+        lines.append(f"  {self.margin.name:<{width}} {_gib(self.margin.bytes):>9}  {self.margin.formula}")
         phases = ", ".join(f"{name} {_gib(b + self.margin.bytes)}" for name, b in self.phases.items())
         lines.append(f"  {'predicted peak':<{width}} {_gib(self.peak):>9}  max over phases (with margin): {phases}")
         if self.available is not None:
@@ -316,37 +319,43 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     # h [T, H] and keeps their gradient [T, H] (both fp32) from its forward. A chunk of logits [chunk, V] is
     # fp32 (the softmax and its gradient work in place in it); a bf16 head adds the bf16 matmul output, then
     # the bf16 copy of the gradient: 6 B per logit, 4 B with an fp32 head. With more than one chunk the loop
-    # still holds the previous chunk's gradient (`grad`) while the next chunk's logits are made: 8 B per logit
-    # either way (measured on CPU: the peak is two chunks).
+    # still holds the previous chunk's gradient (`grad`: fp32, or its bf16 copy) while the next chunk's
+    # logits are made (measured on CPU: the peak is the two chunks).
     trained = rows * i.anchors * (block - 1)
     chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_rows))
     chunk = min(chunk, trained)
-    per_logit = 4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes
-    if trained > chunk:
-        per_logit = 8
-    lm = chunk * tgt.vocab_rows * per_logit + 2 * trained * h * 4
-    lm_note = f"{chunk} tokens x {tgt.vocab_rows} vocab x {per_logit} B + h, grad_h [{trained}, {h}] fp32"
+    following = min(chunk, trained - chunk)  # tokens of the next chunk (0 when one chunk takes all)
+    if i.target_bytes == 4:
+        logits = 4 * (chunk + following)
+    else:
+        logits = max((4 + 2 * i.target_bytes) * chunk, 2 * chunk + (4 + 2 * i.target_bytes) * following)
+    lm = logits * tgt.vocab_rows + 2 * trained * h * 4
+    lm_note = (f"chunks of {chunk} (then {following}) tokens x {tgt.vocab_rows} vocab + h, grad_h [{trained}, {h}]"
+               " fp32")
 
+    # The target's own forward (no grad) before the drafter runs: the captured layer outputs and their
+    # concatenation (2x the features), the packed-row mask [rows, 1, S, S] of a dense target (float, plus its
+    # boolean build temporaries, as for the drafter's mask) and about one layer's hidden states and MLP
+    # activations; feature noise adds an fp32 draw of the features' size and its sum.
+    target_fwd = 2 * feat_elems * i.target_bytes + rows * seq * seq * (i.target_bytes + 2)
+    target_fwd += c_tok * (4 * tgt.hidden_size + 3 * tgt.intermediate_size) * i.target_bytes
+    if i.feature_noise:
+        target_fwd += feat_elems * 4 * 2
     terms = (
-        Term("target weights", target_w, target_note),
-        Term("drafter + AdamW", state, state_note),
+        Term("target weights", target_w, target_note, "resident"),
+        Term("drafter + AdamW", state, state_note, "resident"),
+        Term("target forward", target_fwd, f"no grad, before the drafter: 2x features + [{rows}, 1, {seq}, {seq}]"
+             " mask + one layer's states", TARGET_PHASE),
         Term("target features", feat_bytes, f"[{rows}, {seq}, {cfg.feature_size}] x {i.target_bytes} B"),
         Term("drafter activations", acts, acts_note),
         Term("attention", attn, attn_note),
         Term("LM-head chunk", lm, lm_note),
     )
     resident = target_w + state
-    # The target's own forward (no grad) before the drafter runs: the captured layer outputs and their
-    # concatenation (2x the features), the packed-row mask [rows, 1, S, S] and about one layer's hidden
-    # states and MLP activations; feature noise adds an fp32 draw of the features' size and its sum.
-    target_fwd = 2 * feat_elems * i.target_bytes + rows * seq * seq * i.target_bytes
-    target_fwd += c_tok * (4 * tgt.hidden_size + 3 * tgt.intermediate_size) * i.target_bytes
-    if i.feature_noise:
-        target_fwd += feat_elems * 4 * 2
     phases = {
         "target load": target_load + (state if sharded else 0),
-        "target forward": resident + target_fwd,
-        "drafter forward/backward": sum(t.bytes for t in terms),
+        TARGET_PHASE: resident + target_fwd,
+        DRAFTER_PHASE: resident + sum(t.bytes for t in terms if t.phase == DRAFTER_PHASE),
         # foreach AdamW (CPU) computes sqrt of the second moments into a new list: 4 B/param; CUDA's fused
         # kernel allocates nothing of that size.
         "optimizer step": resident + (4 * params // shards if i.device_type != "cuda" else 0),
@@ -484,7 +493,7 @@ def remedies(plan: MemoryPlan) -> list[str]:
         rows = _largest(1, i.micro_batch_rows - 1, lambda r: _fits(plan, micro_batch_rows=r))
         if rows is not None:
             out.append(f"micro_batch_rows (--micro-batch-rows) <= {rows}")
-    if hasattr(cfg, "max_anchors_per_row") and i.anchors > 1:
+    if i.anchors > 1:
         def at_cap(cap: int) -> bool:
             capped = cfg.model_copy(update={"max_anchors_per_row": cap})
             return _fits(plan, drafter=capped, anchors=planned_anchor_count(capped, i.max_length))
@@ -507,10 +516,12 @@ def remedies(plan: MemoryPlan) -> list[str]:
 
 def refusal_message(plan: MemoryPlan) -> str:
     assert plan.available is not None
-    biggest = sorted(plan.terms, key=lambda t: t.bytes, reverse=True)[:3]
+    phase = max(plan.phases, key=lambda name: plan.phases[name])
+    alive = [t for t in plan.terms if t.phase in ("resident", phase)]
+    biggest = sorted(alive, key=lambda t: t.bytes, reverse=True)[:3]
     fixes = remedies(plan)
     text = (f"predicted peak memory {_gib(plan.peak)} per rank does not fit the {_gib(plan.available)} available "
-            f"({plan.available_source}); largest terms: "
+            f"({plan.available_source}); it peaks in the {phase}, whose largest terms are "
             + ", ".join(f"{t.name} {_gib(t.bytes)}" for t in biggest)
             + ". Change one of: " + ("; ".join(fixes) if fixes else
                                    "max_length, micro_batch_rows, max_anchors_per_row, parallelism (none alone fits)")
