@@ -416,9 +416,10 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
     store.write_bytes(report_uri, data)
     m = check.matched
     log.info("engine tau %.3f (%s) vs offline tau %.3f (%s): gap %.1f%%, %d drafts; over the %d/%d prompts decoded "
-             "alike: %s vs %s; outputs identical %d/%d, %d part at a tie", check.engine.tau, check.dtype,
+             "alike: %s vs %s; outputs identical %d/%d, %d part at a near-tie (%s)", check.engine.tau, check.dtype,
              check.offline_tau, check.offline_dtype, 100 * check.relative_gap, check.engine.drafts, m.prompts,
-             check.prompts, m.engine_tau, m.offline_tau, check.outputs_identical, check.prompts, len(check.output_ties))
+             check.prompts, m.engine_tau, m.offline_tau, check.outputs_identical, check.prompts,
+             len(check.outputs.ties), check.outputs.policy.describe())
     failure = tau_failure(check, config.min_matched_fraction)
     if failure:
         raise BadInputError(f"{failure}: training and serving disagree (layer ids, masks, positions, template?); "
