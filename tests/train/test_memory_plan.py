@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_memory_plan  # noqa: E402
 
 # Stated tolerance of the prediction against the measured peak of a real CPU step (measured ratios are in the
-# README: 0.88-1.1); the plan takes the worst-case anchor count and adds a 10% margin.
+# README: 0.93-1.09); the plan takes the worst-case anchor count and adds a 10% margin.
 FACTOR = (0.75, 1.5)
 
 # A Qwen3.6-27B-shaped target as TargetShape (64 layers, hidden 5120, 248,320 rows, untied): the reference

@@ -205,8 +205,8 @@ class MemoryPlan:
             where = "" if term.phase == DRAFTER_PHASE else f" [{term.phase}]"
             lines.append(f"  {term.name:<{width}} {_gib(term.bytes):>9}  {term.formula}{where}")
         lines.append(f"  {self.margin.name:<{width}} {_gib(self.margin.bytes):>9}  {self.margin.formula}")
-        phases = ", ".join(f"{name} {_gib(b + self.margin.bytes)}" for name, b in self.phases.items())
-        lines.append(f"  {'predicted peak':<{width}} {_gib(self.peak):>9}  max over phases (with margin): {phases}")
+        phases = ", ".join(f"{name} {_gib(b)}" for name, b in self.phases.items())
+        lines.append(f"  {'predicted peak':<{width}} {_gib(self.peak):>9}  largest phase + margin; phases: {phases}")
         if self.available is not None:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             lines.append(f"  {'available':<{width}} {_gib(self.available):>9}  {self.available_source}: {verdict}")
