@@ -286,7 +286,14 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     else:
         result["peak_memory_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         result["peak_memory_kind"] = "host RSS (CPU run)"
+    try:
+        result |= predicted_peak(b, batches[0].shape[0], args.seq, device)
+    except Exception as e:  # noqa: BLE001 - the plan is another module's; its failure is reported, not fatal
+        result["memory_plan_error"] = f"{type(e).__name__}: {e}"
     problems: list[str] = []
+    if device.type == "cuda" and result.get("memory_plan_peak_gib", float("inf")) < result["peak_memory_gib"]:
+        problems.append(f"measured peak {result['peak_memory_gib']} GiB above the memory plan's prediction"
+                        f" {result['memory_plan_peak_gib']} GiB (dflash_train.memory_plan)")
     if not all(torch.isfinite(torch.tensor(losses))):
         problems.append("a loss is not finite")
     if compiles["timed_steps"]["graphs"] or compiles["timed_steps"]["aot_autograd"]:
@@ -303,6 +310,31 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"ok": not problems, **result}
+
+
+def predicted_peak(b: Built, rows: int, seq: int, device: torch.device) -> dict[str, Any]:
+    """What dflash_train.memory_plan predicts for this very step (one rank, no sharding), to set beside
+    the measured peak: the GPU is where the plan's activation coefficients meet compiled kernels."""
+    from dflash_train import memory_plan
+    from dflash_train.attention import resolve_backend
+
+    target, cfg = b.target, b.cfg
+    decoder = target.model.get_decoder()
+    # FrozenTarget dropped the layers after the last feature layer; every layer of a kind has one size.
+    size_of = {kind: sum(p.numel() for p in layer.parameters())
+               for kind, layer in zip(target.layer_types, decoder.layers, strict=False)}
+    in_layers = sum(p.numel() for p in decoder.layers.parameters())
+    whole = sum(p.numel() for p in target.model.parameters()) - in_layers
+    shape = memory_plan.TargetShape(tuple(size_of[k] for k in target.layer_types), whole, cfg.hidden_size,
+                                    int(target.config.intermediate_size), target.vocab_rows)
+    plan = memory_plan.plan_memory(memory_plan.PlanInputs(
+        drafter=cfg, target=shape, max_length=seq, micro_batch_rows=rows,
+        anchors=memory_plan.planned_anchor_count(cfg, seq), target_bytes=target.dtype.itemsize,
+        autocast_bf16=True, backend=resolve_backend(cfg.attention_backend, device), device_type=device.type,
+        parallelism="ddp", world_size=1, shard_size=1, activation_checkpointing=False, chunk_tokens=None,
+        feature_noise=cfg.feature_noise_std > 0))
+    return {"memory_plan_peak_gib": round(plan.peak / 2**30, 2),
+            "memory_plan_phases_gib": {k: round(v / 2**30, 2) for k, v in plan.phases.items()}}
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -79,6 +79,9 @@ def test_train_step_figures_are_sane(tiny_run: dict[str, Any]):
         assert terms[name] > 0, name
     assert math.isclose(step["flops_per_step_total_tflop"], sum(terms.values()), rel_tol=1e-2, abs_tol=1e-4)
     assert step["peak_memory_gib"] > 0
+    # The memory plan's prediction for the same step sits beside the measurement (judged on CUDA only: on
+    # CPU the peak is the process's RSS, libraries included).
+    assert step["memory_plan_peak_gib"] > 0 and "memory_plan_error" not in step
     # A random drafter over the real vocabulary starts near ln(248,320) = 12.4.
     assert all(abs(loss - math.log(248320)) < 1.5 for loss in step["loss_first_last"])
     # Documents long enough to fill every anchor: one query length, nothing compiled while timing.
