@@ -106,6 +106,7 @@ def compile_counts(steps: int, seed: int) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
     shapes: set[tuple[int, int]] = set()
+    old_rule: set[int] = set()
     compile_s, steady = 0.0, []
     wall0, cpu0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught, torch.no_grad(), compiled_flex_on_cpu():
@@ -125,6 +126,8 @@ def compile_counts(steps: int, seed: int) -> dict[str, Any]:
             elapsed = time.perf_counter() - started
             q_len = anchor_pos.shape[1] * cfg.block_size
             shapes.add((q_len, seq + q_len))
+            old_rule.add(sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size,
+                                        bucket=False)[0].shape[1])
             if counters["stats"]["unique_graphs"] > graphs_before:
                 compile_s += elapsed
             else:
@@ -136,6 +139,7 @@ def compile_counts(steps: int, seed: int) -> dict[str, Any]:
         "num_anchors": cfg.num_anchors, "max_anchors_per_row": cfg.max_anchors_per_row,
         "layer_types": cfg.layer_types, "ladder": list(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)),
         "distinct_qk_lengths": len(shapes), "qk_lengths": sorted(shapes),
+        "old_rule_distinct_qk_lengths": len(old_rule),
         "compiled_graphs": int(counters["stats"]["unique_graphs"]), "unfused_fallbacks": fallbacks,
         "compile_s": round(compile_s, 1),
         "steady_step_s": round(float(np.median(steady)), 4) if steady else None,
