@@ -187,6 +187,9 @@ def test_oversize_max_length_is_refused_before_the_target_loads(tmp_path: Path,
     assert exit_code_for(caught.value) is ExitCode.USAGE
     assert "does not fit" in message and "max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= " in message
     assert "predicted peak" in message and "MemAvailable" in message
+    # The table is also logged before the refusal, as it is at the start of every run.
+    assert any(r.getMessage().startswith("memory plan per rank (cpu, ddp, 1 rank(s)): max_length 200000")
+               for r in caplog.records)
     assert not store.list(str(tmp_path / "out"))
 
 
