@@ -375,7 +375,7 @@ def plan_for_run(config: Any, cfg: DrafterConfig, target_dir: str, max_length: i
     """The plan of a train-stage run (config: TrainConfig; env: distributed.DistEnv)."""
     from dflash_train.attention import resolve_backend
 
-    mesh = getattr(env, "mesh_shape", None) or (env.world_size,)
+    mesh = env.mesh_shape  # (ranks,) on one node; (nodes, ranks per node) under HSDP: shards span a node
     inputs = PlanInputs(
         drafter=cfg, target=TargetShape.from_checkpoint(target_dir), max_length=max_length,
         micro_batch_rows=config.micro_batch_rows, anchors=planned_anchor_count(cfg, max_length),
