@@ -2,6 +2,7 @@
 
 What is applied holds exactly one Job, the driver; every stage is a suspended CronJob that never fires,
 whose jobTemplate the overlays' patches reach; the driver's Role grants only what it calls, in its namespace.
+The driver takes the run-wide scheduling hooks (workload identity's pod label) but no Kueue queue of the stages.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline import load_run_config, render_documents
+from dflash_pipeline import load_run_config, parse_run_config, render_documents
+from dflash_pipeline.config import read_run_file
 from dflash_pipeline.driver_objects import NEVER, STAGE_FAILED
 from dflash_pipeline.kube import template_from_cronjob
+from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL
 from dflash_shared.exit_codes import ExitCode
 from tests.k8s.k8s_support import EXAMPLE_RUN, OVERLAYS, failure_action, jobs, kustomize_build, schema_errors
 
 OVERLAY_NAMES = ("local-cpu", "gpu-cluster")
+AZURE_LABEL = "azure.workload.identity/use"
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -95,3 +99,70 @@ def test_a_template_without_its_annotations_is_refused_by_name() -> None:
     del cronjob["metadata"]["annotations"]["dflash-pipeline/job-name"]
     with pytest.raises(ValueError, match="CronJob 'example-train' .* lacks the annotation.*dflash-pipeline/job-name"):
         template_from_cronjob(cronjob)
+
+
+def hooked_run(**scheduling: Any) -> dict[str, Any]:
+    """The example run with Azure workload identity, a Kueue queue for the stages and the other run-wide hooks."""
+    data = read_run_file(EXAMPLE_RUN)
+    data["storage"] = {"credentials": "workload_identity",
+                       "service_account_annotations": {"azure.workload.identity/client-id": "0000-client"}}
+    data["scheduling"] = {
+        "queue_name": "dflash-gpu", "workload_priority_class": "research", "priority_class_name": "batch-high",
+        "job_labels": {"team": "drafters"}, "job_annotations": {"example.com/owner": "ml-platform"},
+        "pod_labels": {AZURE_LABEL: "true"}, "pod_annotations": {"example.com/trace": "on"},
+        **scheduling,
+    }
+    # A stage's own hooks are its own: none of them may reach the driver.
+    data["stages"]["train"] = {**data["stages"].get("train", {}), "pod_labels": {"stage-only": "yes"},
+                               "job_labels": {"stage-job-only": "yes"}, "priority_class_name": "gpu-top"}
+    return data
+
+
+def driver_documents(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    docs = render_documents(parse_run_config(data))
+    return {d["kind"]: d for d in docs if d["metadata"]["name"] == "dflash-example-driver"}
+
+
+def test_the_driver_gets_the_run_wide_hooks_but_no_queue() -> None:
+    objects = driver_documents(hooked_run())
+    job, account = objects["Job"], objects["ServiceAccount"]
+    pod_meta, pod = job["spec"]["template"]["metadata"], job["spec"]["template"]["spec"]
+    # The workload identity webhook mutates the driver's pod too, for the account that carries the identity.
+    assert pod_meta["labels"][AZURE_LABEL] == "true" and pod_meta["annotations"] == {"example.com/trace": "on"}
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert account["metadata"]["annotations"] == {"azure.workload.identity/client-id": "0000-client"}
+    assert "envFrom" not in pod["containers"][0]
+    assert "stage-only" not in pod_meta["labels"] and pod_meta["labels"]["dflash-pipeline/role"] == "driver"
+    assert pod["priorityClassName"] == "batch-high"
+    labels = job["metadata"]["labels"]
+    assert labels["team"] == "drafters" and "stage-job-only" not in labels
+    assert job["metadata"]["annotations"] == {"example.com/owner": "ml-platform"}
+    assert QUEUE_LABEL not in labels and PRIORITY_LABEL not in labels
+    # The stages are queued as before.
+    stage_jobs = {d["metadata"]["name"]: d for d in render_documents(parse_run_config(hooked_run()))
+                  if d["kind"] == "CronJob"}
+    assert stage_jobs["example-tokenize"]["spec"]["jobTemplate"]["metadata"]["labels"][QUEUE_LABEL] == "dflash-gpu"
+    resources = pod["containers"][0]["resources"]
+    assert resources["requests"]["ephemeral-storage"] == resources["limits"]["ephemeral-storage"] == "1Gi"
+    assert schema_errors(list(objects.values())) == []
+
+
+def test_a_queue_label_in_job_labels_does_not_queue_the_driver() -> None:
+    job = driver_documents(hooked_run(queue_name=None, job_labels={QUEUE_LABEL: "dflash-gpu"}))["Job"]
+    assert QUEUE_LABEL not in job["metadata"]["labels"]
+
+
+def test_the_driver_is_queued_only_in_its_own_queue_when_given() -> None:
+    job = driver_documents(hooked_run(driver_queue_name="dflash-drivers"))["Job"]
+    labels = job["metadata"]["labels"]
+    assert labels[QUEUE_LABEL] == "dflash-drivers" and labels[PRIORITY_LABEL] == "research"
+    assert schema_errors([job]) == []
+
+
+def test_without_hooks_the_driver_pod_has_only_its_own_labels(built: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = built
+    (driver,) = by_kind(docs, "Job")
+    template = driver["spec"]["template"]
+    assert "annotations" not in template["metadata"] and "priorityClassName" not in template["spec"]
+    assert all(key.startswith(("app.kubernetes.io/", "dflash-pipeline/")) for key in template["metadata"]["labels"])
+    assert template["spec"]["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "1Gi"

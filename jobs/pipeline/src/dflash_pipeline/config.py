@@ -368,8 +368,14 @@ class SchedulingSettings(_Frozen):
     workload_priority_class: LabelValue | None = Field(
         default=None, description="Kueue WorkloadPriorityClass: the Job label kueue.x-k8s.io/priority-class."
     )
+    driver_queue_name: LabelValue | None = Field(
+        default=None,
+        description="Kueue LocalQueue of the run driver's Job; default none: the driver, which must run for any "
+        "stage Job to exist, is never queued behind the stages' quota (see k8s/README.md).",
+    )
     priority_class_name: str | None = Field(
-        default=None, description="Pod priorityClassName (kube-scheduler priority and preemption)."
+        default=None, description="Pod priorityClassName (kube-scheduler priority and preemption); the run "
+        "driver's too.",
     )
     job_labels: LabelMap = Field(default_factory=dict, description="Labels of every Job.")
     job_annotations: AnnotationMap = Field(default_factory=dict, description="Annotations of every Job.")

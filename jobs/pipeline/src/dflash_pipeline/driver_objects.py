@@ -14,6 +14,11 @@ Why CronJob templates rather than ConfigMaps holding the Job YAML (or the run fi
 The driver runs as its own ServiceAccount with a namespaced Role: read the templates, create and read Jobs,
 list pods (for a failed pod's exit code and termination message). The stages' ServiceAccount keeps no
 Kubernetes API access at all.
+
+Of the run file's `[scheduling]` the driver takes the run-wide hooks only, never a stage's: pod labels and
+annotations (a workload identity webhook must mutate its pod too, since it reads and writes the run's
+prefix), Job labels and annotations, and the pod priorityClassName. Not the Kueue queue (see
+`_driver_job_labels`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.jobs import CONTAINER_SECURITY, HOME_DIR, PART_OF, POD_SECURITY, storage_env
+from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL
 from dflash_shared.exit_codes import ExitCode
 
 # Labels and annotations the driver finds its templates by.
@@ -40,7 +46,12 @@ NEVER = "0 0 31 2 *"
 # The API server refuses CronJob names over 52 characters (it appends an 11-character suffix to Job names).
 MAX_TEMPLATE_NAME = 52
 DRIVER_IMAGE = "pipeline"
-DRIVER_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+DRIVER_VOLUME_SIZE = "256Mi"
+# Node disk: its two emptyDirs (DRIVER_VOLUME_SIZE each) and its logs, which the kubelet rotates. Requested
+# like the stages' so the scheduler counts it, limited so a runaway log evicts the driver alone.
+DRIVER_DISK = "1Gi"
+DRIVER_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": DRIVER_DISK},
+                    "limits": {"memory": "512Mi", "ephemeral-storage": DRIVER_DISK}}
 DRIVER_TTL_S = 3 * 86400
 # The driver's exit code when a stage Job failed: retrying the driver cannot help until someone fixes the
 # stage and deletes its failed Job, so the driver Job's podFailurePolicy fails it at once.
@@ -87,6 +98,32 @@ def _driver_labels(run: RunConfig) -> dict[str, str]:
         "app.kubernetes.io/part-of": PART_OF,
         ROLE_LABEL: DRIVER_ROLE,
     }
+
+
+def _driver_job_labels(run: RunConfig) -> dict[str, str]:
+    """The driver Job's labels: the run's job_labels without a Kueue queue, unless driver_queue_name sets one.
+
+    The driver is a tiny CPU pod that must run for any stage Job to be created at all, and it holds its
+    quota for the whole run. In the stages' queue, one with no CPU quota (a GPU-only ClusterQueue) never
+    admits it, and one whose CPU quota is held by running drivers admits none of their stage Jobs, which
+    those drivers wait for: the runs deadlock. So the driver is not queued (even through job_labels) unless
+    the run file names a queue for it, one with quota kept for drivers.
+    """
+    sched = run.scheduling
+    labels = {k: v for k, v in sched.job_labels.items() if k != QUEUE_LABEL}
+    if sched.driver_queue_name is not None:
+        labels[QUEUE_LABEL] = sched.driver_queue_name
+        if sched.workload_priority_class is not None:
+            labels.setdefault(PRIORITY_LABEL, sched.workload_priority_class)
+    return {**dict(sorted(labels.items())), **_driver_labels(run)}
+
+
+def _driver_pod_metadata(run: RunConfig) -> dict[str, Any]:
+    """Run-wide pod labels and annotations: what a pod-mutating webhook (workload identity) reads."""
+    meta: dict[str, Any] = {"labels": {**dict(sorted(run.scheduling.pod_labels.items())), **_driver_labels(run)}}
+    if run.scheduling.pod_annotations:
+        meta["annotations"] = dict(sorted(run.scheduling.pod_annotations.items()))
+    return meta
 
 
 def driver_service_account(run: RunConfig) -> dict[str, Any]:
@@ -155,16 +192,25 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
         "enableServiceLinks": False,
         "securityContext": POD_SECURITY,
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
-                    {"name": "home", "emptyDir": {"sizeLimit": "256Mi"}}],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": DRIVER_VOLUME_SIZE}},
+                    {"name": "home", "emptyDir": {"sizeLimit": DRIVER_VOLUME_SIZE}}],
     }
+    # The run-wide class, as the stages have unless they set their own: at a lower priority the driver is
+    # the first pod kube-scheduler preempts for the very stage pods it created, and its replacement then
+    # waits behind them while no downstream Job can be created.
+    if run.scheduling.priority_class_name:
+        pod["priorityClassName"] = run.scheduling.priority_class_name
     if run.images.pull_secrets:
         pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
     fail_now = [int(ExitCode.USAGE), int(ExitCode.ENVIRONMENT), int(STAGE_FAILED)]
+    metadata: dict[str, Any] = {"name": driver_name(run.run_id), "namespace": run.namespace,
+                                "labels": _driver_job_labels(run)}
+    if run.scheduling.job_annotations:
+        metadata["annotations"] = dict(sorted(run.scheduling.job_annotations.items()))
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": driver_name(run.run_id), "namespace": run.namespace, "labels": _driver_labels(run)},
+        "metadata": metadata,
         "spec": {
             # A restarted driver adopts the Jobs it created: a crash or an evicted node costs nothing.
             "backoffLimit": 6,
@@ -176,7 +222,7 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
             "ttlSecondsAfterFinished": DRIVER_TTL_S,
-            "template": {"metadata": {"labels": _driver_labels(run)}, "spec": pod},
+            "template": {"metadata": _driver_pod_metadata(run), "spec": pod},
         },
     }
 
