@@ -2,7 +2,9 @@
 
 Two torchrun agents on this machine play two nodes of two gloo ranks each (`--nnodes 2`, static
 rendezvous on 127.0.0.1), exactly as two pods of a multi-node Job would start: torchrun then sets
-WORLD_SIZE=4 and LOCAL_WORLD_SIZE=2 in every rank, which is where the mesh's shape comes from.
+WORLD_SIZE=4 and LOCAL_WORLD_SIZE=2 in every rank, which is where the mesh's shape comes from. The
+target is on S3 and each agent has its own scratch directory, as each pod has its own disk: only the
+node of rank 0 copies the weights.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import pytest
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
-from dflash_shared.storage import ObjectStore
+from dflash_shared.storage import ObjectStore, join
 from dflash_train.distributed import mesh_shape
 from dflash_train.metrics import read_scalars
 from dflash_train.stage import run
-from tests.train.train_fixtures import resume_args, resume_config
+from tests.train.train_fixtures import resume_args, resume_config, small_vocab_target
 
 # 4 rows of 64 tokens per step: one micro-batch per rank at world size 4, four on one rank.
 HSDP_FLAGS = {"batch-tokens": "256", "max-steps": "4", "checkpoint-every": "4", "parallelism": "fsdp"}
@@ -42,8 +44,18 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_ranks_train_as_one_rank_does(tmp_path: Path) -> None:
+def _copied(scratch: Path) -> dict[str, int]:
+    """Bytes of each file copied from the target into a node's scratch (its target-* directories)."""
+    return {path.name: path.stat().st_size for path in scratch.glob("dflash-train-*/target-*/*")
+            if not path.name.startswith(".")}
+
+
+def test_two_nodes_of_two_ranks_train_as_one_rank_does(tmp_path: Path, s3_bucket: str) -> None:
     store = ObjectStore()
+    target = join(s3_bucket, "models", "tiny")
+    for path in small_vocab_target().iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            store.upload_from(str(path), join(target, path.name))
     reference_out = str(tmp_path / "reference")
     run(resume_config(reference_out, **HSDP_FLAGS), store)
     reference = read_scalars(store, reference_out, "train/loss")
@@ -57,7 +69,8 @@ def test_two_nodes_of_two_ranks_train_as_one_rank_does(tmp_path: Path) -> None:
             agents.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                 "-m", "dflash_train", "run", *resume_args(out, **HSDP_FLAGS)],
+                 "-m", "dflash_train", "run", *resume_args(out, **HSDP_FLAGS, target=target,
+                                                           **{"scratch-dir": str(tmp_path / f"scratch-{node}")})],
                 stdout=log_file, stderr=subprocess.STDOUT))
     try:
         codes = [agent.wait(timeout=240) for agent in agents]
@@ -66,6 +79,12 @@ def test_two_nodes_of_two_ranks_train_as_one_rank_does(tmp_path: Path) -> None:
             if agent.poll() is None:
                 agent.kill()
     assert codes == [0, 0], "\n".join(path.read_text()[-3000:] for path in logs)
+    # Rank 0's node copied the whole target; the other node only what its ranks read (no weight file).
+    node0, node1 = _copied(tmp_path / "scratch-0"), _copied(tmp_path / "scratch-1")
+    assert "model.safetensors" in node0 and {"config.json", "tokenizer.json"} <= set(node1)
+    assert not [name for name in node1 if name.endswith((".safetensors", ".bin"))], node1
+    print(f"\ntarget bytes copied per node: node 0 {sum(node0.values()):,} ({len(node0)} files), node 1 "
+          f"{sum(node1.values()):,} ({len(node1)} files)")
 
     resolved = load_manifest(store, out, Kind.drafter).manifest.producer.config["resolved"]
     # Read from the drafter's parameters: sharded over 2 ranks of a node, replicated over the 2 nodes.

@@ -318,20 +318,14 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     # LM head: the loss takes the weighted slots (at most N x (B - 1) per row), gathers their hidden states
     # h [T, H] and keeps their gradient [T, H] (both fp32) from its forward. A chunk of logits [chunk, V] is
     # fp32 (the softmax and its gradient work in place in it); a bf16 head adds the bf16 matmul output, then
-    # the bf16 copy of the gradient: 6 B per logit, 4 B with an fp32 head. With more than one chunk the loop
-    # still holds the previous chunk's gradient (`grad`: fp32, or its bf16 copy) while the next chunk's
-    # logits are made (measured on CPU: the peak is the two chunks).
+    # the bf16 copy of the gradient: 6 B per logit, 4 B with an fp32 head. The loop frees each chunk's buffers
+    # before the next chunk's logits are made, so one chunk is live at a time.
     trained = rows * i.anchors * (block - 1)
     chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_rows))
     chunk = min(chunk, trained)
-    following = min(chunk, trained - chunk)  # tokens of the next chunk (0 when one chunk takes all)
-    if i.target_bytes == 4:
-        logits = 4 * (chunk + following)
-    else:
-        logits = max((4 + 2 * i.target_bytes) * chunk, 2 * chunk + (4 + 2 * i.target_bytes) * following)
+    logits = (4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes) * chunk
     lm = logits * tgt.vocab_rows + 2 * trained * h * 4
-    lm_note = (f"chunks of {chunk} (then {following}) tokens x {tgt.vocab_rows} vocab + h, grad_h [{trained}, {h}]"
-               " fp32")
+    lm_note = f"chunks of {chunk} tokens x {tgt.vocab_rows} vocab + h, grad_h [{trained}, {h}] fp32"
 
     # The target's own forward (no grad) before the drafter runs: the captured layer outputs and their
     # concatenation (2x the features), the packed-row mask [rows, 1, S, S] of a dense target (float, plus its
@@ -370,14 +364,19 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
 # ------------------------------------------------------------------------------------------ the run's plan
 
 
-def plan_for_run(config: Any, cfg: DrafterConfig, target_dir: str, max_length: int, parallelism: str,
+def plan_for_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max_length: int, parallelism: str,
                  env: Any, target_bytes: int) -> MemoryPlan:
-    """The plan of a train-stage run (config: TrainConfig; env: distributed.DistEnv)."""
+    """The plan of a train-stage run (config: TrainConfig; env: distributed.DistEnv).
+
+    `target`: the checkpoint directory (its headers are read here), or its shape as rank 0 read it (the
+    ranks of the other nodes hold no weight files).
+    """
     from dflash_train.attention import resolve_backend
 
     mesh = env.mesh_shape  # (ranks,) on one node; (nodes, ranks per node) under HSDP: shards span a node
     inputs = PlanInputs(
-        drafter=cfg, target=TargetShape.from_checkpoint(target_dir), max_length=max_length,
+        drafter=cfg, target=target if isinstance(target, TargetShape) else TargetShape.from_checkpoint(target),
+        max_length=max_length,
         micro_batch_rows=config.micro_batch_rows, anchors=planned_anchor_count(cfg, max_length),
         target_bytes=target_bytes, autocast_bf16=config.precision == "bf16",
         backend=resolve_backend(cfg.attention_backend, env.device), device_type=env.device.type,
@@ -388,10 +387,10 @@ def plan_for_run(config: Any, cfg: DrafterConfig, target_dir: str, max_length: i
     return plan_memory(inputs)
 
 
-def check_run(config: Any, cfg: DrafterConfig, target_dir: str, max_length: int, parallelism: str, env: Any,
-              target_bytes: int) -> MemoryPlan:
+def check_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max_length: int, parallelism: str,
+              env: Any, target_bytes: int) -> MemoryPlan:
     """The train stage's hook: plan, compare with this rank's memory, log the table, refuse if it does not fit."""
-    plan = plan_for_run(config, cfg, target_dir, max_length, parallelism, env, target_bytes)
+    plan = plan_for_run(config, cfg, target, max_length, parallelism, env, target_bytes)
     plan = plan.with_available(*available_memory(env.device))
     check(plan, env.any)
     return plan

@@ -1,11 +1,14 @@
 """The train stage: a tokenized manifest and a target model in, a trained drafter and its manifest out.
 
-Per rank (torchrun process): join the process group, copy the target to local scratch (one copy per
-node), refuse data made with another tokenizer or chat template, resolve the drafter config, plan the data
-(the train split only: the held-out shards are the evaluation's and are never downloaded here),
-load the frozen target (whole, or FSDP-sharded), resume from the newest complete checkpoint, train, and
-on rank 0 write the drafter manifest LAST (the commit point). A rerun after the manifest exists does
-nothing; a rerun before it continues from the last checkpoint.
+Per rank (torchrun process): join the process group, copy the target to local scratch (the whole
+target once, on the node of rank 0, the only rank that reads its weights; the other nodes copy only
+`TARGET_SMALL_FILES`: their ranks build the target from config.json, hash the tokenizer and template,
+and get the weights' sizes and then the weights themselves from rank 0), refuse data made with another
+tokenizer or chat template, resolve the drafter config, plan the data (the train split only: the
+held-out shards are the evaluation's and are never downloaded here), load the frozen target (whole, or
+FSDP-sharded), resume from the newest complete checkpoint, train, and on rank 0 write the drafter
+manifest LAST (the commit point). A rerun after the manifest exists does nothing; a rerun before it
+continues from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
@@ -35,11 +39,13 @@ from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROW
 log = logging.getLogger(__name__)
 STAGE = "train"
 PACKAGES = ["dflash-train", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
-# What identity checks and the drafter config need; preflight copies only these.
+# What identity checks, the drafter config and a target skeleton need: preflight and the nodes without
+# rank 0 copy only these.
 TARGET_SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                       "special_tokens_map.json", "generation_config.json")
 _DONE = ".dflash-complete"
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+T = TypeVar("T")
 
 
 def fetch_target(store: ObjectStore, location: str, scratch: str, workers: int = 8, small_only: bool = False) -> str:
@@ -216,6 +222,29 @@ def scratch_root(config: TrainConfig) -> str:
     return os.path.join(base, "dflash-train-" + hashlib.sha256(config.output.encode()).hexdigest()[:12])
 
 
+def holds_rank0(env: Any) -> bool:
+    """Whether this node runs global rank 0: torchrun numbers a node's ranks consecutively from its first,
+    so rank 0's node is the one whose ranks equal their local ranks (always true on one node)."""
+    return bool(env.rank == env.local_rank)
+
+
+def on_rank0(env: Any, read: Callable[[], T]) -> T:
+    """`read()` called on rank 0 only, its result on every rank; an error there is raised on every rank
+    (the same exception, so the exit code is the same) instead of leaving the others waiting."""
+    if not env.distributed:
+        return read()
+    result: tuple[T | None, BaseException | None] = (None, None)
+    if env.is_main:
+        try:
+            result = (read(), None)
+        except Exception as err:  # re-raised below, on every rank
+            result = (None, err)
+    value, error = env.broadcast_object(result)
+    if error is not None:
+        raise error
+    return value  # type: ignore[no-any-return]
+
+
 def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
     """Train (or resume); returns the drafter manifest URI on rank 0 once written, None elsewhere."""
     from dflash_train import distributed
@@ -230,10 +259,12 @@ def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
             return done if env.is_main else None
         root = scratch_root(config)
         os.makedirs(root, exist_ok=True)
+        # Only rank 0 reads the weights (target_loading); a node without it needs the small files only.
+        small = not holds_rank0(env)
         if env.local_rank == 0:
-            fetch_target(store, config.target, root, config.copy_workers)
+            fetch_target(store, config.target, root, config.copy_workers, small_only=small)
         env.barrier()
-        target_dir = fetch_target(store, config.target, root, config.copy_workers)
+        target_dir = fetch_target(store, config.target, root, config.copy_workers, small_only=small)
         resolved = resolve(config, store, target_dir)
         return _train(resolved, store, env, root)
     finally:
@@ -267,10 +298,12 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
         dtype = optim.target_dtype(config, env.device)
         with torch.device("meta"):
             drafter_params = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
-        parallelism = distributed.choose_parallelism(
-            config.parallelism, target_replica_bytes(resolved.target_dir, dtype.itemsize), drafter_params, env)
+        # Weight sizes come from the weight files, which only rank 0's node holds: rank 0 reads, all use.
+        replica_bytes, shape = on_rank0(env, lambda: (target_replica_bytes(resolved.target_dir, dtype.itemsize),
+                                                      memory_plan.TargetShape.from_checkpoint(resolved.target_dir)))
+        parallelism = distributed.choose_parallelism(config.parallelism, replica_bytes, drafter_params, env)
         # Before the data plan and the target load: a configuration predicted not to fit stops here (exit 64).
-        memory_plan.check_run(config, cfg, resolved.target_dir, resolved.max_length, parallelism, env, dtype.itemsize)
+        memory_plan.check_run(config, cfg, shape, resolved.max_length, parallelism, env, dtype.itemsize)
         plan = plan_data(resolved, store, cache, env)
         steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         sharded = parallelism == "fsdp" and env.distributed
