@@ -101,6 +101,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_h[start:end] = (grad @ weight).to(hidden.dtype)
                     if grad_w is not None:
                         grad_w += (grad.t() @ h).to(stats)
+                    # Drop the chunk's gradient before the next chunk's logits exist: on an fp32 head `grad` IS
+                    # the logits buffer, and holding it would double the loop's peak (two chunks, not one).
+                    del grad
                 del logits, probs
         ctx.mark_non_differentiable(pred)
         ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
