@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_pipeline.config import load_run_config
+from dflash_pipeline.layout import layout
+from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +94,18 @@ def run_file(model: Path, root: str, overrides: dict[str, Any], target: str = "q
     }
 
 
+def summary_input(run_path: Path) -> str:
+    """The run's prefixes for demo/summary.py (JSON), which runs where the orchestration is not installed."""
+    run = load_run_config(run_path)
+    lay = layout(run.root, run.run_id)
+    # The serving check writes a second evaluation: the offline figures with the engine's tau beside them.
+    outputs = [(kind.value, lay.prefix(kind), kind.value) for kind in
+               (Kind.prompts, Kind.completions, Kind.tokenized, Kind.drafter, Kind.evaluation)]
+    outputs.append(("serving", lay.serving, Kind.evaluation.value))
+    return json.dumps({"run_id": run.run_id, "run_prefix": lay.run_prefix, "model_id": run.target.model_id,
+                       "outputs": outputs})
+
+
 def build_model(out: Path, target: str = "qwen3") -> Path:
     model = out / PER_TARGET[target]["model"]
     if (model / "config.json").exists():
@@ -133,8 +148,8 @@ def main() -> int:
     wall_s = time.monotonic() - started
     # The trainer's environment: the summary reads the loss curve from its TensorBoard files.
     trainer_python = str(REPO / ".venv-train" / "bin" / "python")
-    summary = subprocess.run([trainer_python, str(DEMO / "summary.py"), str(run_path)], cwd=REPO, check=False,
-                             capture_output=True, text=True)
+    summary = subprocess.run([trainer_python, str(DEMO / "summary.py"), summary_input(run_path)], cwd=REPO,
+                             check=False, capture_output=True, text=True)
     sys.stdout.write(summary.stdout)
     sys.stderr.write(summary.stderr)
     if summary.returncode != 0:

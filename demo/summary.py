@@ -1,14 +1,16 @@
 """Print what a run produced, read from its manifests: records and tokens per stage, loss, acceptance (and on
-which prompts: the held-out split that training never read, by default)."""
+which prompts: the held-out split that training never read, by default).
+
+It runs in the trainer's environment (the loss curve comes from the trainer's TensorBoard files), which has the
+stage contract library but not the orchestration: run_demo.py passes the run's prefixes as JSON
+(`{"run_id", "run_prefix", "model_id", "outputs": [[name, prefix, kind], ...]}`).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-from dflash_pipeline.config import load_run_config
-from dflash_pipeline.layout import layout
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import (
     MANIFEST_NAME,
@@ -60,15 +62,11 @@ def evaluated_prompts(section: EvaluationSection, shards: list[Shard]) -> str:
     return " ".join([*(w for w in words if w), "prompts"])
 
 
-def main(run_file: str) -> int:
-    run = load_run_config(Path(run_file))
-    lay = layout(run.root, run.run_id)
+def main(run_json: str) -> int:
+    run = json.loads(run_json)
     store = ObjectStore()
-    print(f"\nrun {run.run_id} under {lay.run_prefix} (target {run.target.model_id})")
-    # The serving check writes a second evaluation: the offline figures with the engine's tau beside them.
-    outputs = [(kind.value, lay.prefix(kind), kind) for kind in
-               (Kind.prompts, Kind.completions, Kind.tokenized, Kind.drafter, Kind.evaluation)]
-    outputs.append(("serving", lay.serving, Kind.evaluation))
+    print(f"\nrun {run['run_id']} under {run['run_prefix']} (target {run['model_id']})")
+    outputs = [(name, prefix, Kind(kind)) for name, prefix, kind in run["outputs"]]
     for name, prefix, kind in outputs:
         try:
             m = load_manifest(store, prefix, kind, verify=False).manifest
