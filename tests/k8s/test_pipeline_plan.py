@@ -56,7 +56,7 @@ def test_the_headline_run_is_sized_from_its_run_file() -> None:
     assert generate.gpu_hours == pytest.approx(64 * generate.wall_seconds / 3600)
     assert generate.scratch_bytes_per_pod == pytest.approx(target)
     # 4 nodes x 8 GPUs; 6 epochs over 900K x (700 + 4,000) tokens at 3,000 tok/s/GPU.
-    assert (train.pods, train.gpus, train.model_copies) == (4, 32, 4)
+    assert (train.pods, train.gpus, train.model_copies) == (4, 32, 1)  # rank 0's pod alone copies the weights
     assert train.wall_seconds == pytest.approx(start + 6 * 900_000 * 4700 / (3000 * 32))
     assert train.wall_seconds > 2 * 86400  # days, not hours: what a user must see before submitting
     assert "steps" in train.work and "6 epochs" in train.work

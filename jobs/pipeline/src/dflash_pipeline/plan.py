@@ -247,10 +247,12 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
     work = max_steps * batch if max_steps else None if w.total_tokens is None else w.total_tokens * epochs
     steps = None if work is None else math.ceil(work / batch)
     limit = f", max_steps {max_steps}" if max_steps else f", {epochs} epochs"
-    # One target copy per pod (node), its ranks share it; the data cache beside it. The store keeps `keep`
-    # checkpoints of the drafter's weights and AdamW states (~16 bytes per parameter of a ~2B drafter).
+    # Only the pod holding global rank 0 copies the weights (rank 0 loads and broadcasts them; the other pods
+    # copy config and tokenizer files), but any pod may hold rank 0, so each is sized for a copy, with the data
+    # cache beside it. The store keeps `keep` checkpoints of the drafter's weights and AdamW states (~16 bytes
+    # per parameter of a ~2B drafter).
     return StagePlan("train", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes + cache,
-                     keep * 2e9 * 16, pods,
+                     keep * 2e9 * 16, 1,
                      f"{_count(work)} training tokens ({_count(steps)} steps{limit}); {rate:,.0f} tok/s/GPU")
 
 
