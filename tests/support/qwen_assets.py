@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -119,6 +120,29 @@ def cache_root() -> Path:
     """Where built tokenizers are kept between runs."""
     env = os.environ.get("DFLASH_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "dflash-pipeline"
+
+
+def cached_directory(cached: Path, build: Callable[[Path], None]) -> Path:
+    """`cached`, built once by `build(tmp)` into a temporary sibling and renamed into place when complete.
+
+    Concurrent test processes may race to build the same directory: the loser's rename fails and it uses the
+    winner's, which is whole because `.complete` is written last.
+    """
+    if (cached / ".complete").is_file():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.rename(tmp, cached)
+        except OSError:
+            if not (cached / ".complete").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
 
 
 def _build_tokenizer_json(vocab: Vocab, dest: Path) -> None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 from torch import nn
 
 from dflash_train.target_loading import parameters_on_meta, skeleton
-from tests.support.qwen_assets import cache_root
+from tests.support.qwen_assets import cache_root, cached_directory
 from tests.support.tiny_target import build_tiny_target
 
 WIDE = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 7,
@@ -30,27 +28,15 @@ _BUILD = "1"
 
 def wide_qwen3() -> Path:
     """A random wide Qwen3 checkpoint (bf16 safetensors, config only: loading needs no tokenizer), cached."""
-    cached = cache_root() / "wide-qwen3" / f"v{_BUILD}-{torch.__version__}"
-    if (cached / ".complete").is_file():
-        return cached
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    def build(out: Path) -> None:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".wide-", dir=cached.parent))
-    try:
         torch.manual_seed(0)
         config = Qwen3Config(**WIDE, max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0,
                              bos_token_id=0, eos_token_id=1, dtype="bfloat16")
-        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.rename(tmp, cached)
-        except OSError:
-            if not (cached / ".complete").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cached
+        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+    return cached_directory(cache_root() / "wide-qwen3" / f"v{_BUILD}-{torch.__version__}", build)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_6"])

@@ -47,7 +47,7 @@ from dflash_tokenize.stage import run as run_tokenize
 from dflash_train.config import TrainConfig
 from dflash_train.metrics import read_scalars
 from dflash_train.stage import run as run_train
-from tests.support.qwen_assets import cache_root, qwen_special_ids
+from tests.support.qwen_assets import cache_root, cached_directory, qwen_special_ids
 from tests.support.tiny_target import build_tiny_qwen3
 from tests.tokenize.stage_fixtures import write_completions
 
@@ -75,31 +75,21 @@ def small_vocab_target() -> Path:
     identity hashes) are the full target's; only token ids the embedding covers may appear in the data.
     """
     full = tiny_target()
-    cached = cache_root() / "tiny-qwen3" / f"small-vocab-{SMALL_VOCAB}-{full.name}"
-    if (cached / ".complete").is_file():
-        return cached
-    import torch
-    from transformers import AutoConfig, Qwen3ForCausalLM
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
-    try:
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoConfig, Qwen3ForCausalLM
+
         config = AutoConfig.from_pretrained(full)
         config.vocab_size = SMALL_VOCAB
         # The padding row must exist in the smaller table (it is never used: nothing pads).
         config.pad_token_id = config.bos_token_id = config.eos_token_id = 0
         torch.manual_seed(0)
-        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            shutil.copyfile(full / name, tmp / name)
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.rename(tmp, cached)
-        except OSError:
-            if not (cached / ".complete").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cached
+            shutil.copyfile(full / name, out / name)
+
+    return cached_directory(cache_root() / "tiny-qwen3" / f"small-vocab-{SMALL_VOCAB}-{full.name}", build)
 
 
 def identity_of(target_dir: Path, thinking: bool = False) -> TargetIdentity:
