@@ -6,8 +6,10 @@ plan from the configs as the train stage does (`memory_plan.plan_for_run`), then
 the drafter and AdamW and runs two optimizer steps with `dflash_step` + backward. The first step has a few
 anchors only (it creates the AdamW moments, as every step after the first has them); the second has one
 document filling each row with every token trained, so it reaches the plan's worst-case anchor count.
-Measured = peak RSS (getrusage ru_maxrss) minus the RSS before the target is loaded: it includes what glibc
-keeps of freed memory, as the device's free memory would.
+Measured = peak RSS (VmHWM) minus the RSS before the target is loaded: it includes what glibc keeps of freed
+memory, as the device's free memory would. Not getrusage's ru_maxrss: Linux carries the high-water mark of the
+process that started this one across fork and exec, so under a large parent (a pytest process that has loaded
+models) it reports the parent's size.
 
   python bench/bench_memory_plan.py                 # all shapes, one line each, then a JSON list
   python bench/bench_memory_plan.py --shape tiny-fp32 --json
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -69,11 +70,16 @@ def save_target(shape: dict[str, int], out: Path) -> Path:
     return out
 
 
-def _rss() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process's own address space from /proc/self/status (VmRSS, VmHWM)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _rss() -> int:
+    return _status_bytes("VmRSS")
 
 
 def worker(name: str, target_dir: str | None) -> dict[str, Any]:
@@ -129,7 +135,7 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             anchors = int(out.counted.sum())
-        measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        measured = _status_bytes("VmHWM") - before
     return {"shape": name, "predicted_bytes": plan.peak, "measured_bytes": measured,
             "ratio": round(plan.peak / measured, 3), "anchors": plan.inputs.anchors, "trained_slots": anchors,
             "table": plan.table()}

@@ -2,7 +2,7 @@
 
 `python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.train.target_loading_ranks
 TARGET_DIR OUT_DIR` writes OUT_DIR/rank-<r>.json per rank:
-- host memory: peak RSS (ru_maxrss) after the FSDP load minus the peak before it, the bytes of the
+- host memory: peak RSS (VmHWM) after the FSDP load minus the peak before it, the bytes of the
   tensors this rank keeps, and the bytes of one full copy of the kept target;
 - checks: the weights gathered from the shards equal transformers' own load of the checkpoint, the
   sharded target's features equal the world-1 target's, and the DDP placement (whole on every rank)
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -29,7 +28,11 @@ LAYER_IDS = [1, 5]  # keeps 6 of the 7 layers
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    """This process's own peak RSS (VmHWM). getrusage's ru_maxrss would carry torchrun's size across fork and exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def kept_bytes(model: torch.nn.Module) -> int:

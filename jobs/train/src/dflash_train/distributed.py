@@ -263,6 +263,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: allocated CUDA memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    # VmHWM, this process's own peak: getrusage's ru_maxrss carries the parent's (torchrun's, a test runner's)
+    # high-water mark across fork and exec.
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
