@@ -307,7 +307,7 @@ def _deadline_warning(plan: StagePlan) -> None:
         return
     plan.warnings.append(
         f"active_deadline_seconds {plan.deadline_seconds:,} is shorter than the predicted "
-        f"{_hours(plan.wall_seconds)}: the Job would be stopped partway; raise "
+        f"{long_duration(plan.wall_seconds)}: the Job would be stopped partway; raise "
         f"stages.{plan.stage}.active_deadline_seconds or add pods")
 
 
@@ -327,7 +327,8 @@ def _bytes(value: float) -> str:
     return f"{value:,.0f} B"
 
 
-def _hours(seconds: float | None) -> str:
+def long_duration(seconds: float | None) -> str:
+    """A stage-length duration: '12 min', '10.5 h', '3.1 d' ('?' when unknown)."""
     if seconds is None:
         return "?"
     if seconds >= 2 * 86400:
@@ -347,7 +348,7 @@ def format_plan(plan: RunPlan) -> str:
     rows = [("stage", "pods", "GPUs", "GPU-hours", "wall", "scratch/pod", "written", "model copies", "work")]
     for s in plan.stages:
         rows.append((s.stage, str(s.pods), str(s.gpus), "-" if not s.gpus else
-                     _gpu_hours(s.gpu_hours), _hours(s.wall_seconds),
+                     _gpu_hours(s.gpu_hours), long_duration(s.wall_seconds),
                      _bytes(s.scratch_bytes_per_pod) if s.scratch_bytes_per_pod else "-", _bytes(s.store_bytes),
                      str(s.model_copies), s.work))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -356,8 +357,8 @@ def format_plan(plan: RunPlan) -> str:
     gpu_hours = sum(s.gpu_hours or 0 for s in plan.stages)
     wall = sum(s.wall_seconds or 0 for s in plan.stages)
     copies = sum(s.model_copies for s in plan.stages)
-    lines.append(f"total: {_gpu_hours(gpu_hours)} GPU-hours, {_hours(wall)} of wall time with the stages one after "
-                 f"another; {copies} copies of the target pulled from the object store "
+    lines.append(f"total: {_gpu_hours(gpu_hours)} GPU-hours, {long_duration(wall)} of wall time with the stages one "
+                 f"after another; {copies} copies of the target pulled from the object store "
                  f"({_bytes(copies * plan.figures['target bytes'].value)})")
     if any(s.wall_seconds is None for s in plan.stages):
         lines.append("unknown (?): the run's prompt count is not known yet: set [plan] prompts, or plan again once "

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.layout import RunLayout, layout
+from dflash_pipeline.plan import long_duration
 from dflash_pipeline.run_state import read_run_state
 from dflash_pipeline.stages import plan, stage_value
 from dflash_shared.manifest_io import ManifestError, parse_manifest
@@ -183,16 +184,8 @@ def generate_progress(run: RunConfig, store: ObjectStore, lay: RunLayout, shards
         engines = max(1, min(shards, planned))
         rate = tokens / seconds * engines
         remaining = max(planned - done, 0) * seconds / done / engines
-        text += f", {rate:,.0f} tok/s over {engines} engine(s), ETA {_duration(remaining)}"
+        text += f", {rate:,.0f} tok/s over {engines} engine(s), ETA {long_duration(remaining)}"
     return text
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 2 * 86400:
-        return f"{seconds / 86400:.1f} d"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.0f} min"
 
 
 def format_status(run: RunConfig, statuses: list[StageStatus]) -> str:
