@@ -59,6 +59,21 @@ def test_generate_progress_counts_committed_chunks_with_rate_and_eta(s3_bucket: 
     assert "generate: 2/5 chunks committed (40%)" in text
 
 
+def test_an_unreadable_receipt_is_named_and_not_counted(s3_bucket: str, store: ObjectStore, tmp_path: Path) -> None:
+    _, run = _run(s3_bucket, tmp_path, chunk_records=100)
+    chunks = plan_chunks(_prompts(store, run, [200]), 100)
+    lay = layout(run.root, run.run_id)
+    receipt = ChunkReceipt(item=chunks[0].item, input_sha256="0" * 64, settings_sha256="0" * 64, shard=None,
+                           accounting=Accounting(input_records=100, succeeded=100, failed=0, skipped=0),
+                           prompt_tokens=1, output_tokens=1000, engine_seconds=1.0)
+    store.write_bytes(receipt_uri(lay.completions, chunks[0]), receipt.model_dump_json().encode())
+    store.write_bytes(receipt_uri(lay.completions, chunks[1]), b'{"output_tok')  # cut short
+    generate = {s.stage: s for s in run_status(run, store)}["generate"]
+    assert generate.progress.startswith("1/2 chunks committed (50%)")
+    cut = receipt_uri(lay.completions, chunks[1])
+    assert f"1 unreadable receipt(s) not counted (first: {cut})" in generate.progress
+
+
 def test_generate_progress_before_any_chunk(s3_bucket: str, store: ObjectStore, tmp_path: Path) -> None:
     _, run = _run(s3_bucket, tmp_path, chunk_records=64)
     _prompts(store, run, [640])

@@ -174,12 +174,24 @@ def generate_progress(run: RunConfig, store: ObjectStore, lay: RunLayout, shards
     receipts = store.list(join(lay.completions, CHUNKS_DIR), suffix=".json")
     if not receipts:
         return f"0/{planned} chunks committed"
+    def read(uri: str) -> dict[str, Any] | None:
+        # A receipt cut short or rewritten by hand is named below, not allowed to stop the whole status.
+        try:
+            receipt = json.loads(store.read_bytes(uri))
+            return receipt if isinstance(receipt, dict) else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+
     with ThreadPoolExecutor(max_workers=_IO_THREADS) as pool:
-        loaded = list(pool.map(lambda uri: json.loads(store.read_bytes(uri)), receipts))
+        parsed = dict(zip(receipts, pool.map(read, receipts), strict=True))
+    loaded = [r for r in parsed.values() if r is not None]
+    unreadable = sorted(uri for uri, r in parsed.items() if r is None)
     tokens = sum(int(r.get("output_tokens", 0)) for r in loaded)
     seconds = sum(float(r.get("engine_seconds", 0.0)) for r in loaded)
     done = len(loaded)
     text = f"{done}/{planned} chunks committed ({100 * done / max(planned, 1):.0f}%)"
+    if unreadable:
+        text += f", {len(unreadable)} unreadable receipt(s) not counted (first: {unreadable[0]})"
     if seconds > 0:
         engines = max(1, min(shards, planned))
         rate = tokens / seconds * engines
