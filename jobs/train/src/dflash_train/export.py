@@ -13,6 +13,12 @@ HF `output_hidden_states[L + 1]`); the engines add the 1 themselves. The optiona
 (`export_speculators_config`) instead names the captured state, `aux_hidden_state_layer_ids = L + 1`,
 which vLLM turns back into L.
 
+Attention per layer (`trained_layer_attention`): training masks a sliding-window layer causally inside
+the block and a full-attention layer bidirectionally. The native format says so through `layer_types`
+alone (vLLM and SGLang derive causality from each layer's type). The speculators format has one flag for
+every layer, `sliding_window_non_causal`, so it can only carry a drafter whose layers are all of one kind;
+a mixed drafter is refused (serve its native export). docs/serving-formats.md has the engines' code paths.
+
 Weights are written in a chosen dtype (bf16 by default, like the reference drafters). `load_export`
 rebuilds a `DFlashDrafter` from the directory; with a float32 export it reproduces the trained drafter
 bit for bit.
@@ -25,7 +31,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -63,6 +69,28 @@ _INFERENCE_GAMMA = 7.0
 
 class ExportError(BadInputError):
     """An export directory (or the drafter being exported) is not in the expected format."""
+
+
+class LayerAttention(NamedTuple):
+    """How one drafter layer attends: `window` in tokens (the query's own included; None = no window) and
+    whether the block is `causal` inside (slot k sees slots <= k) or bidirectional.
+
+    A plain tuple too, so it compares equal to what the engines resolve per layer (vLLM's
+    `_resolve_layer_attention` returns `(sliding_window, causal)`).
+    """
+
+    window: int | None
+    causal: bool
+
+
+def trained_layer_attention(cfg: DrafterConfig) -> list[LayerAttention]:
+    """Per drafter layer, the attention training masks it with (`attention.build_drafter_mask`).
+
+    A sliding_attention layer sees `sliding_window` tokens and its block causally; a full_attention layer
+    sees the whole context and its whole block. An export must make the engines resolve exactly this.
+    """
+    return [LayerAttention(cfg.sliding_window, True) if kind == "sliding_attention" else LayerAttention(None, False)
+            for kind in cfg.layer_types]
 
 
 def expected_weight_names(num_layers: int) -> list[str]:
@@ -262,6 +290,32 @@ def load_export(uri: str, store: ObjectStore, device: str | torch.device = "cpu"
 
 # ---------------------------------------------------------------------------------- speculators
 
+# The speculators format's only causality field. vLLM's converter (update_dflash in
+# vllm/transformers_utils/configs/speculators/algos.py) turns it into
+# `dflash_config.causal = not sliding_window_non_causal` (absent = True = non-causal), and the DFlash model
+# (_dflash_layer_causal in vllm/model_executor/models/qwen3_dflash.py) applies that one value to EVERY layer,
+# full or sliding, before it would look at the layer's type.
+SPECULATORS_NON_CAUSAL = "sliding_window_non_causal"
+
+
+def speculators_causality(cfg: DrafterConfig) -> dict[str, bool]:
+    """The speculators field that makes vLLM mask every layer as training did; ExportError for a drafter that
+    mixes causal (sliding) and bidirectional (full) layers, which one flag cannot describe."""
+    attention = trained_layer_attention(cfg)
+    causal = [i for i, layer in enumerate(attention) if layer.causal]
+    bidirectional = [i for i, layer in enumerate(attention) if not layer.causal]
+    if causal and bidirectional:
+        raise ExportError(
+            f"the speculators format cannot describe this drafter as it was trained: layers {causal} "
+            f"(sliding_attention) attend causally inside the block and layers {bidirectional} (full_attention) "
+            f"bidirectionally, but the format has one {SPECULATORS_NON_CAUSAL} flag that vLLM applies to every "
+            "layer, so some layers would be served with another mask than in training. Export without "
+            "--speculators and serve the native export (config.json with architectures [DFlashDraftModel]), "
+            "which carries the attention of each layer in layer_types"
+        )
+    # Written even where it equals vLLM's default (absent = non-causal): the export states the mask it needs.
+    return {SPECULATORS_NON_CAUSAL: not causal}
+
 
 def export_speculators_config(cfg: DrafterConfig, target_config: Any, verifier: str,
                               dtype: str = "bfloat16") -> dict[str, Any]:
@@ -269,8 +323,12 @@ def export_speculators_config(cfg: DrafterConfig, target_config: Any, verifier: 
 
     Same weights file as the native export. The layer ids are those of the captured auxiliary states:
     `aux_hidden_state_layer_ids = target_layer_ids + 1` (vLLM subtracts the 1 again when it builds
-    `dflash_config.target_layer_ids`). `verifier` is the target's name or path.
+    `dflash_config.target_layer_ids`). `verifier` is the target's name or path. The block's causality is
+    `speculators_causality` (refused for a drafter mixing sliding and full layers);
+    `sample_from_anchor: false` states what training does (slot 0 is the verified anchor, the masked slots
+    predict), which is also vLLM's default and the only mode its DFlash speculator runs.
     """
+    causality = speculators_causality(cfg)
     layer = drafter_hf_config(cfg, target_config, dtype)
     for key in ("architectures", "block_size", "num_target_layers", "dflash_config", "target_hidden_size"):
         layer.pop(key)
@@ -281,6 +339,8 @@ def export_speculators_config(cfg: DrafterConfig, target_config: Any, verifier: 
         "transformer_layer_config": layer,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
+        **causality,
+        "sample_from_anchor": False,
         "block_size": cfg.block_size,
         "draft_vocab_size": _vocab_rows(target_config),
         "target_hidden_size": cfg.target_hidden_size,
@@ -298,10 +358,13 @@ def export_speculators_config(cfg: DrafterConfig, target_config: Any, verifier: 
 
 def write_speculators_dir(drafter: DFlashDrafter, target_config: Any, directory: str, verifier: str,
                           dtype: str = "bfloat16") -> None:
-    """A speculators-format export: its config.json and the same model.safetensors as the native one."""
+    """A speculators-format export: its config.json and the same model.safetensors as the native one.
+
+    The config is built first, so a drafter the format cannot carry is refused before any file is written.
+    """
+    config = export_speculators_config(drafter.config, target_config, verifier, dtype)
     os.makedirs(directory, exist_ok=True)
     save_file(export_state_dict(drafter, dtype), os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
-    config = export_speculators_config(drafter.config, target_config, verifier, dtype)
     with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
         fh.write("\n")
@@ -385,6 +448,8 @@ def run_export(config: Any, store: ObjectStore | None = None) -> str:
                             f"its manifest {loaded.uri} says {recorded}")
     target_config = read_target_config(store, config.target)
     check_against_target(cfg, target_config, f"checkpoint {checkpoint}")
+    if config.speculators:
+        speculators_causality(cfg)  # refuse before anything is written, not after the native export
     written = export_drafter(drafter, target_config, config.output, store, config.dtype)
     if config.speculators:
         with tempfile.TemporaryDirectory(prefix="dflash-speculators-") as tmp:
