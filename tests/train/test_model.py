@@ -178,8 +178,8 @@ def test_config_presets_and_validation():
     assert DrafterConfig.debug(block_size=8).loss_decay_gamma == 4.0
     with pytest.raises(ValidationError, match="sliding_window is not set"):
         DrafterConfig.debug(layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(ValidationError, match="target layer id 3 outside 0..2"):
-        DrafterConfig.debug(target_layer_ids=[1, 3])
+    with pytest.raises(ValidationError, match="target layer id 4 outside 0..3"):
+        DrafterConfig.debug(target_layer_ids=[1, 4])
     with pytest.raises(ValidationError, match="hidden_size 64 != target_hidden_size 128"):
         DrafterConfig.debug(hidden_size=64)
     with pytest.raises(ValidationError, match="no default loss_decay_gamma"):

@@ -69,11 +69,19 @@ def test_layers_after_the_last_id_are_dropped(arch_target_dir: Path, target_arch
     assert len(t.model.get_decoder().layers) == 2
 
 
-@pytest.mark.parametrize("bad", [[3], [-1], [1, 1], []])
+@pytest.mark.parametrize("bad", [[4], [-1], [1, 1], []])
 def test_layer_ids_outside_the_capturable_range_are_rejected(tiny_target_dir: Path, bad: list[int]):
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     with pytest.raises(ValueError, match="layer id|non-empty"):
         FrozenTarget(model, bad)
+
+
+def test_the_last_layer_is_accepted_where_vllm_captures_it(tiny_target_dir: Path):
+    """vLLM's Qwen2/Qwen3 decoder loop records the aux state after every layer, the last included (id N-1): the
+    frozen target keeps the whole stack for it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    target = FrozenTarget(model, [1, 3])
+    assert target.layer_ids == [1, 3] and len(target.model.get_decoder().layers) == 4
 
 
 def _docs_alone(target: FrozenTarget, docs) -> list[torch.Tensor]:

@@ -1,9 +1,9 @@
 """The train stage's one typed config: flags, DFLASH_TRAIN_* variables, defaults and presets come from here.
 
-The defaults are the reference recipe (AdamW, lr 6e-4, 4% warmup then cosine, clip 1.0, 6 epochs, bf16
-autocast over fp32 master weights). A preset fills in every setting the caller did not give:
-`--preset debug` (or `debug(...)` in Python) is a CPU run of a few seconds against the tiny test target.
-No torch import here: the config is parsed (and `--help` answered) before the heavy libraries load.
+The defaults are the reference recipe (AdamW with torch's betas (0.9, 0.999), lr 6e-4, 4% warmup then
+cosine, clip 1.0, 6 epochs, bf16 autocast over fp32 master weights). A preset fills in every setting the
+caller did not give: `--preset debug` (or `debug(...)` in Python) is a CPU run of a few seconds against the
+tiny test target. No torch import here: the config is parsed (and `--help` answered) before the heavy libraries load.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from dflash_shared.settings import StageSettings
 from dflash_train.drafter_config import DrafterConfig
 
 Preset = Literal["none", "debug"]
-# Keys `drafter_overrides` may hold: DrafterConfig's fields plus from_target's one extra argument.
-DRAFTER_OVERRIDE_KEYS = frozenset(DrafterConfig.model_fields) | {"num_target_features"}
+# Keys `drafter_overrides` may hold: DrafterConfig's fields plus from_target's one extra argument; the mask
+# token has its own setting (`mask_token_id`), which the stage passes to the preset itself.
+DRAFTER_OVERRIDE_KEYS = (frozenset(DrafterConfig.model_fields) | {"num_target_features"}) - {"mask_token_id"}
+# Settings that only shape a drafter built from a preset: a complete `drafter` leaves nothing for them to do.
+_PRESET_ONLY = ("drafter_preset", "drafter_overrides")
 
 # What `--preset debug` sets unless given explicitly: every piece small enough for 2 CPU cores.
 DEBUG_PRESET: dict[str, Any] = {
@@ -54,7 +57,8 @@ class TrainConfig(StageSettings):
 
     # ------------------------------------------------------------------ drafter
     drafter: DrafterConfig | None = Field(
-        default=None, description="Complete drafter config as JSON; when set, the preset and overrides are ignored."
+        default=None,
+        description="Complete drafter config as JSON; refused together with drafter_preset or drafter_overrides.",
     )
     drafter_preset: Literal["from_target", "debug"] = Field(
         default="from_target",
@@ -64,7 +68,8 @@ class TrainConfig(StageSettings):
     )
     drafter_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description='DrafterConfig fields replacing the preset\'s, as JSON: {"num_layers": 5, "block_size": 16}.',
+        description='DrafterConfig fields replacing the preset\'s, as JSON: {"num_layers": 5, "block_size": 16};'
+        " each takes effect or is refused (from_target also takes num_target_features).",
     )
     mask_token_id: int | None = Field(
         default=None,
@@ -94,7 +99,7 @@ class TrainConfig(StageSettings):
     warmup_ratio: float = Field(default=0.04, ge=0, lt=1, description="Linear warmup, as a fraction of all steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2.")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2 (torch's default, as SpecForge).")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
     precision: Literal["bf16", "fp32"] = Field(
@@ -144,17 +149,48 @@ class TrainConfig(StageSettings):
         if isinstance(data, dict) and data.get("preset", "none") != "none":
             if data["preset"] != "debug":
                 raise ValueError(f"unknown preset {data['preset']!r}; known: none, debug")
-            data = {**DEBUG_PRESET, **data}
+            preset = DEBUG_PRESET
+            if data.get("drafter") is not None:  # a complete drafter: the preset's drafter settings do not apply
+                preset = {k: v for k, v in preset.items() if k not in _PRESET_ONLY}
+            data = {**preset, **data}
         return data
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        unknown = sorted(set(self.drafter_overrides) - DRAFTER_OVERRIDE_KEYS)
-        if unknown:
-            raise ValueError(f"drafter_overrides has unknown key(s) {unknown}; DrafterConfig fields are allowed")
+        self._check_drafter_settings()
         if self.resume not in ("auto", "never") and "/" not in self.resume:
             raise ValueError(f"resume must be auto, never or a checkpoint URI, got {self.resume!r}")
         return self
+
+    def _check_drafter_settings(self) -> None:
+        """Refuse drafter settings that would be ignored: each one given either takes effect or is refused."""
+        if self.drafter is not None:
+            ignored = [name for name in _PRESET_ONLY if name in self.model_fields_set and getattr(self, name)]
+            if ignored:
+                raise ValueError(
+                    f"{', '.join(ignored)} given with a complete drafter config, which they would not change;"
+                    " put those settings into drafter, or drop drafter to use the preset"
+                )
+            if self.mask_token_id is not None and self.mask_token_id != self.drafter.mask_token_id:
+                raise ValueError(
+                    f"mask_token_id {self.mask_token_id} contradicts drafter.mask_token_id"
+                    f" {self.drafter.mask_token_id}; give it in one place"
+                )
+            return
+        keys = set(self.drafter_overrides)
+        if "mask_token_id" in keys:
+            raise ValueError("drafter_overrides may not hold mask_token_id; set --mask-token-id instead")
+        unknown = sorted(keys - DRAFTER_OVERRIDE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"drafter_overrides has unknown key(s) {unknown}; allowed: DrafterConfig fields"
+                " (see dflash_train.drafter_config) and num_target_features"
+            )
+        if self.drafter_preset == "debug" and "num_target_features" in keys:
+            raise ValueError(
+                "drafter_overrides.num_target_features only applies to drafter_preset from_target; the debug"
+                " preset has fixed target layers: give target_layer_ids instead"
+            )
 
 
 def debug(input: str, output: str, target: str, **overrides: Any) -> TrainConfig:  # noqa: A002 - field name

@@ -5,18 +5,21 @@ drafts a block of `block_size` tokens in one pass. Its hidden size must equal th
 target's frozen embedding and LM head); its attention shape is its own.
 
 Layer ids follow the convention of the exported `dflash_config.target_layer_ids`: id L is the OUTPUT of
-target decoder layer L, i.e. Hugging Face `output_hidden_states[L + 1]` (vLLM and SGLang add the 1
-themselves). The last decoder layer (N - 1) is not allowed: HF returns it after the final norm and the
-serving engines never capture it.
+target decoder layer L (before any final norm), i.e. Hugging Face `output_hidden_states[L + 1]` for L < N - 1
+(vLLM and SGLang add the 1 themselves). The last decoder layer (N - 1) is allowed only for the targets whose
+serving code captures its output (`captures_last_layer`); a `DrafterConfig` alone checks ids against 0..N-1,
+and the rule about N - 1 is applied wherever the target's config is known (`check_target_layer_ids`).
 
 No torch import here: the config is read by tooling that does not need a tensor library.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 LayerType = Literal["full_attention", "sliding_attention"]
 AttentionBackend = Literal["auto", "flex", "sdpa"]
@@ -42,6 +45,26 @@ QWEN3_6_DRAFTER: dict[str, Any] = {
     "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
     "sliding_window": 2048,
 }
+# Period of the reference hybrid drafter's layer pattern: four sliding-window layers, then one full-attention.
+_HYBRID_PERIOD = 5
+
+# Targets whose vLLM (0.32) model code captures the output of the LAST decoder layer as an auxiliary hidden
+# state. vLLM reads `dflash_config.target_layer_ids` as aux layers id + 1, and these decoder loops record aux
+# layer idx + 1 (hidden_states + residual, before the final norm) after every layer idx, the last one
+# included, so id N - 1 (aux layer N) is captured:
+# - qwen2 / qwen3: `Qwen2Model.forward` (models/qwen2.py), which `Qwen3Model` (models/qwen3.py) inherits;
+# - qwen3_moe: `Qwen3MoeModel.forward` (models/qwen3_moe.py);
+# - qwen3_next and Qwen3.5/3.6 (qwen3_5*): `Qwen3NextModel.forward` (models/qwen3_next.py), which
+#   `Qwen3_5Model` (models/qwen3_5.py) inherits; `Qwen3_5ForConditionalGeneration` runs that same model.
+# Other targets are not known to capture it: for them the last allowed id is N - 2.
+LAST_LAYER_CAPTURED_MODEL_TYPES = frozenset({
+    "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+})
+LAST_LAYER_CAPTURED_ARCHITECTURES = frozenset({
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+})
 
 
 def is_hybrid_family(target_config: Any) -> bool:
@@ -49,6 +72,75 @@ def is_hybrid_family(target_config: Any) -> bool:
     layer_types = getattr(target_config, "layer_types", None) or []
     model_type = str(getattr(target_config, "model_type", ""))
     return "linear_attention" in layer_types or model_type.startswith("qwen3_5")
+
+
+def hybrid_layer_types(num_layers: int) -> list[LayerType]:
+    """Layer kinds of a `num_layers` drafter for a hybrid target, keeping the reference pattern.
+
+    The rule: counted back from the last layer, every fifth layer is full attention and the others slide, so
+    the last layer is always full attention. 5 layers give the reference drafter (4 sliding + 1 full); fewer
+    keep its tail (1: [full]; 2: [sliding, full]); more repeat the period (10: twice 4 sliding + 1 full).
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    return [
+        "full_attention" if (num_layers - 1 - i) % _HYBRID_PERIOD == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+
+
+def _config_model_types(target_config: Any) -> set[str]:
+    """model_type of a HF config and of its nested text config (Qwen3.5/3.6 checkpoints nest one)."""
+    types = {str(getattr(target_config, "model_type", "") or "")}
+    text = getattr(target_config, "text_config", None)
+    if text is not None:
+        types.add(str(getattr(text, "model_type", "") or ""))
+    return types - {""}
+
+
+def captures_last_layer(target_config: Any) -> bool:
+    """Whether the serving engine (vLLM) captures the output of the target's last decoder layer (id N - 1).
+
+    Decided from the config's architectures or model_type (see `LAST_LAYER_CAPTURED_MODEL_TYPES`).
+    """
+    architectures = set(getattr(target_config, "architectures", None) or [])
+    return bool(architectures & LAST_LAYER_CAPTURED_ARCHITECTURES) or bool(
+        _config_model_types(target_config) & LAST_LAYER_CAPTURED_MODEL_TYPES
+    )
+
+
+def check_target_layer_ids(target_config: Any, layer_ids: Sequence[int], num_target_layers: int | None = None,
+                           ) -> None:
+    """Refuse target layer ids the serving engine would not capture for this target (ValueError naming the id).
+
+    Ids run 0..N-1 where vLLM captures the last layer's output (`captures_last_layer`), else 0..N-2.
+    `num_target_layers` defaults to the config's num_hidden_layers.
+    """
+    layers = int(num_target_layers if num_target_layers is not None else _text_config(target_config).num_hidden_layers)
+    last_layer_ok = captures_last_layer(target_config)
+    last_allowed = layers - 1 if last_layer_ok else layers - 2
+    for layer_id in layer_ids:
+        if 0 <= layer_id <= last_allowed:
+            if layer_id == layers - 1 and _config_model_types(target_config) & {"qwen3_5", "qwen3_5_text"}:
+                # SGLang's Qwen3.5 text model (srt/models/qwen3_5_text.py) refuses the last layer as a capture
+                # layer: such a drafter loads in vLLM only (docs/serving-formats.md).
+                logging.getLogger(__name__).warning(
+                    "target layer id %d is the last decoder layer: vLLM captures it on this target, SGLang refuses "
+                    "it for Qwen3.5/3.6 targets (use ids up to %d to serve on both)", layer_id, layers - 2)
+            continue
+        if layer_id == layers - 1:
+            kind = "/".join(sorted(_config_model_types(target_config))) or "unknown"
+            raise ValueError(
+                f"target layer id {layer_id} is the last decoder layer of this {layers}-layer target (model_type"
+                f" {kind}): the engine reads it as aux layer {layers}, which vLLM's decoder loop is known to record"
+                " (after every layer, the last included) only for Qwen2/Qwen3, Qwen3-MoE, Qwen3-Next and"
+                f" Qwen3.5/3.6 targets; use ids in 0..{last_allowed}"
+            )
+        raise ValueError(f"target layer id {layer_id} outside 0..{last_allowed} for a {layers}-layer target")
+
+
+def _text_config(target_config: Any) -> Any:
+    return getattr(target_config, "text_config", None) or target_config
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -163,12 +255,14 @@ class DrafterConfig(BaseModel):
                 f"target_layer_ids must be strictly increasing (engines concatenate the captured layers in"
                 f" layer order), got {self.target_layer_ids}; use {sorted(self.target_layer_ids)}"
             )
-        last_allowed = self.num_target_layers - 2
+        # Only what the config alone can tell: the layer exists. Whether the engine captures the last layer
+        # depends on the target's architecture (`check_target_layer_ids`, applied where the target is known).
+        last_layer = self.num_target_layers - 1
         for layer_id in self.target_layer_ids:
-            if not 0 <= layer_id <= last_allowed:
+            if not 0 <= layer_id <= last_layer:
                 raise ValueError(
-                    f"target layer id {layer_id} outside 0..{last_allowed} for a {self.num_target_layers}-layer"
-                    " target (the last layer's output is not captured by serving engines)"
+                    f"target layer id {layer_id} outside 0..{last_layer} for a {self.num_target_layers}-layer"
+                    " target"
                 )
         return self
 
@@ -193,8 +287,8 @@ class DrafterConfig(BaseModel):
         target_config: Any,
         *,
         mask_token_id: int,
-        num_layers: int = 5,
-        num_target_features: int = 5,
+        num_layers: int | None = None,
+        num_target_features: int | None = None,
         target_layer_ids: list[int] | None = None,
         **overrides: Any,
     ) -> DrafterConfig:
@@ -204,38 +298,56 @@ class DrafterConfig(BaseModel):
         Qwen3-8B: 4096 hidden, 32/8 heads, 128 head_dim, 12288 intermediate). Qwen3.5/3.6 hybrid targets: the
         reference drafter shape (`QWEN3_6_DRAFTER`: 32/8 heads of 128, 4 sliding-window layers of 2048 + 1
         full) at the target's hidden and intermediate size; for Qwen3.6-27B that is the published drafter
-        (hidden 5120, intermediate 17408, target layers [1, 16, 31, 46, 61], mask token 248070). `overrides`
-        replace any field (e.g. layer_types, sliding_window, block_size).
+        (hidden 5120, intermediate 17408, target layers [1, 16, 31, 46, 61], mask token 248070).
+
+        Every setting given here takes effect or is refused (ValueError naming it): `num_layers` (default 5;
+        on a hybrid target the layer pattern follows it, see `hybrid_layer_types`), `num_target_features`
+        (default 5; spread by `default_target_layer_ids`) or explicit `target_layer_ids`, and `overrides` of
+        any other DrafterConfig field (e.g. layer_types, sliding_window, block_size). `layer_types` alone also
+        sets num_layers. Fields read from the target (num_target_layers, target_hidden_size) cannot be changed.
         """
-        num_target_layers = int(target_config.num_hidden_layers)
-        hidden = int(target_config.hidden_size)
-        heads = int(target_config.num_attention_heads)
+        text = _text_config(target_config)
+        requested = _given(overrides, num_layers=num_layers, num_target_features=num_target_features,
+                           target_layer_ids=target_layer_ids)
+        _refuse_target_contradictions(text, overrides)
+        num_target_layers = int(text.num_hidden_layers)
+        hidden = int(text.hidden_size)
+        heads = int(text.num_attention_heads)
+        layers = _num_layers(num_layers, overrides)
         values: dict[str, Any] = {
-            "num_layers": num_layers,
+            "num_layers": layers,
             "hidden_size": hidden,
             "num_attention_heads": heads,
-            "num_key_value_heads": int(getattr(target_config, "num_key_value_heads", None) or heads),
-            "head_dim": int(getattr(target_config, "head_dim", None) or hidden // heads),
-            "intermediate_size": int(target_config.intermediate_size),
-            "rms_norm_eps": float(getattr(target_config, "rms_norm_eps", 1e-6)),
-            "rope_theta": _rope_theta(target_config),
-            "max_position": int(getattr(target_config, "max_position_embeddings", 40960)),
+            "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(text, "head_dim", None) or hidden // heads),
+            "intermediate_size": int(text.intermediate_size),
+            "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
+            "rope_theta": _rope_theta(text),
+            "max_position": int(getattr(text, "max_position_embeddings", 40960)),
             "num_target_layers": num_target_layers,
-            "target_layer_ids": target_layer_ids
-            or default_target_layer_ids(num_target_layers, num_target_features),
+            "target_layer_ids": _layer_ids(num_target_layers, num_target_features, target_layer_ids),
             "target_hidden_size": hidden,
             "mask_token_id": mask_token_id,
         }
-        if is_hybrid_family(target_config):
-            values.update(QWEN3_6_DRAFTER)
+        hybrid = is_hybrid_family(text)
+        if hybrid:
+            values.update(QWEN3_6_DRAFTER, num_layers=layers, layer_types=hybrid_layer_types(layers))
         values.update(overrides)
-        return cls(**values)
+        if hybrid and "sliding_window" not in overrides and "sliding_attention" not in values["layer_types"]:
+            values["sliding_window"] = None  # the preset's window, when no layer slides, would only mislead
+        config = cls(**values)
+        check_target_layer_ids(target_config, config.target_layer_ids, num_target_layers)
+        _check_applied(config, requested)
+        return config
 
     @classmethod
     def debug(cls, **overrides: Any) -> DrafterConfig:
-        """Preset matching the tiny 4-layer test target (hidden 128, 2/1 heads of 64): runs on CPU in seconds."""
+        """Preset matching the tiny 4-layer test target (hidden 128, 2/1 heads of 64): runs on CPU in seconds.
+
+        `overrides` replace any field and each takes effect (`layer_types` alone also sets num_layers).
+        """
         values: dict[str, Any] = {
-            "num_layers": 2,
+            "num_layers": _num_layers(None, overrides, default=2),
             "hidden_size": 128,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
@@ -251,7 +363,77 @@ class DrafterConfig(BaseModel):
             "attention_backend": "sdpa",
         }
         values.update(overrides)
-        return cls(**values)
+        config = cls(**values)
+        _check_applied(config, overrides)
+        return config
+
+
+def _given(overrides: Mapping[str, Any], **keywords: Any) -> dict[str, Any]:
+    """The settings a caller asked for: the overrides plus the keyword arguments that were passed."""
+    return {**{k: v for k, v in keywords.items() if v is not None}, **overrides}
+
+
+def _num_layers(num_layers: int | None, overrides: Mapping[str, Any], default: int = 5) -> int:
+    """Drafter depth: as given, else as many layers as an explicit layer_types lists, else `default`."""
+    if num_layers is not None:
+        return int(num_layers)
+    if "num_layers" in overrides:
+        return int(overrides["num_layers"])
+    if overrides.get("layer_types"):
+        return len(overrides["layer_types"])
+    return default
+
+
+def _layer_ids(num_target_layers: int, num_target_features: int | None, target_layer_ids: list[int] | None,
+               ) -> list[int]:
+    """Explicit target layer ids, or `num_target_features` (default 5) spread over the target; both must agree."""
+    if target_layer_ids is None:
+        return default_target_layer_ids(num_target_layers, 5 if num_target_features is None else num_target_features)
+    if num_target_features is not None and num_target_features != len(target_layer_ids):
+        raise ValueError(
+            f"num_target_features={num_target_features} contradicts target_layer_ids {list(target_layer_ids)}"
+            f" ({len(target_layer_ids)} layers); give only one of them"
+        )
+    return list(target_layer_ids)
+
+
+def _refuse_target_contradictions(text_config: Any, overrides: Mapping[str, Any]) -> None:
+    """Refuse overrides of the settings `from_target` reads from the target config (they must match it)."""
+    facts = {"num_target_layers": int(text_config.num_hidden_layers),
+             "target_hidden_size": int(text_config.hidden_size)}
+    for name, fact in facts.items():
+        if name in overrides and overrides[name] != fact:
+            raise ValueError(
+                f"drafter setting {name}={overrides[name]!r} contradicts the target config ({fact}):"
+                f" the from_target preset reads {name} from the target; drop it"
+            )
+
+
+def _check_applied(config: DrafterConfig, requested: Mapping[str, Any]) -> None:
+    """Refuse any requested setting the resulting config does not carry (ValueError naming the field).
+
+    The safety net behind "every override takes effect or is refused": a preset that later overwrote a
+    caller's value, or a value with no effect, fails here instead of training another drafter than asked.
+    """
+    for name, wanted in requested.items():
+        if name == "num_target_features":
+            actual: Any = config.num_target_features
+        elif name in DrafterConfig.model_fields:
+            if wanted is None or wanted == []:
+                continue  # None / [] ask for the default, which the validator fills in
+            wanted = TypeAdapter(DrafterConfig.model_fields[name].annotation).validate_python(wanted)
+            actual = getattr(config, name)
+        else:
+            raise ValueError(
+                f"unknown drafter setting {name!r}; DrafterConfig fields and num_target_features are allowed"
+            )
+        if actual != wanted:
+            raise ValueError(f"drafter setting {name}={wanted!r} did not take effect (the config has {actual!r})")
+    if requested.get("sliding_window") is not None and not config.uses_sliding_window:
+        raise ValueError(
+            f"drafter setting sliding_window={requested['sliding_window']!r} has no effect: no drafter layer is"
+            " sliding_attention; set layer_types with sliding_attention layers too, or drop sliding_window"
+        )
 
 
 def _rope_theta(target_config: Any) -> float:

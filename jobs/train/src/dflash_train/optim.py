@@ -1,9 +1,11 @@
 """Optimiser, learning-rate schedule and precision of the drafter's training.
 
-AdamW over the drafter's fp32 parameters (the master weights); the forward runs under bf16 autocast when
-precision is bf16, so activations and matmuls are bf16 while updates accumulate in fp32. The schedule is
-linear warmup to the peak rate, then a cosine down to `min_lr_ratio` of it (the reference recipe: 4%
-warmup, cosine). The scheduler is a LambdaLR whose state is the step count, stored with each checkpoint.
+AdamW over the drafter's fp32 parameters (the master weights), with torch's default betas (0.9, 0.999) as
+the reference trainer (SpecForge) uses them unless the config says otherwise; the forward runs under bf16
+autocast when precision is bf16, so activations and matmuls are bf16 while updates accumulate in fp32. The
+schedule is linear warmup to the peak rate, then a cosine down to `min_lr_ratio` of it (the reference
+recipe: 4% warmup, cosine). The scheduler is a LambdaLR whose state is the step count, stored with each
+checkpoint.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash_train.attention import additive_mask, document_causal_mask_mod, materialize
 from dflash_train.batch import PAD_DOCUMENT
+from dflash_train.drafter_config import check_target_layer_ids
 from dflash_train.linear_kernels import KernelStatus, use_fla_conv
 
 Packing = Literal["auto", "mask", "varlen", "per_document"]
@@ -82,12 +83,8 @@ class FrozenTarget:
         self.layer_ids = [int(i) for i in layer_ids]
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"layer ids must be a non-empty list without repeats, got {self.layer_ids}")
-        for layer_id in self.layer_ids:
-            if not 0 <= layer_id <= self.num_layers - 2:
-                raise ValueError(
-                    f"target layer id {layer_id} outside 0..{self.num_layers - 2} for a {self.num_layers}-layer"
-                    " target (the last layer is not captured by serving engines)"
-                )
+        # The serving engine must capture every id: the last layer only on targets whose vLLM code records it.
+        check_target_layer_ids(self.config, self.layer_ids, self.num_layers)
         keep_layers = max(self.layer_ids) + 1
         decoder.layers = nn.ModuleList(list(layers)[:keep_layers])
         self._decoder = decoder
