@@ -13,7 +13,13 @@ models) it reports the parent's size.
 
   python bench/bench_memory_plan.py                 # all shapes, one line each, then a JSON list
   python bench/bench_memory_plan.py --shape tiny-fp32 --json
+  python bench/bench_memory_plan.py --windows        # the Qwen3.6-27B preset at 4K/16K/32K on 80 and 141 GB
 Runs on CPU with the train environment (.venv-train): torch, transformers, pydantic.
+
+`--windows` only plans (no step runs, no weights): the reference drafter on a Qwen3.6-27B-shaped target, 8 GPUs
+per node, bf16 autocast, flex attention, one row per micro-batch, at each training window, under DDP and FSDP
+with and without activation checkpointing, with the 512-anchor cap and with the cap grown to keep a 4K row's
+anchors per token.
 """
 
 from __future__ import annotations
@@ -53,6 +59,53 @@ SHAPES: dict[str, dict[str, Any]] = {
                   "train": dict(max_length=256, precision="bf16", target_dtype="bf16", chunk_tokens=512,
                                 micro_batch_rows=2)},
 }
+
+
+# Training windows `--windows` plans: the default, and the long-context options up to the generation budget.
+WINDOWS = (4096, 16384, 32768)
+
+
+def qwen3_6_inputs(max_length: int = 4096) -> Any:
+    """The memory plan's inputs for the reference Qwen3.6-27B drafter on 8 GPUs (no weights needed): 64 target
+    layers of ~400M parameters (the ~54 GB bf16 checkpoint), hidden 5120, 248,320 untied vocabulary rows."""
+    from dflash_train.drafter_config import QWEN3_6_DRAFTER, DrafterConfig
+    from dflash_train.memory_plan import PlanInputs, TargetShape, planned_anchor_count
+
+    target = TargetShape(layer_params=(400_000_000,) * 64, whole_params=2 * 248_320 * 5120, hidden_size=5120,
+                         intermediate_size=17408, vocab_rows=248_320)
+    cfg = DrafterConfig(**{**QWEN3_6_DRAFTER, "hidden_size": 5120, "intermediate_size": 17408,
+                           "num_target_layers": 64, "target_layer_ids": [1, 16, 31, 46, 61],
+                           "target_hidden_size": 5120, "mask_token_id": 248070, "block_size": 16,
+                           "rope_theta": 1e7})
+    return PlanInputs(drafter=cfg, target=target, max_length=max_length, micro_batch_rows=1,
+                      anchors=planned_anchor_count(cfg, max_length), target_bytes=2, autocast_bf16=True,
+                      backend="flex", device_type="cuda", parallelism="ddp", world_size=8, shard_size=8,
+                      activation_checkpointing=False, chunk_tokens=None, feature_noise=False)
+
+
+def window_report() -> dict[str, Any]:
+    """The Qwen3.6-27B preset's plan at each of WINDOWS: the fixed anchor cap, and the cap keeping 4K's density."""
+    from dflash_train.memory_plan import GPU_CLASSES, window_fits
+
+    base = qwen3_6_inputs()
+    return {"gpus_gib": {name: round(room / 2**30, 1) for name, room in GPU_CLASSES.items()},
+            "fixed_cap": window_fits(base, WINDOWS), "density_of_4096": window_fits(base, WINDOWS, density_of=4096)}
+
+
+def print_windows() -> None:
+    from dataclasses import asdict
+
+    from dflash_train.memory_plan import window_table
+
+    report = window_report()
+    rooms = ", ".join(f"{name}: {gib} GiB free" for name, gib in report["gpus_gib"].items())
+    print(f"Qwen3.6-27B reference drafter, 8 GPUs per node, flex, bf16; available per GPU class: {rooms}")
+    print("anchor cap 512 per row (the drafter's default):")
+    print(window_table(report["fixed_cap"]))
+    print("anchor cap grown with the window (512 x max_length / 4096: a 4K row's anchors per token):")
+    print(window_table(report["density_of_4096"]))
+    print(json.dumps({key: [asdict(f) for f in value] if isinstance(value, list) else value
+                      for key, value in report.items()}))
 
 
 def save_target(shape: dict[str, int], out: Path) -> Path:
@@ -159,10 +212,15 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="shape(s) to run (default: all)")
     parser.add_argument("--target-dir", help="use this target checkpoint instead of a random one of the shape")
     parser.add_argument("--json", action="store_true", help="print only the JSON list")
+    parser.add_argument("--windows", action="store_true",
+                        help="plan the Qwen3.6-27B preset at 4K/16K/32K windows on 80 GB and 141 GB GPUs (no steps)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.target_dir)))
+        return
+    if args.windows:
+        print_windows()
         return
     results = []
     for name in args.shape or list(SHAPES):

@@ -38,14 +38,16 @@ def test_flags_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None
     assert config.sampling() == qwen_non_thinking().with_overrides(temperature=0.2, max_tokens=2048)
     assert config.inflight == config.chunk_records == 512
     engine = config.engine_config("/models/q")
-    assert (engine.model, engine.tensor_parallel_size, engine.max_model_len) == ("/models/q", 2, 16384)
+    # The engine's context is the training window (4,096 by default): completions stop where it ends.
+    assert (engine.model, engine.tensor_parallel_size, engine.max_model_len) == ("/models/q", 2, 4096)
 
 
 def test_thinking_defaults_to_the_recommended_thinking_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     clear_stage_env(monkeypatch)
     config = parse_settings(GenerateConfig, BASE)
     assert config.enable_thinking is True
-    assert config.sampling() == qwen_thinking().with_overrides(max_tokens=8192)
+    # Qwen3's 8K budget, capped to what the default 4,096-token training window holds beside a prompt.
+    assert config.sampling() == qwen_thinking().with_overrides(max_tokens=4095)
 
 
 def test_inconsistent_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,20 +106,39 @@ def test_unusable_generation_config_values_are_skipped() -> None:
 
 
 def test_config_settles_sampling_and_budget_per_family() -> None:
+    """Without the cap to the training window, the family's budget: Qwen3.6's long thinking gets 32K."""
     shipped = TargetInfo(model_type="qwen3_5", family="qwen3_5", hybrid=True, generation_config=SHIPPED)
-    settled = generate_config(top_k=10).settle(shipped)
+    settled = generate_config(top_k=10, cap_to_training_window=False).settle(shipped)
     assert settled.family == "qwen3_5" and (settled.max_new_tokens, settled.max_model_len) == (32768, 40960)
     assert (settled.sampling.temperature, settled.sampling.top_k) == (0.9, 10)
     assert settled.choice.sources["top_k"] == "explicit"
     assert settled.sampling.max_tokens == 32768
-    dense = generate_config(enable_thinking=False).settle(TargetInfo())
+    dense = generate_config(enable_thinking=False, cap_to_training_window=False).settle(TargetInfo())
     assert (dense.max_new_tokens, dense.max_model_len) == (8192, 16384)
     assert dense.sampling == default_sampling(False, "qwen3").with_overrides(max_tokens=8192)
     # An explicit budget keeps the family's room for prompts; explicit limits are taken as they are.
-    assert generate_config(max_new_tokens=65536).settle(QWEN3_6).max_model_len == 73728
-    assert generate_config(max_new_tokens=1024).settle(QWEN3_6).max_model_len == 40960
+    uncapped = {"cap_to_training_window": False}
+    assert generate_config(max_new_tokens=65536, **uncapped).settle(QWEN3_6).max_model_len == 73728
+    assert generate_config(max_new_tokens=1024, **uncapped).settle(QWEN3_6).max_model_len == 40960
     with pytest.raises(ConfigError, match="must be below max_model_len"):
-        generate_config(max_model_len=16384).settle(QWEN3_6)
+        generate_config(max_model_len=16384, **uncapped).settle(QWEN3_6)
+
+
+def test_the_budget_stops_at_the_training_window_by_default() -> None:
+    """The engine's context is the training window: each prompt's budget is window - its tokens (vLLM's
+    max_tokens is min(max_new_tokens, max_model_len - prompt)), so nothing is generated that no step reads."""
+    settled = generate_config().settle(QWEN3_6)
+    assert (settled.max_new_tokens, settled.max_model_len) == (4095, 4096)
+    assert (settled.training_window, settled.capped_to_window) == (4096, True)
+    long = generate_config(training_window=16384).settle(QWEN3_6)
+    assert (long.max_new_tokens, long.max_model_len) == (16383, 16384)
+    # The family's budget is the most when it is shorter than the window; an explicit shorter context is kept.
+    assert generate_config(training_window=16384).settle(TargetInfo()).max_new_tokens == 8192
+    assert generate_config(max_model_len=2048, max_new_tokens=512).settle(QWEN3_6).max_model_len == 2048
+    # Limits past the window would generate what no step reads: refused, naming the ways out.
+    for limits in ({"max_model_len": 40960}, {"max_new_tokens": 4096}):
+        with pytest.raises(ValueError, match="does not fit inside training_window .4096.*cap_to_training_window false"):
+            generate_config(**limits)
 
 
 def test_hybrid_targets_on_cpu_get_bf16_no_prefix_caching_and_text_only() -> None:

@@ -127,6 +127,10 @@ def test_manifest_records_target_sampling_and_throughput(runs: dict[bool, str], 
     assert (section.max_new_tokens, section.max_model_len) == (16, MAX_MODEL_LEN)
     records = completions(store, runs[thinking])
     assert section.output_tokens == sum(len(r.completion_token_ids or ()) for r in records) > 0
+    # Completions stopped at the budget are kept and counted; the whole context lies inside the default window.
+    assert (section.training_window, section.capped_to_window) == (4096, True)
+    assert section.truncated_by_budget == sum(r.finish_reason == "length" for r in records)
+    assert (section.output_tokens_in_window, section.window_fraction) == (section.output_tokens, 1.0)
     assert section.throughput["output_tokens_per_s_per_cpu_engine"] > 0 and section.throughput["engine_seconds"] > 0
     assert m.accounting.input_records == m.accounting.succeeded == len(PROMPTS)
     assert m.inputs[0].uri == join(runs[thinking].rsplit("/", 1)[0], "prompts", "manifest.json")
@@ -204,6 +208,23 @@ def test_bad_input_is_counted_by_reason_and_nothing_else_lost(tmp_path: Path, en
     assert [r.id for r in completions(store, out)] == [g.id for g in good]
     marker = store.read_bytes(join(out, "_markers", "shard-00000-of-00001.json")).decode()
     assert '"chunks_resumed": 4' in marker
+
+
+@ONE_ARCH
+def test_tokens_past_an_uncapped_window_are_counted(tmp_path: Path, engine: Any, tiny_target_dir: Path) -> None:
+    """Generating past the training window on purpose: the manifest says how many generated tokens it holds."""
+    store = ObjectStore()
+    src = write_prompts(store, str(tmp_path / "prompts"), PROMPTS[:4])
+    out = str(tmp_path / "completions")
+    run(stage_config(src, out, tiny_target_dir, training_window=40, cap_to_training_window=False), store,
+        engine=engine)
+    section = load_manifest(store, out, Kind.completions).manifest.section
+    assert isinstance(section, CompletionsSection)
+    records = completions(store, out)
+    inside = sum(min(len(r.completion_token_ids or ()), max(0, 40 - len(r.prompt_token_ids or ()))) for r in records)
+    assert (section.training_window, section.capped_to_window) == (40, False)
+    assert section.output_tokens_in_window == inside < section.output_tokens
+    assert section.window_fraction == pytest.approx(inside / section.output_tokens, abs=1e-6)
 
 
 @ONE_ARCH

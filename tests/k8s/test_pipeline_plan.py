@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -42,29 +43,41 @@ def stages(run: RunConfig, store: ObjectStore | None = None) -> dict[str, Any]:
     return {s.stage: s for s in build_plan(run, store).stages}
 
 
+def cut_mean(mean: float, at: float) -> float:
+    """E[min(X, at)] for X exponential with `mean`: the plan's completion length under a budget (plan_tokens)."""
+    return mean * (1 - math.exp(-at / mean))
+
+
+# The headline run: answers of 4,000 tokens on average, stopped where the 16,384-token window ends after a
+# prompt of 700 (budget 15,684 per prompt).
+HEADLINE_COMPLETION = cut_mean(4000, 16384 - 700)
+
+
 def test_the_headline_run_is_sized_from_its_run_file() -> None:
     run = headline()
     got = stages(run)
     assert list(got) == ["import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"]
     generate, train = got["generate"], got["train"]
-    # 64 one-GPU pods; 900K prompts x 4,000 tokens at 1,500 tok/s/GPU, after the target copy (target.disk_size,
+    # 64 one-GPU pods; 900K prompts x 3,921 tokens at 1,500 tok/s/GPU, after the target copy (target.disk_size,
     # as the Jobs size their scratch for it, at 500 MB/s) and the engine's start.
     assert (generate.pods, generate.gpus, generate.model_copies) == (64, 64, 64)
     target = 56 * 2**30  # target.disk_size
     start = target / 500e6 + START_SECONDS
-    assert generate.wall_seconds == pytest.approx(start + 900_000 * 4000 / (1500 * 64))
+    assert HEADLINE_COMPLETION == pytest.approx(3920.7, abs=0.1)
+    assert generate.wall_seconds == pytest.approx(start + 900_000 * HEADLINE_COMPLETION / (1500 * 64))
     assert generate.gpu_hours == pytest.approx(64 * generate.wall_seconds / 3600)
     assert generate.scratch_bytes_per_pod == pytest.approx(target)
-    # 4 nodes x 8 GPUs; 6 epochs over 900K x (700 + 4,000) tokens at 3,000 tok/s/GPU.
+    # 4 nodes x 8 GPUs; 6 epochs over 900K x (700 + 3,921) tokens (all inside the window) at 3,000 tok/s/GPU.
     assert (train.pods, train.gpus, train.model_copies) == (4, 32, 1)  # rank 0's pod alone copies the weights
-    assert train.wall_seconds == pytest.approx(start + 6 * 900_000 * 4700 / (3000 * 32))
+    assert train.wall_seconds == pytest.approx(start + 6 * 900_000 * (700 + HEADLINE_COMPLETION) / (3000 * 32))
     assert train.wall_seconds > 2 * 86400  # days, not hours: what a user must see before submitting
-    assert "steps" in train.work and "6 epochs" in train.work
+    assert "steps" in train.work and "6 epochs" in train.work and "rows of 16,384" in train.work
+    assert not build_plan(run).warnings
 
 
 def test_twice_the_prompts_takes_twice_the_generation() -> None:
     one, two = stages(headline()), stages(headline(prompts=1_800_000))
-    start = one["generate"].wall_seconds - 900_000 * 4000 / (1500 * 64)
+    start = one["generate"].wall_seconds - 900_000 * HEADLINE_COMPLETION / (1500 * 64)
     assert two["generate"].wall_seconds - start == pytest.approx(2 * (one["generate"].wall_seconds - start))
     assert two["generate"].store_bytes == pytest.approx(2 * one["generate"].store_bytes)
     assert two["train"].gpu_hours > 1.9 * one["train"].gpu_hours
@@ -127,7 +140,11 @@ def test_manifests_and_an_earlier_run_replace_the_estimates(s3_bucket: str, stor
     plan = build_plan(run, store)
     sources = {name: (f.value, f.source) for name, f in plan.figures.items()}
     assert sources["prompts"] == (5000, "manifest")
-    assert sources["mean completion tokens"] == (2500, "measured")
+    # The measured mean is the mean under a 4,096-token budget (this run's: the earlier manifest records none);
+    # the uncut answer length behind it, cut at the same budget again, gives it back.
+    answer, source = sources["mean answer tokens (uncut)"]
+    assert source == "measured" and cut_mean(answer, 4096) == pytest.approx(2500)
+    assert sources["mean completion tokens"][0] == pytest.approx(2500)
     assert sources["generate tokens/s/GPU"] == (800, "measured")
     assert sources["completions bytes per token"] == (2.0, "measured")
     generate = {s.stage: s for s in plan.stages}["generate"]
@@ -160,3 +177,70 @@ def test_the_headline_run_renders_and_validates(tmp_path: Path) -> None:
     assert schema_errors(docs) == []
     components = {d["metadata"].get("labels", {}).get("app.kubernetes.io/component") for d in docs}
     assert {"import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"} <= components
+
+
+def window_run(generate: dict[str, Any], window: int = 4096, **plan: Any) -> RunConfig:
+    """The headline run trained on `window`-token records, with `generate` as its generate stage's config."""
+    data = read_run_file(HEADLINE_RUN)
+    data["plan"] = {**data["plan"], **plan}
+    data["stages"]["generate"]["config"] = generate
+    data["stages"]["train"]["config"] = {"max_length": window, "batch_tokens": 32 * window}
+    return parse_run_config(data)
+
+
+UNCAPPED_32K = {"max_new_tokens": 32768, "max_model_len": 40960, "cap_to_training_window": False}
+
+
+def test_training_reads_at_most_the_window_of_each_record_and_unread_generation_is_warned() -> None:
+    """A 32K budget against a 4,096-token window (the headline file before): each record trains min(record,
+    window), and the plan says which share of the generated tokens no step reads, with the fix."""
+    start = 56 * 2**30 / 500e6 + START_SECONDS
+    generated, in_window = cut_mean(4000, 32768), cut_mean(4000, 4096 - 700)
+    plan = build_plan(window_run(UNCAPPED_32K))
+    got = {s.stage: s for s in plan.stages}
+    assert got["generate"].wall_seconds == pytest.approx(start + 900_000 * generated / (1500 * 64))
+    # Trained per record: the prompt, then the completion up to the window's end (2,989 tokens, not 4,700).
+    assert 700 + in_window == pytest.approx(2988.6, abs=0.1)
+    assert got["train"].wall_seconds == pytest.approx(start + 6 * 900_000 * (700 + in_window) / (3000 * 32))
+    figures = {name: f.value for name, f in plan.figures.items()}
+    assert figures["tokens per record trained"] == pytest.approx(700 + in_window)
+    assert figures["generated tokens never trained"] == pytest.approx(1 - in_window / generated)
+    assert figures["generated tokens never trained"] == pytest.approx(0.428, abs=0.001)
+    assert len(plan.warnings) == 1 and plan.warnings[0].startswith("generate: 43% of the generated tokens")
+    assert "cap_to_training_window = true" in plan.warnings[0]
+    text = format_plan(plan)
+    assert "training reads min(record, 4,096) = 2,989" in text
+    assert "42.8% of the generated tokens are never trained on (limit 10%)" in text
+
+
+def test_a_budget_capped_to_the_window_generates_nothing_unread() -> None:
+    """The default: each completion stops where the window ends; the cut ones are counted, not lost."""
+    plan = build_plan(window_run({}))
+    figures = {name: f.value for name, f in plan.figures.items()}
+    assert figures["completion budget per prompt"] == 4096 - 700
+    assert figures["mean completion tokens"] == pytest.approx(cut_mean(4000, 3396))
+    assert figures["completions cut by the budget"] == pytest.approx(math.exp(-3396 / 4000))  # 42.8%
+    assert figures["generated tokens never trained"] == 0.0
+    # The same tokens trained as the uncapped run, for 43% less generation.
+    uncapped = {n: f.value for n, f in build_plan(window_run(UNCAPPED_32K)).figures.items()}
+    assert figures["tokens per record trained"] == pytest.approx(uncapped["tokens per record trained"])
+    assert plan.warnings == []
+    # A prompt longer than the window trains the window's worth and leaves no room for a completion.
+    long = {n: f.value for n, f in build_plan(window_run({}, mean_prompt_tokens=5000)).figures.items()}
+    assert (long["tokens per record trained"], long["mean completion tokens"]) == (4096, 0.0)
+    # Limits past the window with the cap on are what the generate stage refuses at its start.
+    refused = build_plan(window_run({"max_new_tokens": 32768, "max_model_len": 40960}))
+    assert any("the stage refuses them at its start" in w for w in refused.warnings)
+
+
+def test_the_pipeline_passes_the_training_window_to_generate_and_tokenize() -> None:
+    from dflash_pipeline.stages import GENERATE, TOKENIZE, stage_config
+
+    run = headline()
+    for stage, name in ((GENERATE, "training_window"), (TOKENIZE, "max_length")):
+        assert stage_config(stage, run, run.stages.for_stage(stage.name))[name] == 16384
+    # A run file's own setting wins over the derived one.
+    data = read_run_file(HEADLINE_RUN)
+    data["stages"]["generate"]["config"] = {"training_window": 8192}
+    run = parse_run_config(data)
+    assert stage_config(GENERATE, run, run.stages.for_stage("generate"))["training_window"] == 8192

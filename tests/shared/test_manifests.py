@@ -230,3 +230,22 @@ def test_schemas_export_one_file_per_kind(tmp_path: Path) -> None:
     tokenized = json.loads((tmp_path / f"tokenized.v{SCHEMA_VERSION}.schema.json").read_text())
     assert tokenized["properties"]["kind"]["const"] == "tokenized"
     assert tokenized["additionalProperties"] is False
+
+
+def test_sections_written_before_the_window_accounting_still_parse() -> None:
+    """Manifests made before tokens were counted against the training window read as 'not counted'."""
+    from dflash_shared.manifests import CompletionsSection, DrafterSection, TokenizedSection
+
+    target = TARGET.model_dump(mode="json")
+    completions = CompletionsSection.model_validate({"kind": "completions", "target": target, "has_token_ids": True,
+                                                     "output_tokens": 10})
+    assert (completions.training_window, completions.truncated_by_budget, completions.window_fraction,
+            completions.capped_to_window) == (None, None, None, False)
+    tokenized = TokenizedSection.model_validate({"kind": "tokenized", "target": target, "mode": "token_exact",
+                                                 "mask_policy": "final_turn", "max_length": 64, "total_tokens": 9,
+                                                 "loss_tokens": 4})
+    assert (tokenized.truncated_by_budget, tokenized.loss_tokens_before_truncation, tokenized.window_fraction) == (
+        None, None, None)
+    drafter = DrafterSection.model_validate({"kind": "drafter", "target": target, "target_layer_ids": [1],
+                                             "block_size": 16, "mask_token_id": 5, "checkpoint_uri": "c"})
+    assert drafter.data is None

@@ -85,3 +85,21 @@ def test_early_detector_decides_on_the_window_only() -> None:
     for i in range(100):  # later garbage is the gate's job, not the early detector's
         healthy.observe(f"late{i}", quality.EMPTY_RESPONSE)
     assert healthy.verdict() is None
+
+
+def test_a_completion_stopped_at_the_generation_budget_is_kept() -> None:
+    """The generate stage's own budget (the training window's end): a prefix of the target's answer, kept
+    whatever its think block looks like; a loop that ran to the budget, or a cut before min_content_tokens
+    tokens, is not."""
+    def cut(content: str, reasoning: str | None = None, tokens: int = 900,
+            policy: QualityPolicy = POLICY) -> str | None:
+        return classify(content=content, reasoning=reasoning, finish_reason="length", thinking_requested=True,
+                        content_tokens=0, policy=policy, budget_cut=True, completion_tokens=tokens)
+
+    assert cut("<think>\nstill working through the cases when the window ended") is None
+    assert cut("The answer starts here", reasoning=GOOD_REASONING) is None
+    assert cut("<think>\nthe same sentence again. " + "the same sentence again. " * 40) == quality.REPETITIVE
+    assert cut("<think>\nok", tokens=2) == quality.TRUNCATED
+    # Off: rejected as before; and without budget_cut (an import's unknown limit) the old rule holds.
+    assert cut("<think>\nstill working", policy=QualityPolicy(keep_truncated_by_budget=False)) == quality.TRUNCATED
+    assert verdict("The answer is", finish="length") == quality.TRUNCATED

@@ -13,7 +13,7 @@ from dflash_shared.errors import BadInputError
 from dflash_shared.importing import ImportSpec, run_import
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import Kind, Producer, TokenizedSection
-from dflash_shared.records import Message
+from dflash_shared.records import CompletionRecord, Message
 from dflash_shared.storage import ObjectStore, join
 from dflash_tokenize.arrow_shards import read_shard
 from dflash_tokenize.chat import ChatFormat
@@ -278,3 +278,49 @@ def test_source_ids_in_token_exact_mode(tmp_path: Path, store: ObjectStore, tok_
     src = write_completions(store, str(tmp_path / "c"), records, target=target_for(chat))
     run(config(src, str(tmp_path / "t"), tok_dir), store)
     assert [r["source_id"] for r in rows(store, str(tmp_path / "t"))] == [None, "row-1", "row-2", "row-3"]
+
+
+def budget_cut(chat: ChatFormat, i: int, keep: int) -> CompletionRecord:
+    """An engine record the generate stage stopped at its budget `keep` tokens into the thinking, stored as the
+    engine wrapper stores an unclosed think block (raw text, opening marker included, as content)."""
+    whole = engine_like(chat, conversation(i, reasoning=" ".join(f"step {k} of the plan" for k in range(60))))
+    ids = whole.completion_token_ids[:keep]  # type: ignore[index]
+    messages = (*whole.messages[:-1], Message(role="assistant", content=chat.decode(list(ids))))
+    return whole.model_copy(update={"messages": messages, "completion_token_ids": ids, "finish_reason": "length"})
+
+
+def test_completions_stopped_at_the_budget_are_kept_and_counted(tmp_path: Path, store: ObjectStore, tok_dir: Path,
+                                                                chat: ChatFormat) -> None:
+    """token_exact over the generate stage's output: a completion cut at the budget (the training window's end)
+    is the target's own prefix, trained as it is (no end-of-turn added) and counted as truncated_by_budget; the
+    manifest says which share of the completions' tokens the max_length window holds."""
+    good = [engine_like(chat, conversation(i)) for i in range(6)]
+    cut = [budget_cut(chat, i, keep=40) for i in range(6, 9)]
+    assert all(chat.think_end_id not in r.completion_token_ids for r in cut)  # type: ignore[operator]
+    src = write_completions(store, str(tmp_path / "c"), good + cut, target=target_for(chat))
+    out = str(tmp_path / "t")
+    run(config(src, out, tok_dir), store)
+    m = load_manifest(store, out, Kind.tokenized).manifest
+    section = m.section
+    assert isinstance(section, TokenizedSection)
+    assert (m.accounting.succeeded, m.accounting.failed, section.truncated_by_budget) == (9, 0, 3)
+    kept = {r["id"]: r for r in rows(store, out)}
+    for record in cut:
+        assert kept[record.id]["input_ids"] == [*record.prompt_token_ids, *record.completion_token_ids]  # type: ignore[misc]
+    completions = sum(len(r.completion_token_ids) for r in good + cut)  # type: ignore[arg-type]
+    assert section.loss_tokens_before_truncation == section.loss_tokens == completions
+    assert (section.truncated_to_max_length, section.window_fraction) == (0, 1.0)
+    # A window shorter than the records: the cut tails are counted, and the share the window holds.
+    short = str(tmp_path / "short")
+    run(config(src, short, tok_dir, max_length=60), store)
+    cut_section = load_manifest(store, short, Kind.tokenized).manifest.section
+    assert isinstance(cut_section, TokenizedSection)
+    assert cut_section.truncated_to_max_length == 9 and cut_section.loss_tokens_before_truncation == completions
+    assert cut_section.window_fraction == pytest.approx(cut_section.loss_tokens / completions, abs=1e-6)
+    assert cut_section.window_fraction is not None and cut_section.window_fraction < 1
+    # Turned off, or in render mode (whose template would close the cut turn), they are rejected as truncated.
+    for other, kwargs in (("off", {"keep_truncated_by_budget": False}), ("render", {"mode": "render"})):
+        run(config(src, str(tmp_path / other), tok_dir, max_bad_fraction=1.0, **kwargs), store)
+        rejected = load_manifest(store, str(tmp_path / other), Kind.tokenized).manifest
+        assert rejected.accounting.failures_by_reason == {"truncated": 3}
+        assert rejected.section.truncated_by_budget == 0  # type: ignore[union-attr]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -210,3 +211,26 @@ def test_loader_delivers_at_least_ten_times_what_a_step_consumes(tmp_path: Path)
                     num_anchors=8)
     assert rates.loader_tokens_per_s > 0 and rates.step_tokens_per_s > 0
     assert rates.ratio >= REQUIRED_RATIO, rates
+
+
+def test_the_plan_counts_what_rows_of_max_length_read(tmp_path: Path,
+                                                      dataset: tuple[str, list[tuple[list[int], list[int]]]]) -> None:
+    """Documents longer than a row are cut: the plan counts the tokens and loss tokens inside the window, and a
+    resumed run reads them back from plan.json (a plan.json written before they were counted gives None)."""
+    prefix, docs = dataset
+    store = ObjectStore()
+    window = 100  # the documents run from 8 to 150 tokens
+    with contextlib.closing(ShardCache(store, str(tmp_path / "cache"), 2**30)) as cache:
+        plan = make_plan(store, prefix, cache, plan_uri=str(tmp_path / "plan.json"), max_length=window)
+        assert plan.window is not None
+        assert plan.window.tokens == sum(len(ids) for ids, _ in docs)
+        assert plan.window.tokens_in_window == sum(min(len(ids), window) for ids, _ in docs) < plan.window.tokens
+        assert plan.window.loss_tokens == sum(sum(mask) for _, mask in docs)
+        assert plan.window.loss_tokens_in_window == sum(sum(mask[:window]) for _, mask in docs)
+        again = make_plan(store, prefix, cache, plan_uri=str(tmp_path / "plan.json"), max_length=window)
+        assert again.window == plan.window
+        saved = json.loads(store.read_bytes(str(tmp_path / "plan.json")))
+        del saved["window_tokens"]
+        store.write_bytes(str(tmp_path / "plan.json"), json.dumps(saved).encode())
+        older = make_plan(store, prefix, cache, plan_uri=str(tmp_path / "plan.json"), max_length=window)
+        assert older.rows_per_shard == plan.rows_per_shard and older.window is None

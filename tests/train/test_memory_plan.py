@@ -27,6 +27,8 @@ from dflash_train.memory_plan import (
     plan_memory,
     planned_anchor_count,
     remedies,
+    window_fits,
+    window_table,
 )
 from dflash_train.model import DFlashDrafter
 from dflash_train.stage import run
@@ -203,3 +205,43 @@ def test_cli_exits_64_naming_the_setting(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 64, proc.stderr[-3000:]
     assert "--max-length" in proc.stderr and "predicted peak memory" in proc.stderr
+
+
+def test_the_qwen3_6_preset_at_long_windows_on_80_and_141_gb() -> None:
+    """The long-context option in figures (bench/bench_memory_plan.py --windows prints the table): with the 512-
+    anchor cap every window up to 32K fits a 141 GB GPU under DDP and an 80 GB one under FSDP over 8 ranks;
+    keeping a 4K row's anchors per token needs activation checkpointing (DDP on 141 GB, FSDP on 80 GB)."""
+    base = bench_memory_plan.qwen3_6_inputs()
+    fixed = {(f.max_length, f.parallelism, f.activation_checkpointing): f
+             for f in window_fits(base, bench_memory_plan.WINDOWS)}
+    assert len(fixed) == 12 and {f.anchors for f in fixed.values()} == {512}
+    for length in (4096, 16384, 32768):
+        ddp, fsdp = fixed[(length, "ddp", False)], fixed[(length, "fsdp", False)]
+        assert ddp.fits == {"80 GB": False, "141 GB": True}, (length, ddp.peak / GIB)
+        assert fsdp.fits == {"80 GB": True, "141 GB": True}, (length, fsdp.peak / GIB)
+    # Little of the peak grows with the window under a fixed cap: 113 -> 121 GiB from 4K to 32K under DDP.
+    assert fixed[(32768, "ddp", False)].peak - fixed[(4096, "ddp", False)].peak < 10 * GIB
+    dense = {(f.max_length, f.parallelism, f.activation_checkpointing): f
+             for f in window_fits(base, bench_memory_plan.WINDOWS, density_of=4096)}
+    assert (dense[(16384, "ddp", False)].anchors, dense[(32768, "ddp", False)].anchors) == (2048, 4096)
+    assert dense[(16384, "ddp", False)].fits["141 GB"] is False
+    assert dense[(16384, "ddp", True)].fits == {"80 GB": False, "141 GB": True}
+    assert dense[(32768, "ddp", True)].fits == {"80 GB": False, "141 GB": True}
+    assert dense[(32768, "fsdp", False)].fits == {"80 GB": False, "141 GB": False}
+    assert dense[(32768, "fsdp", True)].fits == {"80 GB": True, "141 GB": True}
+    table = window_table(list(dense.values()))
+    assert table.splitlines()[0].split() == ["max_length", "anchors", "parallelism", "ckpt", "peak", "80", "GB", "141",
+                                             "GB"]
+    assert len(table.splitlines()) == 13
+
+
+def test_attention_memory_does_not_grow_with_the_window_under_flex() -> None:
+    """The sliding layers' window bounds what flex attention keeps: its term is the same at 4K and 32K; SDPA's
+    dense mask over every context key (sliding layers included) grows linearly with max_length."""
+    def attention(**changes: object) -> int:
+        return {t.name: t.bytes for t in plan_memory(gpu_inputs(**changes)).terms}["attention"]
+
+    assert attention(max_length=4096) == attention(max_length=32768)
+    short, long = attention(backend="sdpa", max_length=4096), attention(backend="sdpa", max_length=32768)
+    q = 512 * 16  # the capped anchors' query tokens: the mask is [Q, S + Q]
+    assert long / short == pytest.approx((32768 + q) / (4096 + q))

@@ -99,7 +99,7 @@ class _RecordingStore(ObjectStore):
 
 def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
     from dflash_train.data import ShardCache, StepLoader
-    from dflash_train.stage import plan_data, resolve
+    from dflash_train.stage import plan_data, resolve, trained_tokens
 
     store = _RecordingStore()
     train_docs = synthetic_docs(30, max_len=60)  # token ids below 1,100
@@ -127,10 +127,19 @@ def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
     assert not {t for t in seen if t >= 5000}, "a held-out document reached a training batch"
     assert {t for ids, _ in train_docs for t in ids} <= seen
     assert store.downloaded and not heldout_uris & set(store.downloaded)
-    # The drafter manifest counts the held-out records as left out of training on purpose.
-    accounting = build_manifest(resolved, _FakeCheckpoint(str(tmp_path / "ckpt")), {}, {}).accounting
+    # The drafter manifest counts the held-out records as left out of training on purpose, and what the rows
+    # read of the train split: every token (no document passes the 64-token window), twice.
+    tokens = trained_tokens(plan, steps, resolved.rows_per_step)
+    manifest = build_manifest(resolved, _FakeCheckpoint(str(tmp_path / "ckpt")), {}, {}, tokens)
+    accounting = manifest.accounting
     assert (accounting.input_records, accounting.succeeded, accounting.skipped) == (38, 30, 8)
     assert accounting.skips_by_reason == {"heldout": 8}
+    data_section = manifest.section.data  # type: ignore[union-attr]
+    assert data_section is not None and data_section == tokens
+    loss = sum(sum(mask) for _, mask in train_docs)
+    assert (data_section.max_length, data_section.tokens_available, data_section.tokens_trained) == (
+        64, sum(len(ids) for ids, _ in train_docs), sum(len(ids) for ids, _ in train_docs))
+    assert (data_section.loss_tokens_available, data_section.window_fraction, data_section.epochs) == (loss, 1.0, 2.0)
 
 
 class _FakeCheckpoint:
@@ -165,6 +174,9 @@ def test_stage_on_s3_writes_the_drafter_manifest_last(s3_bucket: str, store: Obj
     assert {s.uri.rsplit("/", 1)[-1] for s in m.shards} == {
         "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", "drafter_config.json"}
     assert {"loss", "tau", "accuracy", "acc_1", "acc_7"} <= set(section.final_metrics)
+    # Documents of at most 60 tokens in rows of 64: the window reads all of them.
+    assert section.data is not None and (section.data.max_length, section.data.window_fraction) == (64, 1.0)
+    assert section.data.tokens_trained == section.data.tokens_available == tokenized.manifest.section.total_tokens
     resolved = m.producer.config["resolved"]
     assert resolved["drafter"]["mask_token_id"] == SMALL_MASK_ID and resolved["total_steps"] == 3
     assert m.producer.config["max_steps"] == 3 and m.accounting.input_records == 40

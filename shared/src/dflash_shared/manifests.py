@@ -129,6 +129,26 @@ class CompletionsSection(_Frozen):
     max_model_len: int | None = Field(default=None, description="Engine context length.")
     output_tokens: int = Field(default=0, ge=0, description="Completion tokens generated in total.")
     throughput: dict[str, float] = Field(default_factory=dict, description="Throughput summary.")
+    training_window: int | None = Field(
+        default=None, description="Tokens per record (prompt + completion) a training step reads, which the "
+        "tokens below are counted against; None for imports and manifests made before it was recorded.",
+    )
+    capped_to_window: bool = Field(
+        default=False, description="Each completion was stopped where the training window ends (max_model_len is "
+        "the window, each prompt's budget min(max_new_tokens, window - its tokens)).",
+    )
+    truncated_by_budget: int | None = Field(
+        default=None, ge=0, description="Completions stopped at the budget (finish_reason 'length') and kept: a "
+        "prefix of the target's answer, trained on; None where not counted.",
+    )
+    output_tokens_in_window: int | None = Field(
+        default=None, ge=0, description="Completion tokens inside the training window: what training can read of "
+        "output_tokens; None where not counted.",
+    )
+    window_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="output_tokens_in_window / output_tokens: the share of the "
+        "generated tokens a training step reads (the rest was paid for and is never trained on).",
+    )
 
 
 Split = Literal["train", "heldout"]
@@ -171,6 +191,37 @@ class TokenizedSection(_Frozen):
         description="The held-out split that training never reads; None (manifests made before the split "
         "existed): every shard is training data.",
     )
+    truncated_by_budget: int | None = Field(
+        default=None, ge=0, description="Records kept whose completion the generate stage stopped at its budget; "
+        "None in manifests made before they were kept.",
+    )
+    truncated_to_max_length: int | None = Field(
+        default=None, ge=0, description="Records cut at max_length (their tail is not in the shards); None where "
+        "not counted.",
+    )
+    loss_tokens_before_truncation: int | None = Field(
+        default=None, ge=0, description="Loss tokens of the kept records before the max_length cut: the "
+        "completions' tokens (generated ones, in token_exact mode); None where not counted.",
+    )
+    window_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="loss_tokens / loss_tokens_before_truncation: the share of the "
+        "completions' tokens inside the max_length window.",
+    )
+
+
+class TrainedTokens(_Frozen):
+    """What the train split holds and what rows of `max_length` tokens read of it, per epoch."""
+
+    max_length: int = Field(gt=0, description="Tokens per packed row: the training window.")
+    tokens_available: int = Field(ge=0, description="Tokens of the train split's records.")
+    tokens_trained: int = Field(ge=0, description="Of those, tokens inside the window (a longer record is cut).")
+    loss_tokens_available: int = Field(ge=0, description="Loss tokens of the train split's records.")
+    loss_tokens_trained: int = Field(ge=0, description="Of those, loss tokens inside the window.")
+    window_fraction: float = Field(
+        ge=0, le=1, description="loss_tokens_trained / loss_tokens_available: the share of the completions' tokens "
+        "a training step reads.",
+    )
+    epochs: float = Field(ge=0, description="Passes over the packed rows the run's steps made.")
 
 
 class DrafterSection(_Frozen):
@@ -182,6 +233,10 @@ class DrafterSection(_Frozen):
     checkpoint_uri: str = Field(description="Final training checkpoint.")
     export_uri: str | None = Field(default=None, description="Serving export directory, once exported.")
     final_metrics: dict[str, float] = Field(default_factory=dict, description="Loss, accuracies, expected tau.")
+    data: TrainedTokens | None = Field(
+        default=None, description="The tokens of the train split and the share the training window read; None "
+        "in manifests made before it was recorded.",
+    )
 
 
 class EvaluationSection(_Frozen):

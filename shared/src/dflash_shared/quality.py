@@ -38,6 +38,9 @@ class QualityPolicy:
 
     min_content_tokens: int = 4
     allow_truncated: bool = False
+    # A completion the generate stage stopped at its own budget (the training window, max_new_tokens) is a
+    # prefix of the target's answer, which is all a training window reads of it: kept (see `classify`).
+    keep_truncated_by_budget: bool = True
     # Text this long whose last `repetition_window_chars` compress below this ratio (zlib level 1) is a
     # loop ("the the the ...", repeated paragraphs). A degenerate generation loops until it stops, so the
     # tail is where the loop is, and a bounded window keeps the cost per record constant. Calibrated on
@@ -76,12 +79,22 @@ def classify(
     thinking_requested: bool,
     content_tokens: int | None,
     policy: QualityPolicy,
+    budget_cut: bool = False,
+    completion_tokens: int | None = None,
 ) -> str | None:
     """Return the reason a completion is unusable, or None when it is fine.
 
     An unclosed think block is represented by the record keeping its raw text, opening marker included, in
     `content` (that is how the importer and the engine wrapper store it), so it is found there.
+
+    `budget_cut`: the record's token ids are this pipeline's engine's, so a "length" finish is the generate
+    stage's own budget, not an unknown source's limit. Such a completion is kept (policy
+    `keep_truncated_by_budget`) whatever its think block or answer look like, since it was stopped before
+    either could finish; only a loop (a degenerate model runs to its budget) and a cut before
+    `min_content_tokens` of `completion_tokens` (a budget too small to be useful) are rejected.
     """
+    if finish_reason == "length" and budget_cut and policy.keep_truncated_by_budget:
+        return _budget_cut_reason(content, reasoning, completion_tokens, policy)
     if finish_reason == "length" and not policy.allow_truncated:
         return TRUNCATED
     if THINK_OPEN in content and THINK_CLOSE not in content:
@@ -92,6 +105,16 @@ def classify(
         return EMPTY_RESPONSE
     if content_tokens is not None and content_tokens < policy.min_content_tokens:
         return TOO_SHORT
+    if policy.reject_repetitive and is_repetitive((reasoning or "") + content, policy):
+        return REPETITIVE
+    return None
+
+
+def _budget_cut_reason(content: str, reasoning: str | None, completion_tokens: int | None,
+                       policy: QualityPolicy) -> str | None:
+    """The verdict on a completion stopped at the generation budget (see `classify`)."""
+    if completion_tokens is not None and completion_tokens < policy.min_content_tokens:
+        return TRUNCATED
     if policy.reject_repetitive and is_repetitive((reasoning or "") + content, policy):
         return REPETITIVE
     return None

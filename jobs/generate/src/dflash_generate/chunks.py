@@ -94,6 +94,16 @@ class ChunkReceipt(BaseModel):
     degenerate: dict[str, int] = Field(
         default_factory=dict, description="Completions written that the quality gate will reject, per reason."
     )
+    truncated_by_budget: int | None = Field(
+        default=None, ge=0, description="Completions stopped at the budget and kept; None in receipts made before "
+        "they were counted."
+    )
+    training_window: int | None = Field(
+        default=None, description="The window output_tokens_in_window was counted against."
+    )
+    output_tokens_in_window: int | None = Field(
+        default=None, ge=0, description="Completion tokens inside the training window (prompt + completion)."
+    )
 
 
 def receipt_uri(output_prefix: str, chunk: Chunk) -> str:

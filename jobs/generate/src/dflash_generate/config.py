@@ -3,6 +3,11 @@
 Some defaults depend on the target (its family and generation_config.json): sampling values and the
 generation budget. Those fields default to None here and are settled by `GenerateConfig.settle` once the
 target's config files are read (`dflash_generate.target`).
+
+The budget is capped to the training window by default (`dflash_shared.window`): the engine's context is
+the window, so each prompt gets min(max_new_tokens, training_window - its tokens) and no token is generated
+that a training step never reads. Without the cap (the family budgets, 32K for Qwen3.6's long thinking) a
+4,096-token window would leave ~40% of the generated tokens unread.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from dflash_generate.target import Family, TargetInfo
 from dflash_shared.errors import ConfigError
 from dflash_shared.quality import QualityPolicy
 from dflash_shared.settings import StageSettings
+from dflash_shared.window import DEFAULT_TRAINING_WINDOW
 
 # Sampling fields that may override the target's defaults.
 SAMPLING_OVERRIDES = SAMPLING_FIELDS
-# Per family: (max_new_tokens, max_model_len) when not set. Qwen3.6's card suggests ~32K output tokens for
-# most queries in thinking mode; the context adds 8K of prompt. Qwen3 keeps 8K of output in a 16K context.
+# Per family: (max_new_tokens, max_model_len) when not set and the budget is not capped to the training
+# window. Qwen3.6's card suggests ~32K output tokens for most queries in thinking mode; the context adds 8K
+# of prompt. Qwen3 keeps 8K of output in a 16K context.
 DEFAULT_LIMITS: dict[Family, tuple[int, int]] = {"qwen3": (8192, 16384), "qwen3_5": (32768, 40960)}
 
 
@@ -35,6 +42,9 @@ class GenerationSettings:
     choice: SamplingChoice
     max_new_tokens: int
     max_model_len: int
+    # The window the generated tokens are accounted against, and whether max_model_len is that window.
+    training_window: int = DEFAULT_TRAINING_WINDOW
+    capped_to_window: bool = False
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -60,15 +70,27 @@ class GenerateConfig(StageSettings):
     download_workers: int = Field(default=16, ge=1, description="Files copied in parallel from S3 or the hub.")
     run_id: str | None = Field(default=None, description="Run id; defaults to the prompts manifest's.")
     enable_thinking: bool = Field(default=True, description="Render prompts with thinking mode on (recorded).")
-    # Thinking-mode answers run long: a budget most of them overrun would trip the fail-fast check on
-    # truncated completions (which is the point: the tokenize gate would reject them anyway).
+    training_window: int = Field(
+        default=DEFAULT_TRAINING_WINDOW, gt=16,
+        description="Tokens per record (prompt + completion) the train stage reads: its max_length. The "
+        "completions are accounted against it (tokens inside it, in the manifest) and, with "
+        "cap_to_training_window, stopped at it.",
+    )
+    cap_to_training_window: bool = Field(
+        default=True,
+        description="Stop each completion where the training window ends: the engine's context is the window, "
+        "so a prompt's budget is min(max_new_tokens, training_window - its tokens) and a completion stopped "
+        "there is kept as truncated_by_budget. False generates the whole max_new_tokens (traces kept for a "
+        "longer window later; the tokens past this window are paid for and not trained on).",
+    )
     max_new_tokens: int | None = Field(
-        default=None, gt=0, description="Most completion tokens per prompt; default per target family: 32768 for "
-        "Qwen3.5/3.6 (long thinking), 8192 otherwise."
+        default=None, gt=0, description="Most completion tokens per prompt; default: the training window less "
+        "one (capped), else per target family: 32768 for Qwen3.5/3.6 (long thinking), 8192 otherwise."
     )
     max_model_len: int | None = Field(
-        default=None, gt=1, description="Engine context: prompt plus completion tokens; default per target "
-        "family: 40960 for Qwen3.5/3.6, 16384 otherwise (with an explicit max_new_tokens: at least 8192 more)."
+        default=None, gt=1, description="Engine context: prompt plus completion tokens; default: the training "
+        "window (capped; a longer one is refused), else per target family: 40960 for Qwen3.5/3.6, 16384 "
+        "otherwise (with an explicit max_new_tokens: at least 8192 more)."
     )
     temperature: float | None = Field(
         default=None, ge=0, description="Sampling temperature; default: the target's generation_config.json "
@@ -125,7 +147,13 @@ class GenerateConfig(StageSettings):
         default=True, description="Count looping text as degenerate; turn off only for targets that loop by design."
     )
     allow_truncated: bool = Field(
-        default=False, description="Do not count length-cut completions as degenerate in the fail-fast check."
+        default=False, description="Do not count length-cut completions as degenerate in the fail-fast check, "
+        "even with keep_truncated_by_budget off."
+    )
+    keep_truncated_by_budget: bool = Field(
+        default=True, description="A completion stopped at the budget (finish_reason 'length') is a prefix of "
+        "the target's answer: kept and counted as truncated_by_budget, not degenerate (unless it loops or has "
+        "fewer than min_content_tokens tokens); false counts it as truncated."
     )
     shard_index: int | None = Field(default=None, description="This pod's shard; defaults to JOB_COMPLETION_INDEX.")
     num_shards: int | None = Field(default=None, description="Pod count; defaults to DFLASH_NUM_SHARDS or 1.")
@@ -140,6 +168,8 @@ class GenerateConfig(StageSettings):
     def _consistent(self) -> GenerateConfig:
         if self.max_new_tokens is not None and self.max_model_len is not None:
             _check_limits(self.max_new_tokens, self.max_model_len)
+        if self.cap_to_training_window:
+            _check_window(self.max_new_tokens, self.max_model_len, self.training_window)
         if self.data_parallel_rank is not None and self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank {self.data_parallel_rank} is out of range for data_parallel_size "
@@ -155,17 +185,26 @@ class GenerateConfig(StageSettings):
         """The target-dependent settings: what this config sets explicitly, the rest from the target."""
         target = target or TargetInfo()
         explicit: dict[str, Any] = {k: getattr(self, k) for k in SAMPLING_OVERRIDES if getattr(self, k) is not None}
-        default_new, default_len = DEFAULT_LIMITS[target.family]
-        max_new_tokens = self.max_new_tokens or default_new
-        # An explicit budget keeps the default room for prompts beside it.
-        max_model_len = self.max_model_len or max(default_len, max_new_tokens + default_len - default_new)
+        max_new_tokens, max_model_len = self._limits(target.family)
         try:
             _check_limits(max_new_tokens, max_model_len)
         except ValueError as err:
             raise ConfigError(str(err)) from err
         choice = choose_sampling(target.family, self.enable_thinking, target.generation_config, explicit,
                                  max_tokens=max_new_tokens, seed=self.seed)
-        return GenerationSettings(target.family, choice, max_new_tokens, max_model_len)
+        return GenerationSettings(target.family, choice, max_new_tokens, max_model_len, self.training_window,
+                                  self.cap_to_training_window)
+
+    def _limits(self, family: Family) -> tuple[int, int]:
+        """(max_new_tokens, max_model_len): explicit values, else the window's (capped) or the family's."""
+        default_new, default_len = DEFAULT_LIMITS[family]
+        if self.cap_to_training_window:
+            # The window is the context: vLLM then stops every completion at training_window - prompt tokens.
+            max_model_len = self.max_model_len or self.training_window
+            return self.max_new_tokens or min(default_new, max_model_len - 1), max_model_len
+        max_new_tokens = self.max_new_tokens or default_new
+        # An explicit budget keeps the default room for prompts beside it.
+        return max_new_tokens, self.max_model_len or max(default_len, max_new_tokens + default_len - default_new)
 
     def sampling(self, target: TargetInfo | None = None) -> SamplingConfig:
         """The sampling for the thinking mode on `target` (default: a Qwen3 without generation_config)."""
@@ -187,6 +226,7 @@ class GenerateConfig(StageSettings):
         return QualityPolicy(
             min_content_tokens=self.min_content_tokens,
             allow_truncated=self.allow_truncated,
+            keep_truncated_by_budget=self.keep_truncated_by_budget,
             reject_repetitive=self.reject_repetitive,
         )
 
@@ -197,3 +237,16 @@ def _check_limits(max_new_tokens: int, max_model_len: int) -> None:
             f"max_new_tokens ({max_new_tokens}) must be below max_model_len ({max_model_len}), "
             "or no prompt would fit beside a full completion"
         )
+
+
+def _check_window(max_new_tokens: int | None, max_model_len: int | None, window: int) -> None:
+    """With the budget capped to the window, an explicit limit past it would generate what no step reads."""
+    # The context may equal the window; a completion budget must leave room for a prompt inside it.
+    for name, value, most in (("max_model_len", max_model_len, window), ("max_new_tokens", max_new_tokens,
+                                                                          window - 1)):
+        if value is not None and value > most:
+            raise ValueError(
+                f"{name} ({value}) does not fit inside training_window ({window}), where cap_to_training_window "
+                f"stops every completion: set training_window to the train stage's max_length, leave {name} "
+                "unset, or set cap_to_training_window false to generate past the window on purpose"
+            )

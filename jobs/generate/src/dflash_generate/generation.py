@@ -3,7 +3,9 @@
 The engine is kept full across chunk boundaries (it is topped up as requests finish); a chunk is written
 and receipted the moment its last prompt is resolved. The first completions are classified by the shared
 quality rules: when most of the first `fail_fast_window` are degenerate (empty, missing the requested
-thinking, repetitive, cut off), the worker stops with BadInputError before it spends its GPU hours.
+thinking, repetitive, cut off before min_content_tokens), the worker stops with BadInputError before it
+spends its GPU hours. A completion stopped at the budget (the training window's end) is not degenerate: each
+chunk receipt counts it as truncated_by_budget, with the completion tokens inside the training window.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dflash_shared.progress import Progress, human_rate
 from dflash_shared.quality import EarlyDegenerateDetector, QualityPolicy, classify
 from dflash_shared.records import CompletionRecord, PromptRecord
 from dflash_shared.runner import ShardContext, ShardOutcome, merge_accounting
+from dflash_shared.window import DEFAULT_TRAINING_WINDOW, completion_in_window
 
 log = logging.getLogger(__name__)
 EXAMPLES_PER_REASON = 5
@@ -48,6 +51,8 @@ class WorkerPlan:
     input_sha256: str
     settings_sha256: str
     gpus_per_engine: int
+    # The window the completions are accounted against (tokens inside it, per chunk receipt).
+    training_window: int = DEFAULT_TRAINING_WINDOW
 
 
 class GenerationProgress(Progress):
@@ -82,14 +87,23 @@ def content_tokens(completion_ids: tuple[int, ...], special: SpecialTokens) -> i
 
 def degenerate_reason(record: CompletionRecord, plan: WorkerPlan) -> str | None:
     answer = record.final_assistant
+    completion = record.completion_token_ids or ()
     return classify(
         content=answer.content,
         reasoning=answer.reasoning_content,
         finish_reason=record.finish_reason,
         thinking_requested=plan.enable_thinking,
-        content_tokens=content_tokens(record.completion_token_ids or (), plan.special_tokens),
+        content_tokens=content_tokens(completion, plan.special_tokens),
         policy=plan.policy,
+        # Every "length" finish here is this engine's budget (max_new_tokens or the window's end).
+        budget_cut=True,
+        completion_tokens=len(completion),
     )
+
+
+def is_truncated_by_budget(record: CompletionRecord, reason: str | None, plan: WorkerPlan) -> bool:
+    """A completion stopped at the budget and kept for training (what `classify` let through)."""
+    return record.finish_reason == "length" and reason is None and plan.policy.keep_truncated_by_budget
 
 
 @dataclass
@@ -102,6 +116,7 @@ class ChunkState:
     skips: Counter[str] = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
     degenerate: Counter[str] = field(default_factory=Counter)
+    truncated_by_budget: int = 0
     resolved: int = 0
     read_done: bool = False
     committed: bool = False
@@ -158,6 +173,9 @@ class ChunkCommitter:
         ordered = [state.records[p] for p in sorted(state.records)]
         prompt_tokens = sum(len(r.prompt_token_ids or ()) for r in ordered)
         output_tokens = sum(len(r.completion_token_ids or ()) for r in ordered)
+        window = self.plan.training_window
+        in_window = sum(completion_in_window(len(r.prompt_token_ids or ()), len(r.completion_token_ids or ()),
+                                             window) for r in ordered)
         shard = None
         if ordered:
             path = os.path.join(ctx.scratch_dir, chunk.data_name)
@@ -179,6 +197,9 @@ class ChunkCommitter:
             output_tokens=output_tokens,
             engine_seconds=round(seconds, 3),
             degenerate=dict(state.degenerate),
+            truncated_by_budget=state.truncated_by_budget,
+            training_window=window,
+            output_tokens_in_window=in_window,
         )
         ctx.store.write_bytes(receipt_uri(ctx.output_prefix, chunk), receipt.model_dump_json(indent=2).encode())
         state.committed = True
@@ -229,6 +250,8 @@ def generate_chunks(
                     reason = degenerate_reason(record, plan)
                     if reason is not None:
                         states[item].degenerate[reason] += 1
+                    elif is_truncated_by_budget(record, reason, plan):
+                        states[item].truncated_by_budget += 1
                     detector.observe(f"prompt {record.id}", reason, f"{tokens} tokens, finish {record.finish_reason}")
                     verdict = detector.verdict()
                     if verdict is not None:
@@ -258,6 +281,16 @@ def check_degenerate(index: int, totals: Counter[str], max_fraction: float) -> N
         )
 
 
+def window_totals(receipt: ChunkReceipt, window: int) -> dict[str, int]:
+    """A receipt's budget cuts and in-window tokens for the worker's totals. A receipt committed before these
+    were counted, or counted against another window (an accounting setting only, so the chunk was adopted),
+    is tallied as `receipts_uncounted` instead: the manifest then leaves those figures unknown."""
+    by_budget, in_window = receipt.truncated_by_budget, receipt.output_tokens_in_window
+    if by_budget is None or in_window is None or receipt.training_window != window:
+        return {"receipts_uncounted": 1}
+    return {"truncated_by_budget": by_budget, "output_tokens_in_window": in_window}
+
+
 def process_shard(
     ctx: ShardContext, plan: WorkerPlan, chunks_by_item: dict[str, Chunk], reader: PromptReader,
     engine_provider: EngineProvider,
@@ -276,6 +309,7 @@ def process_shard(
         totals.update(prompt_tokens=receipt.prompt_tokens, output_tokens=receipt.output_tokens,
                       completions=receipt.accounting.succeeded)
         totals.update({f"degenerate.{reason}": n for reason, n in receipt.degenerate.items()})
+        totals.update(window_totals(receipt, plan.training_window))
     check_degenerate(ctx.index, totals, plan.fail_fast_max_bad_fraction)
     engine_seconds = sum(r.engine_seconds for r in ordered)
     return ShardOutcome(

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from dflash_generate.chunks import Chunk, PromptReader, plan_chunks
 from dflash_generate.config import GenerateConfig, GenerationSettings
@@ -35,6 +36,7 @@ from dflash_shared.quality import fix_hints
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
 from dflash_shared.settings import env_prefix, public_dict
 from dflash_shared.storage import ObjectStore
+from dflash_shared.window import window_fraction
 
 log = logging.getLogger(__name__)
 STAGE = "generate"
@@ -114,6 +116,7 @@ class Resolved:
             input_sha256=self.source.sha256,
             settings_sha256=self.settings_sha256,
             gpus_per_engine=config.tensor_parallel_size,
+            training_window=self.settings.training_window,
         )
 
 
@@ -130,9 +133,11 @@ def resolve(config: GenerateConfig, store: ObjectStore, scratch: str) -> Resolve
     # config.json and generation_config.json come with the tokenizer files, before the weights.
     info = read_target(tokenizer_dir)
     settings = config.settle(info)
-    log.info("target %s: family %s%s; sampling %s (sources %s); max_new_tokens %d, max_model_len %d",
-             info.model_type, info.family, " (hybrid)" if info.hybrid else "", settings.sampling.as_record_dict(),
-             settings.choice.sources, settings.max_new_tokens, settings.max_model_len)
+    log.info("target %s: family %s%s; sampling %s (sources %s); max_new_tokens %d, max_model_len %d, training "
+             "window %d (%s)", info.model_type, info.family, " (hybrid)" if info.hybrid else "",
+             settings.sampling.as_record_dict(), settings.choice.sources, settings.max_new_tokens,
+             settings.max_model_len, settings.training_window,
+             "completions stop at it" if settings.capped_to_window else "not capped: tokens past it are not trained")
     chunks = plan_chunks(source.manifest.shards, config.chunk_records)
     return Resolved(config, source, model, target, settings, chunks)
 
@@ -203,8 +208,23 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
             max_model_len=resolved.settings.max_model_len,
             output_tokens=output_tokens,
             throughput=throughput,
+            **window_fields(resolved.settings, totals, output_tokens),
         ),
     )
+
+
+def window_fields(settings: GenerationSettings, totals: dict[str, Any], output_tokens: int) -> dict[str, Any]:
+    """The completions section's window accounting; the counts are None when a chunk adopted from an earlier
+    attempt did not carry them (see `generation.window_totals`)."""
+    counted = not totals.get("receipts_uncounted")
+    in_window = int(totals.get("output_tokens_in_window", 0)) if counted else None
+    return {
+        "training_window": settings.training_window,
+        "capped_to_window": settings.capped_to_window,
+        "truncated_by_budget": int(totals.get("truncated_by_budget", 0)) if counted else None,
+        "output_tokens_in_window": in_window,
+        "window_fraction": window_fraction(in_window, output_tokens),
+    }
 
 
 def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEngine | None = None) -> str | None:

@@ -7,8 +7,16 @@ putting the run file's choices (shards, GPUs, nodes, deadlines, scratch sizes) n
 
 Where each figure comes from is kept beside it and printed: `manifest` (this run's own manifests: counts already
 known), `measured` (an earlier run's manifests, `[plan] measured_from`), `run file` (`[plan]` or stage settings),
-`estimate` (a stated default). A deadline shorter than the predicted wall time, and a scratch volume smaller than
-what the pod will copy into it, are warnings: the Job would be killed or its pod evicted partway.
+`estimate` (a stated default), `derived` (computed from the others). A deadline shorter than the predicted wall
+time, and a scratch volume smaller than what the pod will copy into it, are warnings: the Job would be killed or
+its pod evicted partway.
+
+Training reads at most a window of `max_length` tokens of each record, so the plan counts per record
+min(record length, window) as trained, and prints the share of the generated tokens no window reads
+(`plan_tokens` states the length distribution it assumes). More than `MAX_UNREAD_FRACTION` is a warning, not a
+refusal: the figure rests on an assumed length distribution until a run measured it, and generating past the
+window can be deliberate (traces kept for a longer window later); by default the budget is capped to the window
+and the share is zero by construction.
 """
 
 from __future__ import annotations
@@ -20,18 +28,23 @@ from typing import Any
 
 from dflash_pipeline.config import RunConfig, quantity_value
 from dflash_pipeline.layout import layout
+from dflash_pipeline.plan_tokens import RecordTokens, answer_mean_for
 from dflash_pipeline.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
 from dflash_pipeline.stages import plan as run_stages
-from dflash_pipeline.stages import stage_value
+from dflash_pipeline.stages import stage_value, training_window
 from dflash_shared.manifest_io import ManifestError, parse_manifest
-from dflash_shared.manifests import MANIFEST_NAME, Kind, Manifest
+from dflash_shared.manifests import MANIFEST_NAME, CompletionsSection, Kind, Manifest, TokenizedSection
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, join
+from dflash_shared.window import DEFAULT_TRAINING_WINDOW, MAX_UNREAD_FRACTION
 
 # Default estimates, used only where neither a manifest nor the run file says; each is printed as `estimate`.
 # Mean prompt length of chat SFT data (ShareGPT/UltraChat-like histories).
 DEFAULT_PROMPT_TOKENS = 600.0
-# Thinking-mode completions stop well before their budget on most prompts; half of it is a round middle.
+# Thinking-mode answers stop well before their family's budget on most prompts; half of it is a round middle.
 DEFAULT_COMPLETION_FRACTION = 0.5
+GENERATE_CONFIG = "dflash_generate.config:GenerateConfig"
+TOKENIZE_CONFIG = "dflash_tokenize.config:TokenizeConfig"
+TRAIN_CONFIG = "dflash_train.config:TrainConfig"
 # vLLM, a ~30B bf16 target on one H100/H200-class GPU at a few hundred sequences in flight.
 DEFAULT_GENERATE_TOKENS_PER_S_PER_GPU = 1500.0
 # bench/bench_tokenize.py's order of magnitude: ~0.5 Mtok/s per pod of 4 CPU.
@@ -137,16 +150,21 @@ class _Figures:
         return self.put("mean prompt tokens", Figure(given, "run file") if given else
                         Figure(DEFAULT_PROMPT_TOKENS, "estimate"))
 
-    def completion_tokens(self, max_new_tokens: int) -> float:
+    def answer_tokens(self, limits: Limits, prompt_tokens: float) -> float:
+        """The mean answer length were no budget to stop it (`plan_tokens`): from a completions manifest's mean
+        under that run's budget, else the run file, else half the family's budget."""
         for manifest, source in ((self.own[Kind.completions], "manifest"),
                                  (self.earlier.get(Kind.completions), "measured")):
             section = getattr(manifest, "section", None)
             if manifest is not None and manifest.total_records and getattr(section, "output_tokens", 0):
-                mean = section.output_tokens / manifest.total_records  # type: ignore[union-attr]
-                return self.put("mean completion tokens", Figure(mean, source))
+                assert isinstance(section, CompletionsSection)
+                mean = section.output_tokens / manifest.total_records
+                budget = _measured_budget(section, limits, prompt_tokens)
+                return self.put("mean answer tokens (uncut)", Figure(answer_mean_for(mean, budget), source))
         if self.inputs.mean_completion_tokens:
-            return self.put("mean completion tokens", Figure(self.inputs.mean_completion_tokens, "run file"))
-        return self.put("mean completion tokens", Figure(DEFAULT_COMPLETION_FRACTION * max_new_tokens, "estimate"))
+            return self.put("mean answer tokens (uncut)", Figure(self.inputs.mean_completion_tokens, "run file"))
+        return self.put("mean answer tokens (uncut)",
+                        Figure(DEFAULT_COMPLETION_FRACTION * limits.family_budget, "estimate"))
 
     def rate(self, name: str, given: float | None, measured: float | None, default: float) -> float:
         if measured:
@@ -170,6 +188,53 @@ class _Figures:
         return self.put(f"{kind.value} bytes per token", Figure(default, "estimate"))
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The generation budget and the training window as the stages will settle them."""
+
+    max_new_tokens: int
+    context: int  # the generate engine's max_model_len
+    family_budget: int  # the family's own budget (uncapped), what the default answer length is half of
+    capped: bool  # generate stops each completion at its training_window (the context is that window)
+    tokenize_window: int  # tokenize's max_length: records are cut there
+    window: int  # tokens per record a training row reads: train's max_length, at most tokenize's
+    refusal: str | None = None  # why the generate stage would refuse these limits at its start
+
+
+def _limits(run: RunConfig) -> Limits:
+    """The run's limits, settled as GenerateConfig._limits and the train stage settle them (kept in step with
+    them: the stage packages are not importable in every environment the plan runs in)."""
+    hybrid = re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) is not None
+    family_new, family_len = (32768, 40960) if hybrid else (8192, 16384)
+    tokenize_window = int(stage_value(run, "tokenize", "max_length", TOKENIZE_CONFIG, DEFAULT_TRAINING_WINDOW))
+    window = min(int(stage_value(run, "train", "max_length", TRAIN_CONFIG, None) or tokenize_window), tokenize_window)
+    capped = bool(stage_value(run, "generate", "cap_to_training_window", GENERATE_CONFIG, True))
+    given_new = stage_value(run, "generate", "max_new_tokens", GENERATE_CONFIG, None)
+    given_len = stage_value(run, "generate", "max_model_len", GENERATE_CONFIG, None)
+    refusal = None
+    if capped:
+        generate_window = int(stage_value(run, "generate", "training_window", GENERATE_CONFIG,
+                                          DEFAULT_TRAINING_WINDOW))
+        context = int(given_len or generate_window)
+        max_new = int(given_new or min(family_new, context - 1))
+        if context > generate_window or max_new >= generate_window:
+            refusal = (f"max_new_tokens {max_new:,} / max_model_len {context:,} do not fit inside its training_window "
+                       f"{generate_window:,} (cap_to_training_window): the stage refuses them at its start; leave "
+                       "them unset, or set cap_to_training_window = false to generate past the window")
+    else:
+        max_new = int(given_new or family_new)
+        context = int(given_len or max(family_len, max_new + family_len - family_new))
+    return Limits(max_new, context, family_new, capped, tokenize_window, window, refusal)
+
+
+def _measured_budget(section: CompletionsSection, limits: Limits, prompt_tokens: float) -> float:
+    """The per-prompt budget a completions manifest's mean was generated under (this run's, where it does not
+    record its own)."""
+    new = section.max_new_tokens or limits.max_new_tokens
+    context = section.max_model_len or limits.context
+    return max(1.0, min(new, context - prompt_tokens))
+
+
 def _wall(work: float | None, rate_per_unit: float, units: int, start_seconds: float) -> float | None:
     """Seconds for `work` spread evenly over `units` running at once, plus their start."""
     if work is None:
@@ -185,8 +250,12 @@ class _Workload:
     target_start: float  # seconds from pod start to a loaded target: the copy, then the engine's start
     prompts: float | None
     prompt_tokens: float
-    completion_tokens: float
-    total_tokens: float | None  # tokens of the tokenized data (prompt + completion per record)
+    completion_tokens: float  # generated per prompt (0 for imported completions)
+    record_tokens: float  # prompt + completion: what tokenize reads of a record
+    total_tokens: float | None  # tokens of the tokenized data (records cut at tokenize's max_length)
+    trained_tokens: float | None  # tokens per epoch the training rows read: min(record, window) per record
+    limits: Limits
+    records: RecordTokens | None  # the per-record model of a generating run; None for imported completions
 
 
 def _workload(run: RunConfig, figures: _Figures) -> _Workload:
@@ -194,17 +263,48 @@ def _workload(run: RunConfig, figures: _Figures) -> _Workload:
     copy_rate = figures.rate("copy bytes/s", run.plan.copy_bytes_per_s, None, DEFAULT_COPY_BYTES_PER_S)
     prompts = figures.prompts()
     prompt_tokens = figures.prompt_tokens()
-    max_new = int(stage_value(run, "generate", "max_new_tokens", "dflash_generate.config:GenerateConfig", None)
-                  or (32768 if re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) else 8192))
-    completion_tokens = figures.completion_tokens(max_new) if run.source.kind == "prompts" else 0.0
+    limits = _limits(run)
+    records = None
+    if run.source.kind == "prompts":
+        answer = figures.answer_tokens(limits, prompt_tokens)
+        records = RecordTokens(prompt_tokens, answer, limits.max_new_tokens, limits.context, limits.window)
+        completion, length, trained = records.generated, records.length, records.trained
+        # What tokenize keeps of a record: the same record against its own max_length.
+        stored = RecordTokens(prompt_tokens, answer, limits.max_new_tokens, limits.context,
+                              limits.tokenize_window).trained
+        _record_figures(figures, records, "run file" if training_window(run) is not None else "estimate")
+    else:  # imported conversations: the whole conversation is the record
+        completion, length, trained = 0.0, prompt_tokens, min(prompt_tokens, limits.window)
+        stored = min(prompt_tokens, limits.tokenize_window)
+    total, per_epoch = _data_tokens(figures, prompts, stored, trained)
+    return _Workload(target, target / copy_rate + START_SECONDS, prompts, prompt_tokens, completion, length, total,
+                     per_epoch, limits, records)
+
+
+def _record_figures(figures: _Figures, records: RecordTokens, window_source: str) -> None:
+    """The per-record figures of a generating run, in the printed table (derived from the ones above them)."""
+    figures.put("completion budget per prompt", Figure(records.budget, "derived"))
+    figures.put("mean completion tokens", Figure(records.generated, "derived"))
+    figures.put("completions cut by the budget", Figure(records.truncated_by_budget, "derived"))
+    figures.put("training window", Figure(records.window, window_source))
+    figures.put("tokens per record trained", Figure(records.trained, "derived"))
+    figures.put("generated tokens never trained", Figure(records.unread_fraction, "derived"))
+
+
+def _data_tokens(figures: _Figures, prompts: float | None, stored: float, trained: float) -> tuple[
+        float | None, float | None]:
+    """(tokens the tokenized shards hold, tokens a training epoch reads): the run's tokenized manifest where it
+    exists (its train split, rescaled when train's window is shorter than tokenize's), else per record x prompts."""
     tokenized = figures.own[Kind.tokenized]
     if tokenized is not None:
-        total: float | None = figures.put("tokens", Figure(tokenized.section.total_tokens, "manifest"))  # type: ignore[union-attr]
-    elif prompts is None:
-        total = None
-    else:
-        total = figures.put("tokens", Figure(prompts * (prompt_tokens + completion_tokens), "derived"))
-    return _Workload(target, target / copy_rate + START_SECONDS, prompts, prompt_tokens, completion_tokens, total)
+        section = tokenized.section
+        assert isinstance(section, TokenizedSection)
+        total = figures.put("tokens", Figure(section.total_tokens, "manifest"))
+        heldout = section.heldout.tokens if section.heldout is not None else 0
+        return total, (total - heldout) * (trained / stored if stored else 1.0)
+    if prompts is None:
+        return None, None
+    return figures.put("tokens", Figure(prompts * stored, "derived")), prompts * trained
 
 
 def _import(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
@@ -220,18 +320,41 @@ def _generate(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: 
     work = None if w.prompts is None else w.prompts * w.completion_tokens
     per_token = figures.bytes_per_token(Kind.completions, "output_tokens", COMPLETION_BYTES_PER_TOKEN)
     # Every pod copies the whole target to its scratch and serves it from there.
-    return StagePlan("generate", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes,
+    plan = StagePlan("generate", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes,
                      (work or 0) * per_token, pods,
                      f"{_count(work)} tokens to generate ({_count(w.prompts)} prompts x {w.completion_tokens:,.0f}); "
                      f"{rate:,.0f} tok/s/GPU")
+    if w.limits.refusal is not None:
+        plan.warnings.append(w.limits.refusal)
+    if w.records is not None:
+        _unread_warning(plan, w.records, w.limits)
+    return plan
+
+
+def _unread_warning(plan: StagePlan, records: RecordTokens, limits: Limits) -> None:
+    """More than MAX_UNREAD_FRACTION of the generated tokens past the training window: GPU-hours no step uses."""
+    unread = records.unread_fraction
+    if unread <= MAX_UNREAD_FRACTION:
+        return
+    hours = "" if plan.gpu_hours is None else f" (~{_gpu_hours(unread * plan.gpu_hours)} of its GPU-hours)"
+    plan.warnings.append(
+        f"{unread:.0%} of the generated tokens{hours} lie past the {limits.window:,}-token training window and are "
+        f"never trained on (limit {MAX_UNREAD_FRACTION:.0%}; a prompt's budget is {records.budget:,.0f} tokens): "
+        "cap the budget to the window (stages.generate.config: cap_to_training_window = true, max_model_len "
+        "unset), or train on longer records (stages.train.config.max_length and stages.tokenize.config.max_length "
+        "toward the budget; their memory: bench/bench_memory_plan.py --windows)")
 
 
 def _tokenize(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
     rate = figures.rate("tokenize tokens/s/pod", run.plan.tokenize_tokens_per_s_per_pod, None,
                         DEFAULT_TOKENIZE_TOKENS_PER_S_PER_POD)
     per_token = figures.bytes_per_token(Kind.tokenized, "total_tokens", TOKENIZED_BYTES_PER_TOKEN)
-    return StagePlan("tokenize", pods, gpus, _wall(w.total_tokens, rate, pods, 60.0), 0.0,
-                     (w.total_tokens or 0) * per_token, 0, f"{_count(w.total_tokens)} tokens; {rate:,.0f} tok/s/pod")
+    # It reads every token of the records and writes those within its max_length.
+    read = None if w.prompts is None else w.prompts * w.record_tokens
+    return StagePlan("tokenize", pods, gpus, _wall(read, rate, pods, 60.0), 0.0,
+                     (w.total_tokens or 0) * per_token, 0,
+                     f"{_count(read)} tokens read, {_count(w.total_tokens)} kept (max_length "
+                     f"{w.limits.tokenize_window:,}); {rate:,.0f} tok/s/pod")
 
 
 def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
@@ -243,8 +366,8 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
     batch = int(stage_value(run, "train", "batch_tokens", config, 65536))
     keep = int(stage_value(run, "train", "keep_checkpoints", config, 2))
     cache = float(stage_value(run, "train", "cache_gib", config, 20.0)) * 2**30
-    # Rows are packed: every token of the data is a training token, once per epoch (or max_steps x batch).
-    work = max_steps * batch if max_steps else None if w.total_tokens is None else w.total_tokens * epochs
+    # Rows are packed: every token inside the window is a training token, once per epoch (or max_steps x batch).
+    work = max_steps * batch if max_steps else None if w.trained_tokens is None else w.trained_tokens * epochs
     steps = None if work is None else math.ceil(work / batch)
     limit = f", max_steps {max_steps}" if max_steps else f", {epochs} epochs"
     # Only the pod holding global rank 0 copies the weights (rank 0 loads and broadcasts them; the other pods
@@ -253,7 +376,8 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
     # per parameter of a ~2B drafter).
     return StagePlan("train", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes + cache,
                      keep * 2e9 * 16, 1,
-                     f"{_count(work)} training tokens ({_count(steps)} steps{limit}); {rate:,.0f} tok/s/GPU")
+                     f"{_count(work)} training tokens ({_count(steps)} steps{limit}, rows of {w.limits.window:,}); "
+                     f"{rate:,.0f} tok/s/GPU")
 
 
 def _decode(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int, stage: str) -> StagePlan:
@@ -363,11 +487,39 @@ def format_plan(plan: RunPlan) -> str:
     if any(s.wall_seconds is None for s in plan.stages):
         lines.append("unknown (?): the run's prompt count is not known yet: set [plan] prompts, or plan again once "
                      "the import has written its manifest")
-    lines.append("figures (source: manifest = this run's, measured = [plan] measured_from, run file, estimate):")
-    lines += [f"  {name}: {_count(f.value) if f.value >= 1000 else f'{f.value:,.2f}'} ({f.source})"
-              for name, f in plan.figures.items()]
+    lines += _window_lines(plan.figures)
+    lines.append("figures (source: manifest = this run's, measured = [plan] measured_from, run file, estimate, "
+                 "derived):")
+    lines += [f"  {name}: {_figure(name, f.value)} ({f.source})" for name, f in plan.figures.items()]
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
+
+
+# Figures that are shares, printed as percentages; token counts per record, printed whole.
+_FRACTIONS = frozenset({"completions cut by the budget", "generated tokens never trained"})
+_PER_RECORD = frozenset({"mean prompt tokens", "mean answer tokens (uncut)", "completion budget per prompt",
+                         "mean completion tokens", "training window", "tokens per record trained"})
+
+
+def _figure(name: str, value: float) -> str:
+    if name in _FRACTIONS:
+        return f"{value:.1%}"
+    if name in _PER_RECORD:
+        return f"{value:,.0f}"
+    return _count(value) if value >= 1000 else f"{value:,.2f}"
+
+
+def _window_lines(figures: dict[str, Figure]) -> list[str]:
+    """The record's tokens against the training window, in one sentence (generating runs only)."""
+    if "tokens per record trained" not in figures:
+        return []
+    value = {name: f.value for name, f in figures.items()}
+    return [f"tokens per record: prompt {value['mean prompt tokens']:,.0f} + completion "
+            f"{value['mean completion tokens']:,.0f} (budget {value['completion budget per prompt']:,.0f}, "
+            f"{value['completions cut by the budget']:.1%} cut by it, kept as truncated_by_budget); training reads "
+            f"min(record, {value['training window']:,.0f}) = {value['tokens per record trained']:,.0f}; "
+            f"{value['generated tokens never trained']:.1%} of the generated tokens are never trained on "
+            f"(limit {MAX_UNREAD_FRACTION:.0%})"]
 
 
 def plan_json(plan: RunPlan) -> dict[str, Any]:

@@ -25,7 +25,9 @@ class PlanInputs(BaseModel):
     )
     mean_completion_tokens: float | None = Field(
         default=None, gt=0,
-        description="Mean generated tokens per prompt; default: half the generate stage's max_new_tokens.",
+        description="Mean answer tokens per prompt were no budget to stop them; the plan takes answer lengths as "
+        "exponential with this mean, cut at each prompt's budget and counted against the training window "
+        "(dflash_pipeline.plan_tokens). Default: half the target family's budget (32768 for Qwen3.5/3.6, else 8192).",
     )
     measured_from: str | None = Field(
         default=None, description="An earlier run's prefix (<root>/<run_id>) whose manifests give measured figures."

@@ -138,6 +138,23 @@ def _generate_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -> d
     }
 
 
+def training_window(run: RunConfig) -> int | None:
+    """The run file's training window: the train stage's max_length, else the tokenize stage's; None when
+    neither sets one (the stages' shared default, dflash_shared.window.DEFAULT_TRAINING_WINDOW, holds then)."""
+    for stage in ("train", "tokenize"):
+        value = run.stages.for_stage(stage).config.get("max_length")
+        if value is not None:
+            return int(value)  # type: ignore[arg-type]
+    return None
+
+
+def _generate_defaults(run: RunConfig, _: RunLayout, __: JobSettings) -> dict[str, Any]:
+    # The budget follows the window training reads, so no token is generated that no step reads (the stage
+    # caps each completion to its training_window by default).
+    window = training_window(run)
+    return {} if window is None else {"training_window": window}
+
+
 def _tokenize_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
     return {
         "input": lay.completions,
@@ -150,9 +167,14 @@ def _tokenize_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str
     }
 
 
-def _tokenize_defaults(_: RunConfig, __: RunLayout, settings: JobSettings) -> dict[str, Any]:
+def _tokenize_defaults(run: RunConfig, __: RunLayout, settings: JobSettings) -> dict[str, Any]:
     # Inside a pod the CPU affinity spans the whole node; the request is what the pod may really use.
-    return {"workers": max(1, math.floor(quantity_value(settings.cpu)))}
+    defaults: dict[str, Any] = {"workers": max(1, math.floor(quantity_value(settings.cpu)))}
+    # Records are cut where the train stage's rows end, not shorter (train reads the tokenized max_length).
+    window = training_window(run)
+    if window is not None:
+        defaults["max_length"] = window
+    return defaults
 
 
 def _train_wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
@@ -197,7 +219,7 @@ IMPORT_PROMPTS = StageDef(
 GENERATE = StageDef(
     name="generate", image="generator", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_GENERATE_",
     config_class="dflash_generate.config:GenerateConfig", input_kind=Kind.prompts, output_kind=Kind.completions,
-    wiring=_generate_wiring, copies_target=True,
+    wiring=_generate_wiring, defaults=_generate_defaults, copies_target=True,
 )
 TOKENIZE = StageDef(
     name="tokenize", image="tokenizer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TOKENIZE_",
@@ -284,11 +306,18 @@ def _config_default(module_class: str, name: str) -> Any:
 
 
 def stage_value(run: RunConfig, stage: str, name: str, module_class: str, fallback: Any) -> Any:
-    """A stage config value for sizing and progress: the run file's override, else the stage's own default, else
-    `fallback` (the same default, stated by the caller for an environment without the stage package, such as the
-    driver image)."""
-    given = run.stages.for_stage(stage).config.get(name)
+    """A stage config value for sizing and progress: the run file's override, else the pipeline's default for the
+    stage (`StageDef.defaults`, such as generate's training_window), else the stage's own default, else `fallback`
+    (the same default, stated by the caller for an environment without the stage package, such as the driver
+    image)."""
+    settings = run.stages.for_stage(stage)
+    given = settings.config.get(name)
     if given is not None:
         return given
+    definition = next((s for s in plan(run) if s.name == stage), None)
+    if definition is not None:
+        derived = definition.defaults(run, layout(run.root, run.run_id), settings).get(name)
+        if derived is not None:
+            return derived
     default = _config_default(module_class, name)
     return fallback if default is None else default

@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.quality import QualityPolicy
 from dflash_shared.settings import StageSettings
+from dflash_shared.window import DEFAULT_TRAINING_WINDOW
 
 
 class TokenizeConfig(StageSettings):
@@ -42,13 +43,23 @@ class TokenizeConfig(StageSettings):
         description="The chat template's preserve_thinking (Qwen3.6: keep the reasoning of every earlier "
         "assistant turn); unset leaves the template's default. Must match how the prompts were rendered.",
     )
-    max_length: int = Field(default=4096, gt=16, description="Longest sequence written, in tokens.")
+    max_length: int = Field(
+        default=DEFAULT_TRAINING_WINDOW, gt=16,
+        description="Longest sequence written, in tokens: the training window (the train stage's default "
+        "max_length; the generate stage's training_window should equal it).",
+    )
     over_length: Literal["truncate", "drop"] = Field(
         default="truncate", description="What to do with longer records: cut at max_length, or drop them."
     )
     min_content_tokens: int = Field(default=4, ge=0, description="Answers shorter than this are rejected.")
     allow_truncated: bool = Field(
-        default=False, description="Keep completions the engine cut off (finish_reason 'length')."
+        default=False, description="Keep completions cut off at a length limit (finish_reason 'length') that "
+        "keep_truncated_by_budget does not keep: imported ones, and any in render mode."
+    )
+    keep_truncated_by_budget: bool = Field(
+        default=True, description="Keep (as truncated_by_budget) the generate stage's completions stopped at its "
+        "budget, token_exact mode: the tokens are the target's own, a prefix of its answer; false rejects them "
+        "as truncated."
     )
     reject_repetitive: bool = Field(
         default=True, description="Reject looping text; turn off only for targets that loop by design."
@@ -89,6 +100,7 @@ class TokenizeConfig(StageSettings):
         return QualityPolicy(
             min_content_tokens=self.min_content_tokens,
             allow_truncated=self.allow_truncated,
+            keep_truncated_by_budget=self.keep_truncated_by_budget,
             max_bad_fraction=self.max_bad_fraction,
             reject_repetitive=self.reject_repetitive,
         )

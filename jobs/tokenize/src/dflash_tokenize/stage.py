@@ -44,6 +44,7 @@ from dflash_shared.quality import GateCounts, fix_hints, gate_exceeded
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
 from dflash_shared.settings import env_prefix, public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_shared.window import window_fraction
 from dflash_tokenize import split, worker
 from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter
 from dflash_tokenize.chat import ChatFormat
@@ -93,7 +94,14 @@ class Resolved:
             over_length=self.config.over_length,
             policy=self.config.quality_policy(),
             template_kwargs=self.config.template_kwargs(),
+            budget_cuts=self.budget_cuts,
         )
+
+    @property
+    def budget_cuts(self) -> bool:
+        """Whether a "length" finish is the generate stage's own budget (see worker.WorkerSettings)."""
+        section = self.source.manifest.section
+        return self.mode == "token_exact" and isinstance(section, CompletionsSection) and section.target is not None
 
 
 def fetch_tokenizer(store: ObjectStore, location: str, scratch: str) -> str:
@@ -282,7 +290,8 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
             gate.observe_good(kept)
             tokens = int(result.sequences.offsets[-1])
             totals.update(tokens=tokens, loss_tokens=int(result.sequences.loss_mask.sum()), sequences=kept,
-                          truncated_to_max_length=result.truncated)
+                          truncated_to_max_length=result.truncated, truncated_by_budget=result.truncated_by_budget,
+                          loss_tokens_before_truncation=result.loss_tokens_before_truncation)
             histogram.update(result.histogram)
             progress.update(kept + len(result.rejected), tokens=tokens)
     writer.close_current()
@@ -310,6 +319,8 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
     acc = merged.accounting
     if acc.input_records and acc.failed / acc.input_records > config.max_bad_fraction:
         raise BadInputError(f"tokenize: {acc.failed} of {acc.input_records} records unusable: {acc.failures_by_reason}")
+    loss_tokens = int(merged.totals.get("loss_tokens", 0))
+    loss_before = int(merged.totals.get("loss_tokens_before_truncation", 0))
     return Manifest(
         kind=Kind.tokenized,
         run_id=config.run_id or resolved.source.manifest.run_id,
@@ -323,8 +334,12 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
             mask_policy=config.mask_policy,
             max_length=config.max_length,
             total_tokens=int(merged.totals.get("tokens", 0)),
-            loss_tokens=int(merged.totals.get("loss_tokens", 0)),
+            loss_tokens=loss_tokens,
             length_histogram=merged.histograms.get("length", {}),
+            truncated_by_budget=int(merged.totals.get("truncated_by_budget", 0)),
+            truncated_to_max_length=int(merged.totals.get("truncated_to_max_length", 0)),
+            loss_tokens_before_truncation=loss_before,
+            window_fraction=window_fraction(loss_tokens, loss_before),
             heldout=HeldoutSplit(
                 fraction=config.heldout_fraction,
                 min_records=config.heldout_min_records,

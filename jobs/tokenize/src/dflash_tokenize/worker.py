@@ -47,6 +47,11 @@ class WorkerSettings:
     verify_records: int = 4
     # Chat template variables besides enable_thinking (TokenizeConfig.template_kwargs).
     template_kwargs: dict[str, bool] = field(default_factory=dict)
+    # The records' ids are the generate stage's own engine's (token_exact over its completions): a "length"
+    # finish is that stage's budget, and such a record is kept (QualityPolicy.keep_truncated_by_budget). Not for
+    # imports, whose limits are unknown, nor render mode, whose template would close the cut turn with an
+    # end-of-turn token the target never produced.
+    budget_cuts: bool = False
 
 
 @dataclass
@@ -56,6 +61,9 @@ class BatchResult:
     rejected: list[tuple[str, str, str]] = field(default_factory=list)
     truncated: int = 0
     histogram: dict[str, int] = field(default_factory=dict)
+    truncated_by_budget: int = 0
+    # Loss tokens of the kept records before the max_length cut.
+    loss_tokens_before_truncation: int = 0
 
 
 _chat: ChatFormat | None = None
@@ -142,7 +150,7 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
     kept_source_ids: list[str | None] = []
     id_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
-    truncated = 0
+    truncated = by_budget = loss_before = 0
     histogram: dict[str, int] = {}
     for item, result in zip(parsed, tokenized, strict=True):
         record, where = item.record, item.where
@@ -159,7 +167,11 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
             thinking_requested=thinking,
             content_tokens=_content_tokens(trained, chat),
             policy=s.policy,
+            budget_cut=s.budget_cuts,
+            completion_tokens=int(trained.size),
         )
+        cut_by_budget = reason is None and s.budget_cuts and record.finish_reason == "length"
+        loss_tokens = int(trained.size)
         if reason is None and ids.size > s.max_length:
             if s.over_length == "drop" or not mask[: s.max_length].any():
                 reason = OVER_MAX_LENGTH
@@ -170,6 +182,8 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
             origin = f" (from {printable(record.source)[:300]})" if record.source else ""
             rejected.append((where, reason, f"record {record.id}{origin}: {reason}, {ids.size} tokens"))
             continue
+        by_budget += cut_by_budget
+        loss_before += loss_tokens
         kept_ids.append(record.id)
         kept_source_ids.append(record.source_id)
         id_parts.append(ids)
@@ -188,4 +202,4 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
         offsets=offsets,
         source_ids=kept_source_ids,
     )
-    return BatchResult(sequences, rejected, truncated, histogram)
+    return BatchResult(sequences, rejected, truncated, histogram, by_budget, loss_before)

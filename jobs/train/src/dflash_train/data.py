@@ -269,6 +269,31 @@ def epoch_rows(lengths: np.ndarray, max_length: int, seed: int, epoch: int, shar
 
 
 @dataclass(frozen=True)
+class WindowTokens:
+    """Tokens of the data and the share rows of `max_length` read of them (documents longer are cut)."""
+
+    tokens: int = 0
+    tokens_in_window: int = 0
+    loss_tokens: int = 0
+    loss_tokens_in_window: int = 0
+
+    def __add__(self, other: WindowTokens) -> WindowTokens:
+        return WindowTokens(*(a + b for a, b in zip(self.as_list(), other.as_list(), strict=True)))
+
+    def as_list(self) -> list[int]:
+        return [self.tokens, self.tokens_in_window, self.loss_tokens, self.loss_tokens_in_window]
+
+    @classmethod
+    def of_table(cls, table: ShardTable, max_length: int) -> WindowTokens:
+        """Counted from a shard's arrays: one cumulative sum of the mask, no loop over documents."""
+        starts = table.offsets[:-1]
+        ends = np.minimum(table.offsets[1:], starts + max_length)
+        running = np.concatenate((np.zeros(1, np.int64), np.cumsum(table.mask, dtype=np.int64)))
+        return cls(tokens=int(table.lengths.sum()), tokens_in_window=int((ends - starts).sum()),
+                   loss_tokens=int(running[-1]), loss_tokens_in_window=int((running[ends] - running[starts]).sum()))
+
+
+@dataclass(frozen=True)
 class DataPlan:
     """Rows per shard (the same in every epoch) and what identifies the data order they belong to."""
 
@@ -277,6 +302,8 @@ class DataPlan:
     max_length: int
     seed: int
     fingerprint: str
+    # What the rows read of the data per epoch; None for a plan saved before it was counted (a resumed run).
+    window: WindowTokens | None = None
 
     @staticmethod
     def make_fingerprint(manifest_sha256: str, max_length: int, seed: int) -> str:
@@ -301,11 +328,12 @@ class DataPlan:
         return {"consumed_rows": consumed_rows, "epoch": epoch, "shard_position": pos, "row_in_shard": row}
 
 
-def count_rows(cache: ShardCache, shard: Shard, max_length: int) -> int:
-    """Packed rows of one shard (downloads it; the file stays in the cache for the first epoch)."""
+def count_rows(cache: ShardCache, shard: Shard, max_length: int) -> tuple[int, WindowTokens]:
+    """Packed rows of one shard and what they read of it (downloads it; the file stays in the cache for the
+    first epoch)."""
     table = cache.read(shard)
     try:
-        return len(best_fit_rows(table.lengths, max_length))
+        return len(best_fit_rows(table.lengths, max_length)), WindowTokens.of_table(table, max_length)
     finally:
         cache.release(shard)
 
@@ -467,17 +495,28 @@ def build_plan(
         saved = json.loads(store.read_bytes(plan_uri))
         if saved.get("fingerprint") == fingerprint and len(saved.get("rows_per_shard", [])) == len(shards):
             rows = tuple(int(n) for n in saved["rows_per_shard"])
-            return DataPlan(tuple(shards), rows, max_length, seed, fingerprint)
+            window = WindowTokens(*saved["window_tokens"]) if "window_tokens" in saved else None
+            return DataPlan(tuple(shards), rows, max_length, seed, fingerprint, window)
         log.warning("ignoring %s: made for other data or settings (fingerprint %s, now %s)", plan_uri,
                     saved.get("fingerprint"), fingerprint)
-    mine = {i: count_rows(cache, shards[i], max_length) for i in range(rank, len(shards), world)}
-    counts: dict[int, int] = {}
+    # Plain lists cross the gather (an all_gather_object), not dataclasses: [rows, *WindowTokens].
+    mine: dict[int, list[int]] = {}
+    for i in range(rank, len(shards), world):
+        rows, counted = count_rows(cache, shards[i], max_length)
+        mine[i] = [rows, *counted.as_list()]
+    counts: dict[int, list[int]] = {}
     for part in gather(mine):
-        counts.update({int(k): int(v) for k, v in part.items()})
-    plan = DataPlan(tuple(shards), tuple(counts[i] for i in range(len(shards))), max_length, seed, fingerprint)
+        counts.update({int(k): [int(n) for n in v] for k, v in part.items()})
+    window = sum((WindowTokens(*counts[i][1:]) for i in range(len(shards))), WindowTokens())
+    plan = DataPlan(tuple(shards), tuple(counts[i][0] for i in range(len(shards))), max_length, seed, fingerprint,
+                    window)
     if rank == 0:
         body = {"fingerprint": fingerprint, "max_length": max_length, "seed": seed, "packing": PACKING_VERSION,
-                "rows_per_shard": list(plan.rows_per_shard), "shards": [s.uri for s in shards]}
+                "rows_per_shard": list(plan.rows_per_shard), "shards": [s.uri for s in shards],
+                "window_tokens": window.as_list()}
         store.write_bytes(plan_uri, json.dumps(body, indent=1).encode())
-    log.info("data plan: %d shards, %d rows of %d tokens per epoch", len(shards), plan.rows_per_epoch, max_length)
+    log.info("data plan: %d shards, %d rows of %d tokens per epoch; the rows read %d of %d tokens (%d of %d loss "
+             "tokens, %.1f%%)", len(shards), plan.rows_per_epoch, max_length, window.tokens_in_window, window.tokens,
+             window.loss_tokens_in_window, window.loss_tokens,
+             100 * window.loss_tokens_in_window / max(window.loss_tokens, 1))
     return plan

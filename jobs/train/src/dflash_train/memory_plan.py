@@ -18,6 +18,7 @@ saved_tensors_hooks`) on CPU in fp32 and under bf16 autocast; compiled layers sa
 upper bound there. `check` compares the peak with the memory this rank may use (CUDA: free device memory
 from torch.cuda.mem_get_info; CPU: MemAvailable, the cgroup's room, shared by the node's ranks) and refuses
 a configuration that does not fit with a ConfigError (exit 64) naming the settings that would make it fit.
+`window_fits` plans one setup across training windows and GPU classes (bench/bench_memory_plan.py --windows).
 """
 
 from __future__ import annotations
@@ -304,9 +305,14 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     grid = rows * q_row * kv_row  # elements of one [rows, 1, Q, S + Q] mask
     mask_types = len(set(cfg.layer_types)) or 1
     if i.backend == "flex":
+        # Nothing here grows with max_length: the BlockMask skips every key block outside a query's window, so
+        # a sliding layer's work is ~(W + B) keys per query whatever the row's length; only the full layer
+        # reads the whole context.
         attn = q_tok * cfg.num_attention_heads * 4 * layers
         attn_note = "flex: no score matrix (logsumexp only)"
     else:
+        # SDPA takes one dense mask over all S + Q keys, sliding layers included (their window is -inf entries
+        # in it): linear in max_length for a capped anchor count, and the reason CUDA defaults to flex.
         attn = grid * MASK_BYTES_PER_ELEMENT * mask_types + (grid * 2 * layers if i.autocast_bf16 else 0)
         attn_note = f"sdpa: float mask [{rows}, 1, {q_row}, {kv_row}] x {mask_types} layer type(s)"
         if i.device_type == "cuda":
@@ -455,6 +461,63 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 def _local_ranks() -> int:
     raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+# ------------------------------------------------------------------------------------------ long windows
+
+# What torch.cuda.mem_get_info reports free on an idle GPU of each class: nvidia-smi's 81,559 MiB (H100/A100
+# 80 GB) and 143,771 MiB (H200 141 GB), less ~0.6 GiB of CUDA context.
+GPU_CLASSES: dict[str, int] = {"80 GB": int(79.0 * GIB), "141 GB": int(139.8 * GIB)}
+
+
+@dataclass(frozen=True)
+class WindowFit:
+    """The plan of one training window and setting, and whether it fits each GPU class."""
+
+    max_length: int
+    anchors: int
+    parallelism: str
+    activation_checkpointing: bool
+    peak: int
+    fits: dict[str, bool]
+
+
+def window_fits(base: PlanInputs, windows: tuple[int, ...], density_of: int | None = None,
+                gpus: dict[str, int] | None = None) -> list[WindowFit]:
+    """`base` planned at each training window, under DDP and FSDP (over base.world_size ranks), each without and
+    with activation checkpointing, against each GPU class.
+
+    The anchor cap stays the drafter's (`max_anchors_per_row`), or with `density_of` grows with the window to
+    keep the anchors per token of a `density_of`-token row: a fixed cap spreads the same blocks over more
+    context as rows grow, so a long window trains fewer blocks per token of the data.
+    """
+    gpus = GPU_CLASSES if gpus is None else gpus
+    out = []
+    for length in windows:
+        cap = base.drafter.max_anchors_per_row
+        if density_of is not None:
+            cap = max(1, cap * length // density_of)
+        cfg = base.drafter.model_copy(update={"max_anchors_per_row": cap})
+        for parallelism in ("ddp", "fsdp"):
+            for checkpointing in (False, True):
+                plan = plan_memory(replace(base, drafter=cfg, max_length=length,
+                                           anchors=planned_anchor_count(cfg, length), parallelism=parallelism,
+                                           activation_checkpointing=checkpointing))
+                out.append(WindowFit(length, plan.inputs.anchors, parallelism, checkpointing, plan.peak,
+                                     {name: plan.peak <= room for name, room in gpus.items()}))
+    return out
+
+
+def window_table(fits: list[WindowFit]) -> str:
+    """`window_fits` as printed: one line per window and setting, the peak, and a verdict per GPU class."""
+    names = list(fits[0].fits) if fits else []
+    lines = [f"{'max_length':>10} {'anchors':>7} {'parallelism':<11} {'ckpt':<4} {'peak':>10}  "
+             + "  ".join(f"{name:>7}" for name in names)]
+    for fit in fits:
+        verdicts = "  ".join(f"{'fits' if fit.fits[name] else 'no':>7}" for name in names)
+        lines.append(f"{fit.max_length:>10} {fit.anchors:>7} {fit.parallelism:<11} "
+                     f"{'on' if fit.activation_checkpointing else 'off':<4} {_gib(fit.peak):>10}  {verdicts}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ refusal

@@ -29,10 +29,19 @@ from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.logs import setup_logging
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, manifest_uri, write_manifest
-from dflash_shared.manifests import Accounting, DrafterSection, Kind, Manifest, Shard, TokenizedSection
+from dflash_shared.manifests import (
+    Accounting,
+    DrafterSection,
+    Kind,
+    Manifest,
+    Shard,
+    TokenizedSection,
+    TrainedTokens,
+)
 from dflash_shared.provenance import producer
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_shared.window import window_fraction
 from dflash_train.config import TrainConfig
 from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig, is_hybrid_family
 
@@ -184,8 +193,25 @@ def resolve(config: TrainConfig, store: ObjectStore, target_dir: str) -> Resolve
     return Resolved(config, source, target_dir, drafter, max_length, rows_per_step)
 
 
+def trained_tokens(plan: Any, steps: int, rows_per_step: int) -> TrainedTokens | None:
+    """What the run's rows read of the train split (plan: data.DataPlan), or None for a plan saved before it
+    was counted."""
+    window = plan.window
+    if window is None:
+        return None
+    return TrainedTokens(
+        max_length=plan.max_length,
+        tokens_available=window.tokens,
+        tokens_trained=window.tokens_in_window,
+        loss_tokens_available=window.loss_tokens,
+        loss_tokens_trained=window.loss_tokens_in_window,
+        window_fraction=window_fraction(window.loss_tokens_in_window, window.loss_tokens) or 0.0,
+        epochs=round(steps * rows_per_step / max(plan.rows_per_epoch, 1), 4),
+    )
+
+
 def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str, float],
-                   extra: dict[str, Any]) -> Manifest:
+                   extra: dict[str, Any], data: TrainedTokens | None = None) -> Manifest:
     """The drafter manifest: final checkpoint, resolved config, target identity, lineage, final metrics."""
     config, source, cfg = resolved.config, resolved.source, resolved.drafter
     identity = resolved.section.target
@@ -212,6 +238,7 @@ def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str,
             mask_token_id=cfg.mask_token_id,
             checkpoint_uri=checkpoint.uri,
             final_metrics=final_metrics,
+            data=data,
         ),
     )
 
@@ -328,7 +355,8 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
         assert final is not None
         manifest = build_manifest(resolved, final, result.final_metrics,
                                   {"world_size": env.world_size, "parallelism": parallelism,
-                                   "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps})
+                                   "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps},
+                                  trained_tokens(plan, trainer.total_steps, resolved.rows_per_step))
         uri, _ = write_manifest(store, config.output, manifest)
         log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
                  result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))
