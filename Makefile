@@ -123,6 +123,9 @@ bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer
 bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU setting)
 	.venv-generate/bin/python bench/bench_eval.py
 
+bench-numerics: venv-train ## How often bfloat16 rounding parts speculative from greedy output, and the lossy verifiers the policy catches
+	.venv-train/bin/python bench/bench_numerics.py
+
 bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, drafter shapes and compilations, data loader rate, target features per packing
 	.venv-train/bin/python bench/bench_train_step.py
 	.venv-train/bin/python bench/bench_train_shapes.py
@@ -130,4 +133,4 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help tools demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
-	build-image base-image lock bench-tokenize bench-train bench-eval
+	build-image base-image lock bench-tokenize bench-train bench-eval bench-numerics

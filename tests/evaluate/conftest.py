@@ -141,15 +141,16 @@ def session_bucket(moto_endpoint: str) -> Iterator[str]:
 
 
 def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_prompts: int,
-                   split_data: bool = False) -> OfflineRun:
-    """export + evaluate (float32, debug preset) of a trained drafter on S3, as the stages run them; with
-    `split_data` the prompts are a tokenized manifest's held-out split (the default one) and a prompt set."""
+                   split_data: bool = False, name: str | None = None, **evaluate: Any) -> OfflineRun:
+    """export + evaluate (float32, debug preset, unless `evaluate` says otherwise) of a trained drafter on S3, as
+    the stages run them; with `split_data` the prompts are a tokenized manifest's held-out split (the default
+    one) and a prompt set."""
     from dflash_train.evaluate import run as run_evaluate
     from dflash_train.evaluate_config import EvaluateConfig, ExportConfig
     from dflash_train.export import run_export
 
     store = ObjectStore()
-    root = join(bucket, f"run-{ef.arch_of(target_dir)}")
+    root = join(bucket, name or f"run-{ef.arch_of(target_dir)}")
     drafter = ef.write_trained(store, join(root, "drafter"), checkpoint, target_dir)
     if split_data:
         prompts = hf.write_split_tokenized(store, join(root, "tokenized"), target_dir)
@@ -161,8 +162,8 @@ def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_pro
                             speculators=True), store)
     evaluation = join(root, "evaluation-offline")
     run_evaluate(EvaluateConfig(preset="debug", drafter=export, prompts=prompts, target=str(target_dir),
-                                output=evaluation, min_tau=2.0, threads=1, lossless_prompts=lossless_prompts,
-                                prompt_sets=sets),
+                                output=evaluation, threads=1, lossless_prompts=lossless_prompts,
+                                prompt_sets=sets, **{"min_tau": 2.0, **evaluate}),
                  store)
     return OfflineRun(store, root, drafter, export, prompts, evaluation, checkpoint)
 
@@ -177,3 +178,26 @@ def offline_run(session_bucket: str, tiny_target_dir: Path, trained_checkpoint: 
 def hybrid_offline_run(session_bucket: str, hybrid_target_dir: Path, hybrid_trained_checkpoint: Path) -> OfflineRun:
     """The same chain on the Qwen3.6-architecture target; every held-out prompt is checked for losslessness."""
     return _offline_chain(session_bucket, hybrid_target_dir, hybrid_trained_checkpoint, lossless_prompts=16)
+
+
+# ------------------------------------------------ bfloat16, as on a GPU (the numerics policy of "lossless")
+# bfloat16 matmuls are emulated on CPUs without AVX512-BF16 (the tiny target's 152K-row LM head then dominates:
+# about 3x float32's time; the hybrid target's reference Gated DeltaNet kernels more), so these chains are short:
+# 8 prompts (hybrid: 4) of 32 new tokens, every one checked against the target's own greedy output, the first 2
+# (hybrid: 1) also with the untrained drafter.
+BF16_EVALUATE: dict[str, Any] = {"dtype": "bfloat16", "num_prompts": 8, "max_new_tokens": 32, "baseline_prompts": 2}
+HYBRID_BF16_EVALUATE: dict[str, Any] = {**BF16_EVALUATE, "num_prompts": 4, "baseline_prompts": 1}
+
+
+@pytest.fixture(scope="session")
+def bf16_run(session_bucket: str, tiny_target_dir: Path, trained_checkpoint: Path) -> OfflineRun:
+    """The dense chain in bfloat16."""
+    return _offline_chain(session_bucket, tiny_target_dir, trained_checkpoint, lossless_prompts=8,
+                          name="run-qwen3-bf16", **BF16_EVALUATE)
+
+
+@pytest.fixture(scope="session")
+def hybrid_bf16_run(session_bucket: str, hybrid_target_dir: Path, hybrid_trained_checkpoint: Path) -> OfflineRun:
+    """The Qwen3.6-architecture chain in bfloat16."""
+    return _offline_chain(session_bucket, hybrid_target_dir, hybrid_trained_checkpoint, lossless_prompts=4,
+                          name="run-qwen3_6-bf16", **HYBRID_BF16_EVALUATE)

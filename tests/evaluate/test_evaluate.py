@@ -59,6 +59,11 @@ def test_report_matches_its_per_prompt_results(offline_run: Any, heldout_prompts
     report = _report(offline_run)
     assert report.dtype == "float32" and report.block_size == 7 + 1 and report.max_new_tokens == 64
     assert report.lossless_checked == 2 and report.lossless_mismatches == []
+    assert report.lossless is not None and report.lossless.policy.tie_margin is None  # float32: exact
+    # Short prompts and 64 new tokens: every step drafted within the first 4K of context.
+    assert list(report.trained.by_position) == ["0-4K"]
+    assert report.trained.by_position["0-4K"].steps == report.trained.steps
+    assert report.trained.by_position["0-4K"].tau == pytest.approx(report.trained.tau)
     steps = [n for r in report.results for n in r.accepted]
     assert report.trained.tau == pytest.approx(1 + sum(steps) / len(steps))
     # Exactly the held-out shard's prompts (the train shard beside it holds others), in order.
@@ -202,3 +207,17 @@ def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_tar
     # Data tokenized without a split has nothing held out: refused, with the ways out named.
     with pytest.raises(BadInputError, match="holds no held-out records.*--split train"):
         prompt_split(tokenized([train], heldout=0), "heldout")
+
+
+def test_tau_by_context_position_buckets_each_step_where_it_drafted() -> None:
+    from types import SimpleNamespace
+
+    from dflash_train.evaluate import bucket_name, by_position
+
+    # Prompt of 4090 tokens: the prefill commits token 4091; steps draft at 4091 (accepts 3), 4095 (accepts 1),
+    # then 4097 (accepts 0), which is past 4096.
+    result = SimpleNamespace(accepted=[3, 1, 0])
+    buckets = by_position([result], [4090], 4096)
+    assert {k: (b.steps, b.tau) for k, b in buckets.items()} == {"0-4K": (2, 3.0), "4K-8K": (1, 1.0)}
+    assert [bucket_name(p, 4096) for p in (0, 4095, 4096, 9000)] == ["0-4K", "0-4K", "4K-8K", "8K-12K"]
+    assert bucket_name(150, 100) == "100-200"

@@ -2,11 +2,13 @@
 
 One run per target architecture and module (two engine start-ups each: with and without speculation): the
 dense Qwen3 target, and the Qwen3.6-architecture (hybrid) one (`make test-all`; the default suite serves the hybrid
-target in the end-to-end test). vLLM's CPU build runs the hybrid target in
-bfloat16 only, while the offline evaluation is float32 (where the offline loop is lossless), so that run
-compares across dtypes: the tau gap over the prompts both sides decoded alike, partings at ties allowed.
-The bookkeeping tests run on the dense target only. The drafters are full-attention ones: the CPU runner
-refuses drafters that mix sliding-window and full-attention layers.
+target in the end-to-end test). Outputs are held to the numerics policy (dflash_shared.lossless) at the engine's
+dtype: float32 on the dense target, where they must be identical; vLLM's CPU build runs the hybrid target in
+bfloat16 only, against the float32 offline evaluation, so that run compares acceptance across dtypes (over the
+prompts both sides decoded alike). The bfloat16 runs of the dense target are test_serve_numerics.py's. The
+bookkeeping tests run on the dense target only. The drafters are full-attention ones: the CPU runner refuses
+drafters that mix sliding-window and full-attention layers. test_serve_numerics.py holds the untrained and the
+lossy runs.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ from dflash_generate.serve_check import (  # noqa: E402
     spec_counters,
     tau_failure,
 )
-from dflash_generate.serve_equivalence import OutputComparison, OutputPolicy, Parting  # noqa: E402
 from dflash_shared.errors import BadInputError  # noqa: E402
+from dflash_shared.lossless import DEFAULT_TIE_MARGIN, Equivalence, NumericsPolicy, Parting  # noqa: E402
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
 from dflash_shared.storage import join  # noqa: E402
 from dflash_train.evaluate import OfflineReport  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# Engine dtype on vLLM's CPU build: the offline evaluation's (float32), except for the hybrid target.
+ENGINE_DTYPE = {"qwen3": "float32", "qwen3_6": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,6 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 # test (tests/e2e) runs the same serve check on the Qwen3.6-architecture demo in the default suite, with its
 # dtypes, the comparison over prompts decoded alike and the bfloat16 output policy asserted there.
 ARCHS = ("qwen3", pytest.param("qwen3_6", marks=pytest.mark.extended))
-# Engine dtype on vLLM's CPU build: the offline evaluation's (float32), except for the hybrid target.
-ENGINE_DTYPE = {"qwen3": "float32", "qwen3_6": "bfloat16"}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -108,17 +110,18 @@ def test_speculative_output_equals_plain_output(chain: Any, arch: str, served: t
     check = _check(chain, served[1])
     assert check.prompts == 16
     assert check.output_mismatches == []
-    assert check.outputs_identical + len(check.output_ties) == 16
     outputs = check.outputs
+    assert outputs.policy == NumericsPolicy.at(ENGINE_DTYPE[arch])
     if arch == "qwen3":  # float32: identical token for token
-        assert outputs.policy.tie_margin is None
-        assert check.outputs_identical == 16 and check.output_ties == {}
-    else:  # bfloat16: near-ties within the margin, on few prompts
-        assert outputs.policy == OutputPolicy(dtype="bfloat16", tie_margin=0.25, max_tie_fraction=0.25)
-        assert len(outputs.ties) <= 4
+        assert outputs.policy.tie_margin is None and check.outputs_identical == 16 and outputs.partings == []
     assert outputs.prompts == 16 and outputs.identical == check.outputs_identical and outputs.failure() is None
-    assert {p.prompt_id: p.margin for p in outputs.partings} == check.output_ties
-    assert all(p.tie and p.margin is not None and 0 <= p.margin <= 0.25 for p in outputs.partings)
+    assert outputs.mismatches == [] and outputs.parted_fraction <= outputs.policy.max_parted_fraction
+    # Every position of the plain outputs was compared; each near-tie was seen by both runs.
+    assert outputs.positions >= 16 * 8
+    for p in outputs.partings:
+        assert p.tie and 0 <= p.speculative_margin <= DEFAULT_TIE_MARGIN  # type: ignore[operator]
+        assert 0 <= p.plain_margin <= DEFAULT_TIE_MARGIN  # type: ignore[operator]
+    assert check.forced_rounds >= (1 if outputs.partings else 0)
 
 
 def test_manifest_records_engine_tau_beside_offline_tau(chain: Any, served: tuple[Any, str]) -> None:
@@ -136,23 +139,53 @@ def test_manifest_records_engine_tau_beside_offline_tau(chain: Any, served: tupl
     assert loaded.manifest.inputs[0].sha256 == offline.sha256
 
 
-def test_engine_outputs_reach_the_policy_with_the_plain_runs_log_probabilities(offline_run: Any) -> None:
-    from dflash_generate.serve_check import OfflineReportView, compare_outputs
+class _Continuations:
+    """Below the engine: answers `generate` with fixed continuations per prompt (the forced rounds' requests)."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers, self.requests = answers, []
+
+    def generate(self, prompts: list[Any], params: list[Any], use_tqdm: bool = False) -> list[Any]:
+        from types import SimpleNamespace
+
+        del use_tqdm
+        out = []
+        for prompt, param in zip(prompts, params, strict=True):
+            ids = tuple(prompt["prompt_token_ids"])
+            self.requests.append((ids, param.max_tokens))
+            tokens = self.answers[ids]
+            logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
+            out.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs)]))
+        return out
+
+
+def test_the_comparison_goes_on_teacher_forced_past_a_near_tie(offline_run: Any) -> None:
+    """After a near-tie at token 2 the speculative engine is asked again from the plain prefix, and the parting
+    it then shows at token 5 (not a tie) is found: every position is compared, not only the first parting."""
+    from dflash_generate.serve_check import OfflineReportView, forced_comparison
 
     report = OfflineReportView.model_validate_json(offline_run.store.read_bytes(
         join(offline_run.evaluation, "evaluation.json")))
     n = len(report.results)
-    spec = [Generated(token_ids=[5, 6, 7], accepted=[1]) for _ in range(n)]
-    plain = [Generated(token_ids=[5, 6, 7], top_logprobs=[{5: -1.0}, {6: -1.0}, {7: -0.1}]) for _ in range(n)]
-    plain[3] = Generated(token_ids=[5, 6, 9], top_logprobs=[{5: -1.0}, {6: -1.0}, {9: -10.842, 7: -10.85}])
-    outputs = compare_outputs(report, spec, plain, OutputPolicy.at("bfloat16", 0.02, 0.25))
-    assert outputs.identical == n - 1 and outputs.failure() is None
-    (parting,) = outputs.partings
-    assert (parting.prompt_id, parting.index, parting.speculative_token, parting.plain_token, parting.tie) == (
+    near = {9: -0.700, 7: -0.825}
+    plain = [Generated(token_ids=[5, 6, 9, 10, 11, 12], top_logprobs=[{5: -0.1}, {6: -0.1}, near, {10: -0.1},
+                                                                      {11: -0.1}, {12: -0.1, 13: -3.0}])] * n
+    spec = list(plain)
+    spec[3] = Generated(token_ids=[5, 6, 7, 1, 2, 3], top_logprobs=[{5: -0.1}, {6: -0.1}, {7: -0.69, 9: -0.80},
+                                                                    {1: -0.1}, {2: -0.1}, {3: -0.1}])
+    prompt = report.results[3].prompt_token_ids
+    llm = _Continuations({(*prompt, 5, 6, 9): [10, 11, 13]})
+    outputs, rounds = forced_comparison(llm, report, plain, spec, NumericsPolicy.at("bfloat16"))
+    assert rounds == 1 and llm.requests == [((*prompt, 5, 6, 9), report.max_new_tokens - 3)]
+    tie, wrong = outputs.partings
+    assert (tie.prompt_id, tie.index, tie.speculative_token, tie.plain_token, tie.tie) == (
         report.results[3].id, 2, 7, 9, True)
-    assert parting.margin == pytest.approx(0.008)
-    exact = compare_outputs(report, spec, plain, OutputPolicy.at("float32", 0.02, 0.25))
-    assert [p.prompt_id for p in exact.mismatches] == [report.results[3].id]
+    assert tie.speculative_margin == pytest.approx(0.11) and tie.plain_margin == pytest.approx(0.125)
+    assert (wrong.index, wrong.speculative_token, wrong.plain_token, wrong.tie) == (5, 13, 12, False)
+    assert outputs.identical == n - 1 and outputs.positions == 6 * n
+    assert "prompt " + report.results[3].id + " at token 5: speculative 13, plain 12" in str(outputs.failure())
+    exact, rounds = forced_comparison(_Continuations({}), report, plain, spec, NumericsPolicy.at("float32"))
+    assert rounds == 0 and [p.index for p in exact.mismatches] == [2]
 
 
 def test_across_dtypes_the_gap_is_taken_over_the_prompts_decoded_alike(offline_run: Any) -> None:
@@ -189,8 +222,8 @@ def test_gap_and_counters_arithmetic() -> None:
 @pytest.mark.parametrize(("engine_tau", "mismatches", "expected"), [
     (1.0, [], r"engine tau 1.000 and offline tau .* differ by .*% \(> 10.0%\): training and serving disagree"),
     (None, ["p7"], r"differs from output without it on 1/16 prompts \(float32: exact equality required\); first: "
-                   r"prompt p7 at token 4: speculative 11, plain 12 \(plain run's margin 0.5 nats\); prompts \['p7'\]; "
-                   r"report: .*serve-check.json"),
+                   r"prompt p7 at token 4: speculative 11, plain 12 \(speculative margin not in its top "
+                   r"log-probabilities, plain margin 0.5 nats\); prompts \['p7'\]; report: .*serve-check.json"),
 ])
 def test_a_gap_or_an_output_difference_fails_without_committing(
         offline_run: Any, tmp_path: Path, engine_tau: float | None, mismatches: list[str], expected: str) -> None:
@@ -212,16 +245,16 @@ def _fake_check(offline_run: Any, engine_tau: float | None, mismatches: list[str
 
     tau = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation).manifest.section.tau
     engine_tau = tau if engine_tau is None else engine_tau
-    partings = [Parting(prompt_id=m, index=4, speculative_token=11, plain_token=12, margin=0.5, tie=False)
-                for m in mismatches]
-    outputs = OutputComparison(policy=OutputPolicy.at("float32", 0.25, 0.25), prompts=16,
-                               identical=16 - len(mismatches), partings=partings)
+    partings = [Parting(prompt_id=m, index=4, speculative_token=11, plain_token=12, speculative_margin=None,
+                        plain_margin=0.5, tie=False) for m in mismatches]
+    outputs = Equivalence(policy=NumericsPolicy.at("float32"), prompts=16, positions=16 * 64,
+                          identical=16 - len(mismatches), partings=partings)
     return ServeCheckReport(
         dtype="float32", offline_dtype="float32", num_speculative_tokens=7, offline_tau=tau,
         engine=EngineAcceptance(tau=engine_tau, drafts=100, draft_tokens=700,
                                 accepted_tokens=round(100 * (engine_tau - 1)), acceptance_per_position=[0.5] * 7),
         relative_gap=relative_gap(tau, engine_tau), max_tau_gap=0.1, prompts=16, outputs_identical=16 - len(mismatches),
-        output_mismatches=mismatches, output_ties={}, outputs=outputs, engine_equals_offline=16, compared="all",
+        output_mismatches=mismatches, outputs=outputs, engine_equals_offline=16, compared="all",
         start_seconds={},
         matched=MatchedAcceptance(prompts=16, offline_tau=tau, engine_tau=engine_tau,
                                   relative_gap=relative_gap(tau, engine_tau)),

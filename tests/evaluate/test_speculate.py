@@ -105,3 +105,36 @@ def test_refuses_a_drafter_for_other_layers(trained_drafter: Any, target_model: 
             speculative_generate(trained_drafter, other, [1, 2, 3], 4)
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("at", [0, 5])
+def test_compared_with_a_reference_the_loop_is_teacher_forced_past_a_near_tie(
+        at: int, trained_drafter: Any, hooked_target: Any, target_model: Any,
+        heldout_prompts: list[list[int]]) -> None:
+    """A reference that takes the target's runner-up token at position `at` (as a bfloat16 rounding flip would):
+    the loop records one near-tie there, commits the reference's token, and then decodes exactly the
+    reference's continuation, every later position compared."""
+    from dflash_shared.lossless import NumericsPolicy
+    from dflash_train.speculate import Reference, greedy_with_logprobs
+
+    prompt = heldout_prompts[0]
+    plain = greedy_with_logprobs(target_model, prompt, NEW_TOKENS, ef.STOP_IDS)
+    runner_up = sorted(plain.logprobs[at], key=plain.logprobs[at].__getitem__)[0]
+    assert runner_up != plain.tokens[at]
+    tail = greedy_with_logprobs(target_model, [*prompt, *plain.tokens[:at], runner_up], NEW_TOKENS - at - 1,
+                                ef.STOP_IDS)
+    flipped = {runner_up: plain.logprobs[at][plain.tokens[at]], plain.tokens[at]: plain.logprobs[at][runner_up]}
+    reference = Reference(tokens=[*plain.tokens[:at], runner_up, *tail.tokens],
+                          logprobs=[*plain.logprobs[:at], flipped, *tail.logprobs])
+    wide = NumericsPolicy(dtype="bfloat16", tie_margin=100.0, max_parted_fraction=1.0)
+    result = speculative_generate(trained_drafter, hooked_target, prompt, NEW_TOKENS, ef.STOP_IDS, 8,
+                                  reference=reference, policy=wide, prompt_id="p0")
+    assert result.tokens == reference.tokens
+    (parting,) = result.partings
+    assert (parting.index, parting.speculative_token, parting.plain_token, parting.tie) == (
+        at, plain.tokens[at], runner_up, True)
+    assert parting.speculative_margin is not None and parting.speculative_margin > 0
+    # The same reference under float32's policy: a difference, and the loop decodes on by its own argmax.
+    exact = speculative_generate(trained_drafter, hooked_target, prompt, NEW_TOKENS, ef.STOP_IDS, 8,
+                                 reference=reference, policy=NumericsPolicy.at("float32"), prompt_id="p0")
+    assert exact.tokens == plain.tokens and [p.tie for p in exact.partings] == [False]

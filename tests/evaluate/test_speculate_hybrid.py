@@ -152,8 +152,9 @@ def test_hybrid_evaluation_is_lossless_and_committed(hybrid_offline_run: Any) ->
 
 
 def test_a_lossless_mismatch_fails_the_evaluation(hybrid_offline_run: Any, tmp_path: Path) -> None:
-    """A report with mismatching prompts exits 65 naming them, and commits no manifest."""
+    """A report whose check found a difference exits 65 naming prompt, position and margins; commits nothing."""
     from dflash_shared.errors import BadInputError, exit_code_for
+    from dflash_shared.lossless import Parting
     from dflash_shared.storage import ObjectStore
     from dflash_train.evaluate import commit
     from dflash_train.evaluate_config import EvaluateConfig
@@ -161,16 +162,21 @@ def test_a_lossless_mismatch_fails_the_evaluation(hybrid_offline_run: Any, tmp_p
     store = hybrid_offline_run.store
     loaded = load_manifest(store, hybrid_offline_run.evaluation, Kind.evaluation)
     report = OfflineReport.model_validate_json(store.read_bytes(loaded.manifest.shards[0].uri))
-    bad = report.model_copy(update={"lossless_mismatches": [report.results[0].id, report.results[3].id]})
+    assert report.lossless is not None
+    wrong = Parting(prompt_id=report.results[3].id, index=7, speculative_token=11, plain_token=12,
+                    speculative_margin=-0.05, plain_margin=0.05, tie=False)
+    bad = report.model_copy(update={"lossless": report.lossless.model_copy(update={"partings": [wrong]})})
     drafter = load_manifest(store, hybrid_offline_run.drafter, Kind.drafter)
     prompts = load_manifest(store, hybrid_offline_run.prompts, Kind.prompts)
     out = str(tmp_path / "evaluation")
     config = EvaluateConfig(drafter=hybrid_offline_run.export, prompts=hybrid_offline_run.prompts,
                             target="unused", output=out)
-    with pytest.raises(BadInputError, match="not lossless: 2 of 16") as err:
+    with pytest.raises(BadInputError, match="exported drafter. is not lossless: greedy output with speculative "
+                                            "decoding differs from output without it on 1/16 prompts") as err:
         commit(config, ObjectStore(), bad, drafter, prompts, loaded.manifest.accounting,
                loaded.manifest.section.target)
-    assert report.results[0].id in str(err.value) and report.results[3].id in str(err.value)
+    assert f"prompt {report.results[3].id} at token 7: speculative 11, plain 12 (speculative margin -0.05 nats, " \
+           "plain margin 0.05 nats)" in str(err.value)
     assert int(exit_code_for(err.value)) == 65
     assert not (tmp_path / "evaluation" / "manifest.json").exists()
     assert (tmp_path / "evaluation" / "evaluation.json").exists()  # the report is kept for diagnosis

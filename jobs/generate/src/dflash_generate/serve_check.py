@@ -8,11 +8,14 @@ run's tokenized data, which training never read; the committed manifest keeps th
    generating greedily on the same prompts; acceptance is read from the engine's own counters
    (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
    `_num_accepted_tokens_per_pos`, as deltas over this generation): engine tau = 1 + accepted / drafts;
-2. without speculation, on the same prompts, with the plain engine's top two log-probabilities per token: the
-   outputs must be identical under serve_equivalence's policy: token for token in float32; in bfloat16 they
-   may part where the plain engine's top two are within `tie_margin` nats (a verification pass over B tokens
-   rounds differently from a one-token step), on at most `max_tie_fraction` of the prompts. A failure names
-   the first parting (prompt id, token index, both tokens, the margin).
+2. without speculation, on the same prompts. Both runs return their top log-probabilities per token, and the
+   outputs are held to the numerics policy of `dflash_shared.lossless` (the one the offline evaluation uses):
+   token for token in float32; in bfloat16 a parting is a rounding flip only where BOTH runs show a near-tie in
+   their own log-probabilities (each run's token its own best, the other's within `tie_margin` nats). Past such
+   a parting the comparison goes on teacher-forced: the speculative engine is asked again with the plain run's
+   prefix up to and including its token, so every later position is compared too; at most
+   `max_parted_fraction` of the compared positions may part. A failure names prompt, position, both tokens
+   and both margins.
 
 The engine runs at the offline evaluation's dtype unless this vLLM build runs the target in one dtype only:
 vLLM's CPU build runs hybrid (Gated DeltaNet) targets in bfloat16 only, while an offline evaluation on CPU
@@ -44,10 +47,20 @@ from pydantic_settings import SettingsConfigDict
 
 from dflash_generate.engine import EngineConfig, engine_flavour, only_dtype
 from dflash_generate.model_source import ModelFiles, ModelSource
-from dflash_generate.serve_equivalence import Decoded, OutputComparison, OutputPolicy, compare
 from dflash_generate.target import TargetInfo, read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
+from dflash_shared.lossless import (
+    TOP_LOGPROBS,
+    Comparing,
+    Equivalence,
+    NumericsPolicy,
+    NumericsSettings,
+    Parting,
+    Step,
+    first_difference,
+    judge,
+)
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
 from dflash_shared.progress import Progress
@@ -62,7 +75,7 @@ OFFLINE_REPORT_NAME = "evaluation.json"
 METRIC_PREFIX = "vllm:spec_decode_"
 
 
-class ServeCheckConfig(StageSettings):
+class ServeCheckConfig(StageSettings, NumericsSettings):
     """Settings of `dflash-generate serve-check` (flags, DFLASH_SERVE_CHECK_* variables)."""
 
     model_config = SettingsConfigDict(env_prefix="DFLASH_SERVE_CHECK_")
@@ -75,15 +88,6 @@ class ServeCheckConfig(StageSettings):
     )
     require_identical_outputs: bool = Field(
         default=True, description="Fail when greedy output with speculation differs from output without it."
-    )
-    tie_margin: float = Field(
-        default=0.25, ge=0, description="Engine in bfloat16/float16: outputs that part where the plain engine's top "
-        "two log-probabilities are within this many nats count as a near-tie (rounding), not a difference; 0 = only "
-        "exact ties. float32 requires identical outputs.",
-    )
-    max_tie_fraction: float = Field(
-        default=0.25, ge=0, le=1, description="Engine in bfloat16/float16: largest share of prompts whose outputs "
-        "may part at a near-tie.",
     )
     min_matched_fraction: float = Field(
         default=0.5, ge=0, le=1, description="Engine at another dtype than the offline evaluation: least share of "
@@ -184,11 +188,12 @@ class ServeCheckReport(BaseModel):
     prompt_split: str | None = Field(
         default=None, description="Which prompts: the offline evaluation's (heldout by default).")
     outputs_identical: int = Field(description="Prompts whose speculative and plain outputs are equal.")
-    output_mismatches: list[str] = Field(description="Ids of prompts whose two engine outputs differ.")
-    output_ties: dict[str, float] = Field(
-        description="Prompts whose outputs part at a tie: id -> the plain engine's top-two margin (nats) there.")
-    outputs: OutputComparison = Field(
-        description="The policy the outputs were held to and every prompt's first parting (serve_equivalence).")
+    output_mismatches: list[str] = Field(
+        description="Ids of prompts whose two engine outputs differ beyond the numerics policy.")
+    outputs: Equivalence = Field(
+        description="The policy the outputs were held to, positions compared and every parting (lossless.py).")
+    forced_rounds: int = Field(
+        default=0, description="Teacher-forced requests rounds the comparison took past near-ties.")
     engine_equals_offline: int = Field(description="Prompts where the engine reproduced the offline output.")
     matched: MatchedAcceptance = Field(description="Acceptance over the prompts both sides decoded alike.")
     compared: Literal["all", "matched"] = Field(
@@ -269,21 +274,72 @@ def generate(llm: Any, report: OfflineReportView, logprobs: int | None = None, l
     with Progress(total=len(prompts), unit="prompts", desc=f"serve-check {label}".rstrip()) as progress:
         for start in range(0, len(prompts), size):
             for o in llm.generate(prompts[start : start + size], params, use_tqdm=False):
-                completion = o.outputs[0]
-                metrics = getattr(completion, "spec_decode_metrics", None)  # per_request_spec_decode_metrics
-                top = None if completion.logprobs is None else [
-                    {int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
-                out.append(Generated(token_ids=list(completion.token_ids), top_logprobs=top,
-                                     accepted=None if metrics is None else list(metrics.per_step_accepted)))
-                progress.update(1, tokens=len(completion.token_ids))
+                out.append(_generated(o))
+                progress.update(1, tokens=len(out[-1].token_ids))
     return out
 
 
-def compare_outputs(report: OfflineReportView, spec: list[Generated], plain: list[Generated],
-                    policy: OutputPolicy) -> OutputComparison:
-    """Speculative against plain outputs, prompt by prompt, under the dtype's policy (serve_equivalence)."""
-    return compare((Decoded(r.id, a.token_ids, b.token_ids, b.top_logprobs)
-                    for r, a, b in zip(report.results, spec, plain, strict=True)), policy)
+def _generated(request_output: Any) -> Generated:
+    """A vLLM RequestOutput as a Generated: tokens, top log-probabilities, per-step acceptance when speculative."""
+    completion = request_output.outputs[0]
+    metrics = getattr(completion, "spec_decode_metrics", None)  # per_request_spec_decode_metrics
+    top = None if completion.logprobs is None else [
+        {int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
+    return Generated(token_ids=list(completion.token_ids), top_logprobs=top,
+                     accepted=None if metrics is None else list(metrics.per_step_accepted))
+
+
+def _step(output: Generated, index: int) -> Step:
+    """One engine output's token and own top log-probabilities at `index` (token None past its end)."""
+    if index >= len(output.token_ids):
+        return Step(None, None)
+    logprobs = output.top_logprobs[index] if output.top_logprobs and index < len(output.top_logprobs) else None
+    return Step(output.token_ids[index], logprobs)
+
+
+def forced_comparison(llm: Any, report: OfflineReportView, plain: list[Generated], speculative: list[Generated],
+                      policy: NumericsPolicy) -> tuple[Equivalence, int]:
+    """Speculative against plain outputs under the policy, teacher-forced past near-ties (lossless.py): after a
+    near-tie at position i the speculative engine continues from the prompt + plain[: i + 1] and is compared
+    from i + 1 on. Returns the comparison and the forced rounds (batched requests) it took."""
+    partings: list[list[Parting]] = [[] for _ in plain]
+    # Prompt index -> (where in the plain output the speculative continuation starts, the continuation).
+    pending = {i: (0, out) for i, out in enumerate(speculative)}
+    rounds = 0
+    while pending:
+        forced: dict[int, int] = {}
+        for i, (offset, continuation) in pending.items():
+            at = first_difference(continuation.token_ids, plain[i].token_ids[offset:])
+            if at is None:
+                continue
+            index = offset + at
+            parting = judge(report.results[i].id, index, _step(continuation, at), _step(plain[i], index), policy)
+            partings[i].append(parting)
+            if parting.tie and index + 1 < len(plain[i].token_ids):
+                forced[i] = index + 1
+        if not forced:
+            break
+        rounds += 1
+        outputs = generate_continuations(llm, report, {i: plain[i].token_ids[:k] for i, k in forced.items()})
+        pending = {i: (forced[i], out) for i, out in outputs.items()}
+    comparing = Comparing(policy)
+    for i, out in enumerate(plain):
+        comparing.add(len(out.token_ids), partings[i])
+    return comparing.result(), rounds
+
+
+def generate_continuations(llm: Any, report: OfflineReportView, prefixes: dict[int, list[int]]) -> dict[int, Generated]:
+    """Greedy continuations (with top log-probabilities) of prompt i + prefixes[i], within the offline budget."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    order = sorted(prefixes)
+    prompts = [TokensPrompt(prompt_token_ids=[*report.results[i].prompt_token_ids, *prefixes[i]]) for i in order]
+    params = [SamplingParams(temperature=0.0, max_tokens=report.max_new_tokens - len(prefixes[i]),
+                             stop_token_ids=report.stop_token_ids, detokenize=False, logprobs=TOP_LOGPROBS)
+              for i in order]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return {i: _generated(o) for i, o in zip(order, outs, strict=True)}
 
 
 def matched_acceptance(report: OfflineReportView, spec: list[Generated]) -> MatchedAcceptance:
@@ -356,38 +412,74 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
             if have != getattr(target_id, name):
                 raise BadInputError(f"target {config.target}: {name} {have} differs from the evaluation's "
                                     f"{getattr(target_id, name)}")
-        target, flavour = read_target(target_dir), engine_flavour()
-        dtype = engine_dtype(config.dtype, report.dtype, target, flavour)
-        longest = max(len(r.prompt_token_ids) for r in report.results)
-        engine = EngineConfig(
-            model=target_dir, dtype=dtype,  # type: ignore[arg-type]
-            max_model_len=config.max_model_len or longest + report.max_new_tokens + report.block_size + 16,
-            tensor_parallel_size=config.tensor_parallel_size, gpu_memory_utilization=config.gpu_memory_utilization,
-            enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
-        ).for_target(target, flavour)  # a hybrid target on CPU: no prefix cache
-        speculative = {"method": "dflash", "model": _export_dir(store, export_uri, scratch),
-                       "num_speculative_tokens": report.block_size - 1}
-        with started_engine(engine, speculative) as (llm, spec_start):
-            before = spec_counters(llm.get_metrics())
-            spec_outputs = generate(llm, report, label="speculative")
-            acceptance = engine_acceptance(before, spec_counters(llm.get_metrics()))
+        engine = engine_config(config, report, target_dir)
+        speculative = speculative_config(_export_dir(store, export_uri, scratch), report)
+        policy = config.numerics_policy(engine.dtype)
+        # Plain first: the speculative engine, started second, continues along the plain outputs past near-ties.
         with started_engine(engine, None) as (llm, plain_start):
-            plain_outputs = generate(llm, report, logprobs=2, label="plain")  # top two: how close a parting was
-    outputs = compare_outputs(report, spec_outputs, plain_outputs,
-                              OutputPolicy.at(dtype, config.tie_margin, config.max_tie_fraction))
-    matched = matched_acceptance(report, spec_outputs)
-    check = ServeCheckReport(
+            plain_outputs = generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
+        with started_engine(engine, speculative) as (llm, spec_start):
+            served = speculative_pass(llm, report, plain_outputs, policy)
+    check = check_report(config, report, engine.dtype, served, {"speculative": spec_start, "plain": plain_start})
+    return commit(config, store, check, offline, drafter)
+
+
+def engine_config(config: ServeCheckConfig, report: OfflineReportView, target_dir: str) -> EngineConfig:
+    """The engine both runs share: the offline evaluation's dtype (or the engine's only one), its budget."""
+    target, flavour = read_target(target_dir), engine_flavour()
+    dtype = engine_dtype(config.dtype, report.dtype, target, flavour)
+    longest = max(len(r.prompt_token_ids) for r in report.results)
+    return EngineConfig(
+        model=target_dir, dtype=dtype,  # type: ignore[arg-type]
+        max_model_len=config.max_model_len or longest + report.max_new_tokens + report.block_size + 16,
+        tensor_parallel_size=config.tensor_parallel_size, gpu_memory_utilization=config.gpu_memory_utilization,
+        enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
+    ).for_target(target, flavour)  # a hybrid target on CPU: no prefix cache
+
+
+def speculative_config(export_dir: str, report: OfflineReportView) -> dict[str, Any]:
+    """vLLM's speculative_config for the export at the offline evaluation's block size."""
+    return {"method": "dflash", "model": export_dir, "num_speculative_tokens": report.block_size - 1}
+
+
+class SpeculativePass(BaseModel):
+    """What the speculative engine did: its acceptance counters, outputs and their comparison with plain."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    acceptance: EngineAcceptance
+    outputs: list[Generated]
+    comparison: Equivalence
+    forced_rounds: int
+
+
+def speculative_pass(llm: Any, report: OfflineReportView, plain: list[Generated],
+                     policy: NumericsPolicy) -> SpeculativePass:
+    """Generate the report's prompts with the speculative engine (counters read around it), then compare with
+    the plain outputs, teacher-forced past near-ties."""
+    before = spec_counters(llm.get_metrics())
+    outputs = generate(llm, report, logprobs=TOP_LOGPROBS, label="speculative")
+    acceptance = engine_acceptance(before, spec_counters(llm.get_metrics()))
+    comparison, rounds = forced_comparison(llm, report, plain, outputs, policy)
+    return SpeculativePass(acceptance=acceptance, outputs=outputs, comparison=comparison, forced_rounds=rounds)
+
+
+def check_report(config: ServeCheckConfig, report: OfflineReportView, dtype: str, served: SpeculativePass,
+                 start_seconds: dict[str, float]) -> ServeCheckReport:
+    """The serve-check.json content of a speculative pass against the offline evaluation."""
+    matched = matched_acceptance(report, served.outputs)
+    outputs, acceptance = served.comparison, served.acceptance
+    return ServeCheckReport(
         dtype=dtype, offline_dtype=report.dtype, num_speculative_tokens=report.block_size - 1,
         offline_tau=report.trained.tau, engine=acceptance, max_tau_gap=config.max_tau_gap,
         relative_gap=relative_gap(report.trained.tau, acceptance.tau), prompts=len(report.results),
         prompt_split=report.prompt_split,
-        outputs_identical=outputs.identical, output_mismatches=[p.prompt_id for p in outputs.mismatches],
-        output_ties={p.prompt_id: p.margin for p in outputs.ties if p.margin is not None}, outputs=outputs,
+        outputs_identical=outputs.identical, output_mismatches=sorted({p.prompt_id for p in outputs.mismatches}),
+        outputs=outputs, forced_rounds=served.forced_rounds,
         engine_equals_offline=matched.prompts, matched=matched,
         compared="all" if dtype == report.dtype else "matched",
-        start_seconds={"speculative": spec_start, "plain": plain_start},
+        start_seconds=start_seconds,
     )
-    return commit(config, store, check, offline, drafter)
 
 
 def tau_failure(check: ServeCheckReport, min_matched_fraction: float) -> str | None:
@@ -416,18 +508,18 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
     store.write_bytes(report_uri, data)
     m = check.matched
     log.info("engine tau %.3f (%s) vs offline tau %.3f (%s): gap %.1f%%, %d drafts; over the %d/%d prompts decoded "
-             "alike: %s vs %s; outputs identical %d/%d, %d part at a near-tie (%s)", check.engine.tau, check.dtype,
-             check.offline_tau, check.offline_dtype, 100 * check.relative_gap, check.engine.drafts, m.prompts,
-             check.prompts, m.engine_tau, m.offline_tau, check.outputs_identical, check.prompts,
-             len(check.outputs.ties), check.outputs.policy.describe())
+             "alike: %s vs %s; outputs: %s", check.engine.tau, check.dtype, check.offline_tau, check.offline_dtype,
+             100 * check.relative_gap, check.engine.drafts, m.prompts, check.prompts, m.engine_tau, m.offline_tau,
+             check.outputs.summary())
+    # Outputs first: an engine that is not lossless makes any acceptance figure meaningless.
+    different = check.outputs.failure()
+    if config.require_identical_outputs and different:
+        raise BadInputError(f"{different}; report: {report_uri}")
     failure = tau_failure(check, config.min_matched_fraction)
     if failure:
         raise BadInputError(f"{failure}: training and serving disagree (layer ids, masks, positions, template?); "
                             f"engine per position {[round(a, 3) for a in check.engine.acceptance_per_position]}; "
                             f"report: {report_uri}")
-    different = check.outputs.failure()
-    if config.require_identical_outputs and different:
-        raise BadInputError(f"{different}; report: {report_uri}")
     section = offline.manifest.section.model_copy(update={"engine_tau": check.engine.tau})
     shards = [*offline.manifest.shards,
               Shard(uri=report_uri, bytes=len(data), sha256=store.sha256(report_uri), records=check.prompts)]

@@ -10,15 +10,18 @@ The drafter is loaded FROM ITS EXPORT (what the engines will load), the target f
 every prompt is decoded greedily by the offline speculative loop (`speculate`). Reported:
 mean acceptance length tau (pooled over all verification steps, as an engine counts it), its histogram,
 acceptance per block position (fraction of steps whose draft was accepted at least that far), tokens per
-target forward; beside them an untrained drafter of the same shape on the first prompts, the per-position
-accuracies that training logged, and a losslessness check (loop output == the target's own greedy output)
-on the first prompts.
+target forward, tau by context position (buckets of `position_bucket_tokens`: does acceptance hold up on long
+contexts?); beside them an untrained drafter of the same shape on the first prompts, the per-position
+accuracies that training logged, and a losslessness check on the first prompts: the loop's output against the
+target's own greedy output under the numerics policy of `dflash_shared.lossless` (exact in float32; in
+bfloat16 partings only at near-ties that both runs show, teacher-forced past them), for the trained and the
+untrained drafter alike.
 
 Output: `<output>/evaluation.json` (the full report, including the prompts' token ids, which the serving
 check replays in the engine) and `<output>/manifest.json` (kind evaluation, engine_tau None), written
-last. A tau below `min_tau`, or any prompt whose speculative output differs from the target's own greedy
-output, fails the run with BadInputError (exit 65) after the report is written, and no manifest is
-committed: a loop that is not lossless measures a tau that no engine would reproduce.
+last. A tau below `min_tau`, or outputs that break the numerics policy (a parting that is not a near-tie, or
+more near-tie partings than rounding explains), fail the run with BadInputError (exit 65) after the report is
+written, and no manifest is committed: a loop that is not lossless measures a tau that no engine would reproduce.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import os
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_shared.errors import BadInputError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
+from dflash_shared.lossless import Comparing, Equivalence
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, EvaluationSection, Kind, Manifest, Shard
 from dflash_shared.progress import Progress
@@ -64,6 +68,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class PositionBucket(_Frozen):
+    """Acceptance of the steps that drafted at context lengths within one bucket."""
+
+    tau: float = Field(description="Mean acceptance length of the bucket's steps.")
+    steps: int = Field(description="Verification steps in the bucket.")
+
+
 class Acceptance(_Frozen):
     """Acceptance statistics of one drafter over a set of decoded prompts."""
 
@@ -76,6 +87,9 @@ class Acceptance(_Frozen):
     target_forwards: int = Field(description="Target passes: one prefill per prompt plus one per step.")
     tokens_per_target_forward: float = Field(description="generated_tokens / target_forwards.")
     prompts: int = Field(description="Prompts decoded.")
+    by_position: dict[str, PositionBucket] = Field(
+        default_factory=dict, description="Acceptance by the context length at which each step drafted, e.g. "
+        "'0-4K', '4K-8K' (prompt + tokens generated before the step).")
 
 
 class PromptResult(_Frozen):
@@ -111,13 +125,42 @@ class OfflineReport(_Frozen):
     training_acceptance_per_position: list[float] = Field(description="Per-slot accuracy logged by training.")
     training_expected_tau: float | None = Field(description="tau implied by the training accuracies.")
     lossless_checked: int = Field(description="Prompts also decoded by the target alone.")
-    lossless_mismatches: list[str] = Field(description="Ids of prompts whose outputs differed (should be none).")
+    lossless_mismatches: list[str] = Field(
+        description="Ids of prompts whose outputs differ beyond the numerics policy (should be none).")
+    lossless: Equivalence | None = Field(
+        default=None, description="The exported drafter's output against the target's greedy output (lossless.py).")
+    lossless_untrained: Equivalence | None = Field(
+        default=None, description="The same check for the untrained drafter on its prompts.")
     results: list[PromptResult] = Field(description="Per-prompt outputs and acceptance.")
     prompt_sets: dict[str, PromptSetReport] = Field(default_factory=dict, description="Per user prompt set.")
 
 
-def summarize(results: Sequence[Any], block_size: int) -> Acceptance:
-    """Acceptance statistics of SpeculativeResults (or anything with tokens/accepted/target_forwards)."""
+def bucket_name(position: int, width: int) -> str:
+    """'0-4K', '4K-8K', ... for width 4096 (plain token counts for widths that are not multiples of 1024)."""
+    lo, hi = position // width * width, (position // width + 1) * width
+
+    def k(n: int) -> str:
+        return "0" if n == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+    return f"{k(lo)}-{k(hi)}"
+
+
+def by_position(results: Sequence[Any], prompt_lengths: Sequence[int], width: int) -> dict[str, PositionBucket]:
+    """Acceptance per context-length bucket: a step drafts at (prompt + tokens committed before it)."""
+    steps: dict[int, list[int]] = {}
+    for result, prompt_length in zip(results, prompt_lengths, strict=True):
+        position = prompt_length + 1  # the prefill commits the first token
+        for n in result.accepted:
+            steps.setdefault(position // width, []).append(n)
+            position += n + 1
+    return {bucket_name(b * width, width): PositionBucket(tau=1.0 + sum(ns) / len(ns), steps=len(ns))
+            for b, ns in sorted(steps.items())}
+
+
+def summarize(results: Sequence[Any], block_size: int, prompt_lengths: Sequence[int] | None = None,
+              bucket_tokens: int = 4096) -> Acceptance:
+    """Acceptance statistics of SpeculativeResults (or anything with tokens/accepted/target_forwards); with the
+    prompts' lengths also by context position."""
     accepted = [n for r in results for n in r.accepted]
     steps = len(accepted)
     generated = sum(len(r.tokens) for r in results)
@@ -134,6 +177,7 @@ def summarize(results: Sequence[Any], block_size: int) -> Acceptance:
         target_forwards=forwards,
         tokens_per_target_forward=generated / forwards if forwards else 0.0,
         prompts=len(results),
+        by_position={} if prompt_lengths is None else by_position(results, prompt_lengths, bucket_tokens),
     )
 
 
@@ -144,6 +188,13 @@ def training_accuracies(final_metrics: dict[str, float]) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------ inputs
+
+
+def _progress(items: list[Any], desc: str) -> Iterator[Any]:
+    with Progress(total=len(items), unit="prompts", desc=desc) as progress:
+        for item in items:
+            yield item
+            progress.update(1)
 
 
 def local_dir(store: ObjectStore, uri: str, scratch: str, name: str) -> str:
@@ -205,7 +256,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
     from dflash_train.export import load_export_dir
     from dflash_train.loss import expected_acceptance_length
     from dflash_train.model import DFlashDrafter
-    from dflash_train.speculate import HookedTarget, greedy_reference, speculative_generate
+    from dflash_train.speculate import HookedTarget, greedy_with_logprobs, speculative_generate
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -220,29 +271,47 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
     block = config.block_size or cfg.block_size
     stop = stop_token_ids(model)
 
-    def decode(which: Any, items: list[tuple[str, list[int]]], label: str) -> list[Any]:
-        out = []
+    policy = config.numerics_policy(str(dtype).removeprefix("torch."))
+    checked = prompts[: config.lossless_prompts]
+    # The target's own greedy outputs of the checked prompts, with their log-probabilities: each checked
+    # prompt's speculative decode is compared with it as it goes (teacher-forced past near-ties).
+    references = [greedy_with_logprobs(model, ids, config.max_new_tokens, stop)
+                  for _, ids in _progress(checked, "evaluate greedy reference")]
+
+    def decode(which: Any, items: list[tuple[str, list[int]]], label: str,
+               checked_against: Sequence[Any] = ()) -> tuple[list[Any], Equivalence]:
+        """Speculative outputs of `items`; the first ones compared with `checked_against` (their references)."""
+        out, comparing = [], Comparing(policy)
         with Progress(total=len(items), unit="prompts", desc=f"evaluate {label} drafter") as progress:
-            for _, ids in items:
-                result = speculative_generate(which, target, ids, config.max_new_tokens, stop, block)
+            for i, (rid, ids) in enumerate(items):
+                reference = checked_against[i] if i < len(checked_against) else None
+                result = speculative_generate(which, target, ids, config.max_new_tokens, stop, block,
+                                              reference=reference, policy=policy, prompt_id=rid)
+                if reference is not None:
+                    comparing.add(len(reference.tokens), result.partings)
                 out.append(result)
                 progress.update(1, tokens=len(result.tokens))
-        return out
+        return out, comparing.result()
 
-    results = decode(drafter, prompts, "exported")
-    untrained = None
+    def acceptance(results: list[Any], items: list[tuple[str, list[int]]]) -> Acceptance:
+        return summarize(results, block, [len(ids) for _, ids in items], config.position_bucket_tokens)
+
+    results, lossless = decode(drafter, prompts, "exported", references)
+    untrained = lossless_untrained = None
     if config.baseline_prompts:
         torch.manual_seed(config.seed)
         baseline = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
-        untrained = summarize(decode(baseline, prompts[: config.baseline_prompts], "untrained"), block)
-    mismatches = []
-    checked = prompts[: config.lossless_prompts]
-    for (rid, ids), result in zip(checked, results, strict=False):
-        if greedy_reference(model, ids, config.max_new_tokens, stop) != result.tokens:
-            log.error("prompt %s: speculative output differs from the target's greedy output", rid)
-            mismatches.append(rid)
+        items = prompts[: config.baseline_prompts]
+        baseline_results, lossless_untrained = decode(baseline, items, "untrained", references)
+        untrained = acceptance(baseline_results, items)
+    for name, one in (("exported", lossless), ("untrained", lossless_untrained)):
+        if one is not None and one.prompts:
+            log.info("lossless check, %s drafter: %s", name, one.summary())
+        for parting in one.mismatches if one is not None else ():
+            log.error("%s drafter: %s", name, parting.describe())
     per_set = {name: PromptSetReport(uri=picked.uri, bad_lines=picked.bad_lines,
-                                     acceptance=summarize(decode(drafter, picked.prompts, f"{name}: exported"), block))
+                                     acceptance=acceptance(decode(drafter, picked.prompts, f"{name}: exported")[0],
+                                                           picked.prompts))
                for name, picked in (sets or {}).items()}
     accuracies = training_accuracies(final_metrics)
     return OfflineReport(
@@ -252,12 +321,14 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
         dtype=str(dtype).removeprefix("torch."),
         drafter_export=export_uri,
         prompt_split=split,
-        trained=summarize(results, block),
+        trained=acceptance(results, prompts),
         untrained=untrained,
         training_acceptance_per_position=accuracies,
         training_expected_tau=expected_acceptance_length(accuracies) if accuracies else None,
         lossless_checked=len(checked),
-        lossless_mismatches=mismatches,
+        lossless_mismatches=sorted({p.prompt_id for p in lossless.mismatches}),
+        lossless=lossless,
+        lossless_untrained=lossless_untrained,
         results=[PromptResult(id=rid, prompt_token_ids=ids, output_token_ids=r.tokens, accepted=r.accepted)
                  for (rid, ids), r in zip(prompts, results, strict=True)],
         prompt_sets=per_set,
@@ -324,12 +395,11 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, dr
                  got.prompts, got.steps, len(result.bad_lines), result.uri)
         metrics.update({f"tau_{name}": got.tau, f"prompts_{name}": got.prompts,
                         f"bad_lines_{name}": len(result.bad_lines)})
-    if report.lossless_mismatches:
-        raise BadInputError(
-            f"the speculative loop is not lossless: {len(report.lossless_mismatches)} of {report.lossless_checked}"
-            f" checked prompts decode differently from the target's own greedy output "
-            f"({', '.join(report.lossless_mismatches)}); its tau would not match an engine's. Report: {report_uri}"
-        )
+    for name, check in (("exported", report.lossless), ("untrained", report.lossless_untrained)):
+        failure = check.failure() if check is not None else None
+        if failure:
+            raise BadInputError(f"the speculative loop ({name} drafter) is not lossless: {failure}; its tau would "
+                                f"not match an engine's. Report: {report_uri}")
     if trained.tau < config.min_tau:
         raise BadInputError(
             f"offline acceptance length tau {trained.tau:.3f} is below min_tau {config.min_tau} (untrained "

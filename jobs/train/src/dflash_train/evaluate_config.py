@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from dflash_shared.lossless import NumericsSettings
 from dflash_shared.settings import StageSettings
 from dflash_train.eval_prompts import check_names
 
@@ -40,7 +41,7 @@ class ExportConfig(StageSettings):
     )
 
 
-class EvaluateConfig(StageSettings):
+class EvaluateConfig(StageSettings, NumericsSettings):
     """Acceptance of an exported drafter on held-out prompts with the offline speculative loop."""
 
     model_config = SettingsConfigDict(env_prefix="DFLASH_EVALUATE_")
@@ -87,7 +88,12 @@ class EvaluateConfig(StageSettings):
         default=8, ge=0, description="Prompts also decoded with an untrained drafter of the same shape (0 = off)."
     )
     lossless_prompts: int = Field(
-        default=2, ge=0, description="Prompts also decoded by the target alone, to confirm identical output."
+        default=16, ge=0, description="Prompts also decoded by the target alone: the loop's output (and the "
+        "untrained drafter's) is compared with it position by position under the numerics policy.",
+    )
+    position_bucket_tokens: int = Field(
+        default=4096, ge=1,
+        description="Width of the context-length buckets tau is also reported by (0-4K, 4K-8K, ...).",
     )
     seed: int = Field(default=0, description="Seed of the untrained baseline drafter.")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where to run; auto prefers CUDA.")

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from dflash_shared.lossless import TOP_LOGPROBS, NumericsPolicy, Parting, Step, judge
 from dflash_train.attention import build_drafter_mask
 from dflash_train.model import DFlashDrafter
 
@@ -51,6 +52,8 @@ class SpeculativeResult:
     block_size: int
     # Extra target forwards that rebuilt a linear-attention state after a partial acceptance (hybrid targets).
     state_replays: int = 0
+    # Where the output parted from a reference it was compared with (`speculative_generate(reference=...)`).
+    partings: list[Parting] = field(default_factory=list)
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -70,11 +73,10 @@ class HookedTarget:
         self.config = model.config
         layers = model.get_decoder().layers
         self.layer_ids = [int(i) for i in layer_ids]
-        for layer_id in self.layer_ids:
-            if not 0 <= layer_id <= len(layers) - 2:
-                raise ValueError(
-                    f"target layer id {layer_id} outside 0..{len(layers) - 2} for a {len(layers)}-layer target"
-                )
+        # Ids 0..N-1 where the serving engine captures the last layer's output, else 0..N-2.
+        from dflash_train.drafter_config import check_target_layer_ids
+
+        check_target_layer_ids(self.config, self.layer_ids, len(layers))
         self._captured: dict[int, torch.Tensor] = {}
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
         self.embed_tokens: nn.Module = model.get_input_embeddings()
@@ -130,8 +132,10 @@ class HookedTarget:
             cache.layers[layer_idx].recurrent_states[state_idx].copy_(tensor)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, cache: Any, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax per kept position [T'], concatenated layer outputs [T, n*H]) for ids [T] after the cache."""
+    def forward_logits(
+        self, ids: torch.Tensor, cache: Any, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits per kept position [T', V], concatenated layer outputs [T, n*H]) for ids [T] after the cache."""
         self._captured = {}
         out = self.model(
             input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
@@ -141,7 +145,12 @@ class HookedTarget:
             raise RuntimeError(f"forward hooks did not fire for target layers {missing}")
         features = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
         self._captured = {}
-        return out.logits[0].argmax(dim=-1), features
+        return out.logits[0], features
+
+    def forward(self, ids: torch.Tensor, cache: Any, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(argmax per kept position [T'], concatenated layer outputs [T, n*H]) for ids [T] after the cache."""
+        logits, features = self.forward_logits(ids, cache, logits_to_keep)
+        return logits.argmax(dim=-1), features
 
 
 @dataclass
@@ -227,6 +236,67 @@ def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> t
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+def top_logprobs(logits: torch.Tensor, also: int | None = None, k: int = TOP_LOGPROBS) -> dict[int, float]:
+    """The k best log-probabilities of one position's logits [V] (float32), plus token `also`'s, as an engine
+    returns them (vLLM's logprobs=k gives the top k and the sampled token)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(k)
+    out = {int(t): float(v) for t, v in zip(ids.tolist(), values.tolist(), strict=True)}
+    if also is not None:
+        out[int(also)] = float(logprobs[also])
+    return out
+
+
+def greedy_verifier(draft: torch.Tensor, logits: torch.Tensor) -> int:
+    """Draft tokens accepted: the longest run of draft[k] == argmax(logits[k]) from k = 0 (exact greedy)."""
+    matches = draft == logits[:-1].argmax(dim=-1)
+    return int(torch.cumprod(matches.to(torch.long), dim=0).sum())
+
+
+class Verifier(Protocol):
+    """Accepted count of a step: draft [B-1] against the verification logits [B, V] of [last, *draft]."""
+
+    def __call__(self, draft: torch.Tensor, logits: torch.Tensor) -> int: ...
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The target's own greedy output of a prompt, with its top log-probabilities at every position."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+
+
+class _Forcing:
+    """Teacher-forces the loop along a reference (lossless.py): each committed token is compared with the
+    reference's; at a near-tie the reference's token is committed instead and the comparison goes on; at a real
+    difference the comparison stops (the run has failed) and the loop decodes on freely."""
+
+    def __init__(self, reference: Reference | None, policy: NumericsPolicy, prompt_id: str) -> None:
+        self.reference, self.policy, self.prompt_id = reference, policy, prompt_id
+        self.partings: list[Parting] = []
+
+    def check(self, start: int, committed: list[int], logits: torch.Tensor) -> tuple[int, int] | None:
+        """For tokens `committed` at completion positions start.. (committed[j] the argmax-or-accepted token of
+        logits[j]): (j, reference token) where the loop must keep committed[:j] and commit the reference token
+        instead; None: commit as is."""
+        ref = self.reference
+        if ref is None:
+            return None
+        for j, token in enumerate(committed):
+            at = start + j
+            plain = Step(ref.tokens[at], ref.logprobs[at]) if at < len(ref.tokens) else Step(None, None)
+            if plain.token == token:
+                continue
+            parting = judge(self.prompt_id, at, Step(token, top_logprobs(logits[j], token)), plain, self.policy)
+            self.partings.append(parting)
+            if not parting.tie or plain.token is None:
+                self.reference = None
+                return None
+            return j, plain.token
+        return None
+
+
 @torch.no_grad()
 def speculative_generate(
     drafter: DFlashDrafter,
@@ -235,11 +305,19 @@ def speculative_generate(
     max_new_tokens: int,
     stop_ids: Iterable[int] = (),
     block_size: int | None = None,
+    *,
+    reference: Reference | None = None,
+    policy: NumericsPolicy | None = None,
+    prompt_id: str = "",
+    verifier: Verifier | None = None,
 ) -> SpeculativeResult:
     """Greedy speculative decoding of one prompt (see the module docstring).
 
     `block_size` defaults to the drafter's; a smaller or larger block works too (the drafter has no fixed
-    block length), which is how one drafter serves several `num_speculative_tokens` settings.
+    block length), which is how one drafter serves several `num_speculative_tokens` settings. With a
+    `reference` (the target's own greedy output, `greedy_with_logprobs`) the output is compared with it under
+    `policy` as it is decoded, teacher-forced past near-ties; `partings` of the result lists what was found.
+    `verifier` replaces exact greedy acceptance (`greedy_verifier`, looked up at call time).
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
@@ -252,14 +330,18 @@ def speculative_generate(
     block = block_size or drafter.config.block_size
     if block < 2:
         raise ValueError(f"block_size must be >= 2, got {block}")
+    verify_block = verifier or greedy_verifier
+    forcing = _Forcing(reference, policy or NumericsPolicy.at("float32"), prompt_id)
     stop = frozenset(int(t) for t in stop_ids)
     device = target.device
     cache = target.new_cache()
     prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
-    preds, features = target.forward(prompt, cache, logits_to_keep=1)
+    logits, features = target.forward_logits(prompt, cache, logits_to_keep=1)
     context = _Context()
     context.extend(features)
-    tokens = [int(preds[-1])]
+    first = int(logits[-1].argmax())
+    forced = forcing.check(0, [first], logits[-1:])
+    tokens = [first if forced is None else forced[1]]
     accepted: list[int] = []
     forwards = 1
     replays = 0
@@ -269,24 +351,40 @@ def speculative_generate(
         draft = propose(drafter, target, context.tensor(), last, block)
         verify = torch.tensor([last, *draft], dtype=torch.long, device=device)
         before = target.recurrent_states(cache)
-        preds, features = target.forward(verify, cache)
+        logits, features = target.forward_logits(verify, cache)
         forwards += 1
-        matches = torch.tensor(draft, device=device) == preds[:-1]
-        n = int(torch.cumprod(matches.to(torch.long), dim=0).sum())
+        n = verify_block(verify[1:], logits)
+        # What the step commits within the budget and up to a stop token: only that is compared.
+        committed, _ = _truncate([*draft[:n], int(logits[n].argmax())], max_new_tokens - len(tokens), stop)
+        forced = forcing.check(len(tokens), committed, logits)
+        if forced is not None:
+            n, committed = forced[0], [*draft[: forced[0]], forced[1]]
         accepted.append(n)
         replays += commit_verified(target, cache, verify, features, n, before, context)
-        tokens, done = _truncate([*tokens, *draft[:n], int(preds[n])], max_new_tokens, stop)
-    return SpeculativeResult(
-        tokens=tokens, accepted=accepted, target_forwards=forwards, block_size=block, state_replays=replays
-    )
+        tokens, done = _truncate([*tokens, *committed], max_new_tokens, stop)
+    return SpeculativeResult(tokens=tokens, accepted=accepted, target_forwards=forwards, block_size=block,
+                             state_replays=replays, partings=forcing.partings)
+
+
+class _LogprobRecorder:
+    """A transformers logits processor that keeps each generation step's top log-probabilities."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[int, float]] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        del input_ids
+        self.steps.append(top_logprobs(scores[0]))
+        return scores
 
 
 @torch.no_grad()
-def greedy_reference(
+def greedy_with_logprobs(
     model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
-) -> list[int]:
-    """The target's own greedy decoding (transformers `generate`), truncated the way the loop truncates."""
-    from transformers import GenerationConfig
+) -> Reference:
+    """The target's own greedy decoding (transformers `generate`), truncated the way the loop truncates, with
+    its top log-probabilities at every generated position."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     stop = sorted(int(t) for t in stop_ids)
     config = GenerationConfig(
@@ -297,6 +395,16 @@ def greedy_reference(
     )
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    out = model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))
+    recorder = _LogprobRecorder()
+    out = model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids),
+                         logits_processor=LogitsProcessorList([recorder]))
     tokens = [int(t) for t in out[0, ids.shape[1] :].tolist()]
-    return _truncate(tokens, max_new_tokens, frozenset(stop))[0]
+    tokens = _truncate(tokens, max_new_tokens, frozenset(stop))[0]
+    return Reference(tokens=tokens, logprobs=recorder.steps[: len(tokens)])
+
+
+def greedy_reference(
+    model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
+) -> list[int]:
+    """The target's own greedy output (tokens only)."""
+    return greedy_with_logprobs(model, prompt_ids, max_new_tokens, stop_ids).tokens
