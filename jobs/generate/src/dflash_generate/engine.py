@@ -251,6 +251,10 @@ class VllmEngine:
                         yield key, item
                         continue
                     request_id = str(next(self._ids))
+                    # Counted in flight before the engine sees it: a preemption (SIGTERM raises Preempted from the
+                    # signal handler) that lands inside add_request, after the engine took the request, must still
+                    # find it to abort below.
+                    inflight[request_id] = (key, item)
                     try:
                         # Rendered by the engine's renderer first: add_request warns that raw prompts are deprecated.
                         prompt = parse_model_prompt(model_config, TokensPrompt(prompt_token_ids=item.token_ids))
@@ -259,10 +263,10 @@ class VllmEngine:
                     except EngineDeadError:
                         raise  # no later request can succeed; let the worker fail and be retried
                     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for a bad request
+                        del inflight[request_id]
                         log.warning("engine rejected prompt %s: %s", item.record.id, exc)
                         yield key, failed(item.record.id, "engine_error", f"{type(exc).__name__}: {exc}")
                         continue
-                    inflight[request_id] = (key, item)
                 if not inflight:
                     return
                 for output in engine.step():
