@@ -11,6 +11,7 @@ plus a small user prompt set). The serving-check tests start from its output.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import uuid
 from collections.abc import Iterator
@@ -201,3 +202,19 @@ def hybrid_bf16_run(session_bucket: str, hybrid_target_dir: Path, hybrid_trained
     """The Qwen3.6-architecture chain in bfloat16."""
     return _offline_chain(session_bucket, hybrid_target_dir, hybrid_trained_checkpoint, lossless_prompts=4,
                           name="run-qwen3_6-bf16", **HYBRID_BF16_EVALUATE)
+
+
+@contextlib.contextmanager
+def vllm_test_env(cache_root: Path, in_process: bool = False) -> Iterator[None]:
+    """The environment vLLM's CPU engine runs under in these tests (a 1 GiB KV cache, no hub, a private cache);
+    `in_process` keeps the engine core in this process (where a test double patches it)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("VLLM_CACHE_ROOT", str(cache_root))
+    if in_process:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        yield
+    finally:
+        mp.undo()

@@ -39,6 +39,7 @@ from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
 from dflash_shared.storage import join  # noqa: E402
 from dflash_train.evaluate import OfflineReport  # noqa: E402
+from tests.evaluate.conftest import vllm_test_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # Engine dtype on vLLM's CPU build: the offline evaluation's (float32), except for the hybrid target.
@@ -47,12 +48,8 @@ ENGINE_DTYPE = {"qwen3": "float32", "qwen3_6": "bfloat16"}
 
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-    yield
-    mp.undo()
+    with vllm_test_env(tmp_path_factory.mktemp("vllm-cache")):
+        yield
 
 
 # The hybrid target's served run (bfloat16 on CPU: ~8 minutes of engine time here) is `extended`: the end-to-end

@@ -28,6 +28,7 @@ from dflash_shared.lossless import DEFAULT_TIE_MARGIN, TOP_LOGPROBS, NumericsPol
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
 from dflash_shared.storage import join  # noqa: E402
+from tests.evaluate.conftest import vllm_test_env  # noqa: E402
 from tests.support.lossy_verifiers import (  # noqa: E402
     NearTieRule,
     RandomRule,
@@ -61,13 +62,8 @@ def _in_process_engine(engine: Any, speculative: dict[str, Any] | None) -> Itera
 
 @pytest.fixture(scope="module")
 def in_process_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    yield
-    mp.undo()
+    with vllm_test_env(tmp_path_factory.mktemp("vllm-cache"), in_process=True):
+        yield
 
 
 @pytest.fixture(scope="module")
