@@ -34,7 +34,8 @@ try:
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs" / "train" / "src"))
 
-from dflash_train.anchors import sample_anchors
+from dflash_train.anchors import anchor_count_buckets, sample_anchors
+from dflash_train.attention import compile_drafter_layers
 from dflash_train.batch import pack_row, stack_rows
 from dflash_train.drafter_config import DrafterConfig
 from dflash_train.model import DFlashDrafter
@@ -168,9 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     drafter = DFlashDrafter(cfg).to(device).train()
     drafter.set_gradient_checkpointing(args.checkpointing)
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    if use_compile:
-        for layer in drafter.layers:
-            layer.compile()
+    if use_compile:  # as the trainer does: static shapes, the recompile limit raised first
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
     build_s = time.perf_counter() - t0
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -92,13 +92,23 @@ def allowed_pairs(mask: Any, rows: int, q_len: int, kv_len: int, chunk: int = 10
     return pairs, kept
 
 
-def target_flops(target: Any, input_ids: torch.Tensor, document_ids: torch.Tensor) -> dict[str, float]:
-    """Target forward terms (see the module docstring) for one packed batch of a FrozenTarget."""
+def target_flops(target: Any, input_ids: torch.Tensor, document_ids: torch.Tensor,
+                 layer_kinds: list[str] | None = None) -> dict[str, float]:
+    """Target forward terms (see the module docstring) for one packed batch of a FrozenTarget.
+
+    `layer_kinds` counts another depth of the same layers (the full 64-layer target when the check keeps
+    a few): each kind's parameters are read from a kept layer of that kind; None means the kept layers.
+    """
     cfg = target.config
     layers = target.model.get_decoder().layers  # the kept ones: FrozenTarget drops the rest
-    params = sum(p.numel() for p in layers.parameters())
+    kept = target.layer_types[: len(layers)]
+    kinds = list(kept if layer_kinds is None else layer_kinds)
+    # Every layer of a kind has one size, so the kept layers give each kind's parameter count.
+    size = {kind: sum(p.numel() for p in layer.parameters()) for kind, layer in zip(kept, layers, strict=True)}
+    if unknown := set(kinds) - set(size):
+        raise ValueError(f"no kept layer of kind(s) {sorted(unknown)} to count parameters from")
+    params = sum(size[kind] for kind in kinds)
     tokens = int((document_ids >= 0).sum())
-    kinds = target.layer_types[: len(layers)]
     causal_pairs = 0
     for row in document_ids.cpu():
         counts = torch.bincount(row[row >= 0].long())
@@ -132,6 +142,16 @@ def lm_head_flops(vocab: int, hidden: int, trained_slots: int) -> dict[str, floa
     """Logits plus the hidden-state gradient of the frozen LM head over the trained slots."""
     return {"lm_head": 4.0 * vocab * hidden * trained_slots}
 
+
+# Which FLOP terms each timed phase of the step does (gpu_check_phases): the drafter's forward is a third
+# of its forward + backward, fc's half (no input gradient); the chunked loss does the LM head's logits and
+# hidden gradient in its forward, so backward holds the drafter's share only.
+PHASE_TERMS = {
+    "target_features": {"target_matmul": 1.0, "target_attention": 1.0, "target_linear_recurrence": 1.0},
+    "drafter_forward": {"drafter_matmul": 1 / 3, "drafter_attention": 1 / 3, "drafter_fc": 1 / 2},
+    "loss": {"lm_head": 1.0},
+    "backward": {"drafter_matmul": 2 / 3, "drafter_attention": 2 / 3, "drafter_fc": 1 / 2},
+}
 
 FORMULAS = {
     "target_matmul": "2 * P_kept_layers * T (non-padding tokens)",

@@ -15,17 +15,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import gpu_check_flops as flops
+import gpu_check_phases as phases
 import torch
 
-from dflash_train.anchors import sample_anchors
-from dflash_train.attention import DrafterMask, attend, build_drafter_mask, compiled_flex_on_cpu
+from dflash_train.anchors import anchor_count_buckets, sample_anchors
+from dflash_train.attention import DrafterMask, attend, build_drafter_mask, compile_drafter_layers, compiled_flex_on_cpu
 from dflash_train.batch import PackedBatch, pack_row, stack_rows
 from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, DrafterConfig, default_target_layer_ids
 from dflash_train.model import DFlashDrafter
 from dflash_train.step import dflash_step
 from dflash_train.target import FrozenTarget
 
-# Qwen3.6-27B's text model (hub config, see the project brief): only the layer count is cut.
+# Qwen3.6-27B's text model (hub config): only the layer count is cut (FULL_DEPTH is the real one).
+FULL_DEPTH = 64
+# Timed steps the train step keeps even past its share of the budget: fewer say little about a step time.
+MIN_TIMED_STEPS = 3
 QWEN3_6_27B: dict[str, int] = {
     "hidden": 5120, "intermediate": 17408, "heads": 24, "kv_heads": 4, "head_dim": 256,
     "linear_k_heads": 16, "linear_v_heads": 48, "linear_head_dim": 128, "vocab": 248320,
@@ -57,6 +61,10 @@ class Built:
     cfg: DrafterConfig
     drafter: DFlashDrafter
     build_s: float
+    # What the train step ended with, for the parts after it (the shapes part runs the same setting).
+    rows: int | None = None
+    layers_compiled: bool = False
+    compile_stepped_down: bool = False
 
     def describe(self) -> dict[str, Any]:
         decoder = self.target.model.get_decoder()
@@ -154,14 +162,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def full_depth_kinds() -> list[str]:
+    """Layer kinds the real target runs for the reference features: its 64 layers up to the last feature layer."""
+    kinds = list(target_text_config(QWEN3_6_27B, FULL_DEPTH).layer_types)
+    return kinds[: max(feature_layer_ids(FULL_DEPTH)) + 1]
+
+
 def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, peak: float,
-                   matmul_ceiling: float) -> dict[str, Any]:
-    """Warm-up, then timed steps of dflash_step + backward + AdamW; tokens/s, MFU, memory, compiles."""
+                   matmul_ceiling: float, deadline: float = float("inf")) -> dict[str, Any]:
+    """Warm-up, then timed steps of dflash_step + backward + AdamW; tokens/s, per-phase times, MFU (measured
+    and projected to the full-depth target), memory, compiles. Timed steps stop at `deadline` (perf_counter
+    seconds: this part's share of the budget), after at least MIN_TIMED_STEPS."""
     cfg, target, drafter = b.cfg, b.target, b.drafter
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    if use_compile:
-        for layer in drafter.layers:
-            layer.compile()  # as the trainer does with compile: true
+    if use_compile:  # as the trainer does with compile: true (static shapes, limit raised first)
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
     # Documents long enough that every one has num_anchors valid anchors: the query length then depends
     # on the anchor rules (per-document count, any per-row cap), not on the random boundaries.
     min_doc = max(args.seq // 8, -(-(cfg.num_anchors + 2) * 8 // 7))
@@ -178,15 +193,25 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     hook = drafter.register_forward_pre_hook(capture, with_kwargs=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
-    def step(i: int) -> tuple[int, float]:
+    timer = phases.PhaseTimer(device)
+
+    def step(i: int, timed: bool = False) -> tuple[int, torch.Tensor]:
         batch = batches[i % len(batches)]
+        if timed:
+            timer.start()
         with autocast:
             out = dflash_step(drafter, target, batch, cfg, torch.Generator(device=device).manual_seed(i), noise=True)
+        timer.mark("loss")
         out.loss.backward()
+        timer.mark("backward")
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return out.tokens, float(out.loss.detach())
+        timer.mark("optimizer")
+        if timed:
+            timer.end()
+        # The loss stays on the device: reading it here would synchronise every step.
+        return out.tokens, out.loss.detach()
 
     # A GPU run is a scarce, single shot: when the first step breaks, record why, step down to a plainer
     # setting and measure that (the part still fails, with the first error among its problems).
@@ -207,6 +232,7 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         elif any(getattr(layer, "_compiled_call_impl", None) is not None for layer in drafter.layers):
             for layer in drafter.layers:
                 layer._compiled_call_impl = None  # undoes nn.Module.compile(); attend still compiles flex
+            b.compile_stepped_down = True
             recovered.append(f"compiled drafter layers failed ({why}): layers eager, flex still compiled")
         else:
             return False
@@ -231,19 +257,31 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         seen.clear()
-        trained, losses = [], []
+        trained, loss_values = [], []
+        handles = phases.instrument(timer, target, drafter)
         t0, c0 = time.perf_counter(), flops.clock(device)
-        for i in range(args.warmup, args.warmup + args.steps):
-            tokens, loss = step(i)
-            trained.append(tokens)
-            losses.append(loss)
-        _sync(device)
-        wall, clocked = time.perf_counter() - t0, flops.clock(device) - c0
+        try:
+            for i in range(args.warmup, args.warmup + args.steps):
+                # The budget is shared with the parts after this one: stop when this part's share is spent.
+                if len(trained) >= MIN_TIMED_STEPS and time.perf_counter() > deadline:
+                    break
+                tokens, loss = step(i, timed=True)
+                trained.append(tokens)
+                loss_values.append(loss)
+            _sync(device)
+            wall, clocked = time.perf_counter() - t0, flops.clock(device) - c0
+        finally:
+            phases.remove(handles)
     hook.remove()
+    losses = [float(x) for x in loss_values]
+    timed_steps = len(trained)
+    b.rows, b.layers_compiled = batches[0].shape[0], use_compile and not b.compile_stepped_down
     after = _compile_counts()
     fallbacks = sum(FALLBACK_WARNING in str(w.message) for w in caught)
 
     terms: dict[str, float] = {}
+    full_target: dict[str, float] = {}
+    full_kinds = full_depth_kinds()
     for i, (mask, q_len) in enumerate(seen):
         batch = batches[(args.warmup + i) % len(batches)]
         rows, seq = batch.shape
@@ -256,18 +294,28 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
                      flops.lm_head_flops(target.lm_head_weight.shape[0], cfg.hidden_size, trained[i])):
             for k, v in part.items():
                 terms[k] = terms.get(k, 0.0) + v / len(seen)
+        for k, v in flops.target_flops(target, batch.input_ids, batch.document_ids, full_kinds).items():
+            full_target[k] = full_target.get(k, 0.0) + v / len(seen)
     total = sum(terms.values())
-    step_s = wall / args.steps
+    step_s = wall / timed_steps
     # MFU against the peak per the same clock (`flops.clock`): wall time on CUDA, CPU time on a CPU.
-    rate = total * args.steps / clocked
+    rate = total * timed_steps / clocked
     context_tokens = sum(int((batches[(args.warmup + i) % len(batches)].document_ids >= 0).sum())
-                         for i in range(args.steps))
+                         for i in range(timed_steps))
+    timing = timer.summary()
+    kept_kinds = target.layer_types[: len(target.model.get_decoder().layers)]
+    try:
+        projection = phases.project_full_depth(kept_kinds, full_kinds, timing["target_layer_s_per_step"], step_s,
+                                               terms, full_target, rate / peak)
+    except ValueError as e:  # e.g. --layers 4 keeps no full-attention layer to scale from
+        projection = {"not_tested": f"no full-depth projection: {e}"}
     compiles = {"warmup": {k: after_warmup[k] - before[k] for k in before},
                 "timed_steps": {k: after[k] - after_warmup[k] for k in before}}
     result: dict[str, Any] = {
         "rows": batches[0].shape[0], "seq": args.seq, "docs_per_row": args.docs_per_row,
         "distinct_batches": len(batches),
-        "steps": args.steps, "warmup_steps": args.warmup, "compiled_layers": use_compile,
+        "steps": timed_steps, "steps_requested": args.steps, "steps_cut_by_budget": timed_steps < args.steps,
+        "warmup_steps": args.warmup, "compiled_layers": use_compile,
         "warmup_s": round(warmup_s, 1),
         "step_s": round(step_s, 4), "tokens_per_s": round(context_tokens / wall, 1),
         "trained_tokens_per_s": round(sum(trained) / wall, 1),
@@ -278,6 +326,8 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         "mfu_clock": "wall time" if device.type == "cuda" else "CPU time of this process (the machine may be shared)",
         "mfu": round(rate / peak, 4), "mfu_vs_measured_matmul": round(rate / matmul_ceiling, 4),
         "compiles": compiles, "flex_unfused_fallback_warnings": fallbacks,
+        "phases": timing, "phase_tflops_per_s": phases.phase_rates(timing["phase_s_mean"], terms),
+        "full_depth": projection,
     }
     if device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -302,6 +352,9 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         problems.append("flex attention fell back to its unfused implementation")
     if not 0 < result["mfu"] <= 1:
         problems.append(f"MFU {result['mfu']} outside (0, 1]: the FLOP count or the peak is wrong")
+    if "mfu_full_depth" in projection and not 0 < projection["mfu_full_depth"] <= 1:
+        problems.append(f"projected full-depth MFU {projection['mfu_full_depth']} outside (0, 1]")
+    problems.extend(timing["problems"])
     problems.extend(recovered)
     result["problems"] = problems
     result["recovered_by"] = recovered
@@ -394,6 +447,8 @@ def check_flex_vs_sdpa(b: Built, device: torch.device, seq: int | None = None) -
     out["compiles"] = {k: after[k] - before[k] for k in before}
     if not ok:
         out["problem"] = "outside tolerance: " + ", ".join(t for t, r in out["layer_types"].items() if not r["ok"])
+    if not backward:
+        out["untested"] = ["backward (dq, dk, dv): flex attention has no CPU backward; the GPU run compares it"]
     return {"ok": ok, **out}
 
 
@@ -436,6 +491,12 @@ def check_packed_features(b: Built, device: torch.device) -> dict[str, Any]:
     if device.type == "cuda" and fla and target.packing != "varlen":
         result["problem"] = "flash-linear-attention is importable but the target did not choose varlen packing"
         ok = False
+    elif target.packing == "per_document":
+        # Both sides then run each document alone through the same code: agreement only shows that the row
+        # is split and put back together right, not that a packed forward keeps documents apart.
+        why = "flash-linear-attention not importable" if not fla else "the target chose per-document packing"
+        result["not_tested"] = (f"{why}: the target ran per document, the same computation as the reference, so"
+                                " no packed hybrid forward was compared")
     return {"ok": bool(ok), **result}
 
 

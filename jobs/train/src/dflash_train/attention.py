@@ -15,22 +15,37 @@ broadcast index grids into an explicit float mask: 0 allowed, -inf forbidden; bo
 because some attention paths add them as numbers). Flex attention backward does not exist on CPU, so CPU
 training uses SDPA; `tests/train/test_attention.py` checks that both give the same forward output.
 
-Compiled shapes. On CUDA flex attention runs through `torch.compile(flex_attention, dynamic=False)`: one
-compiled kernel per (query length, key length), looked up by dynamo's guards. The layer type and the
-window enter the predicate as tensors, not Python values, so full and sliding layers share one compiled
-graph per shape (a Python `if` on the window would be specialised into a second graph); fresh anchors and
-masks of the same shape reuse the kernel. The anchor ladder of `dflash_train.anchors` bounds the shapes
-of a run (7 for block 16 and the 512-anchor cap). Past dynamo's recompile limit flex would fall back to an
-unfused kernel that materialises the full score matrix (~12 GB per layer at 512 anchors), so the limit is
-raised to `FLEX_RECOMPILE_LIMIT` when the compiled kernel is first made. On CPU flex runs eagerly (a
-forward check) unless inside `compiled_flex_on_cpu`, which tests and benchmarks use to count compilations.
+Compiled shapes: static, a fixed few graphs per rung of the anchor ladder, chosen on purpose. Both paths
+use `dynamic=False`: flex attention on its own (`compiled_flex_attention`, what eager drafter layers call on
+CUDA) and the drafter layers when the trainer compiles them (`compile_drafter_layers`, where dynamo captures
+the flex call into the layer's graph). Each distinct (query length N*B, key length S + N*B) compiles once
+and is then found again by dynamo's guards; fresh anchors and masks of a known shape reuse it. Static,
+not dynamic, because the ladder of `dflash_train.anchors` already bounds the shapes of a run (7 for block
+16 and the 512-anchor cap), and a static graph gets flex kernels and tile counts specialised to its
+length. Left to torch's default ("automatic dynamic"), the second distinct N would recompile the layer
+with a symbolic query length and later N would reuse that one dynamic graph: a different kernel from the
+first shape's, and not what this design measures. The layer type and the window enter the predicate as
+tensors, not Python values, so full and sliding layers (and every layer of the drafter: dynamo inlines
+the modules, their weights are graph inputs) share one graph per shape; a Python `if` on the window
+would be specialised into a second graph. Without gradients (evaluation) that is one graph per shape for
+all layers. In training it is two: the first layer's input, the frozen target's embeddings, needs no
+gradient and the later layers' inputs do, and dynamo guards on `requires_grad` (making the embeddings
+require a gradient would buy one graph with a wasted input-gradient matmul per step). So a ladder of n
+rungs makes at most 3n graphs of the layer code. Past dynamo's recompile limit (cache entries per code
+object; torch's default is 8) the layer would run eagerly and flex would fall back to an unfused kernel that
+materialises the full score matrix (~12 GB per layer at 512 anchors), so `raise_recompile_limit` sets the
+limit BEFORE anything is compiled: set inside a traced call, the assignment becomes a guard of the first
+graph and the next layer recompiles. On CPU flex runs eagerly (a forward check) unless inside
+`compiled_flex_on_cpu`, which tests and benchmarks use to count compilations;
+`tests/train/test_compile_shapes.py` counts the graphs of compiled drafter layers while N cycles over
+three rungs, with and without gradients.
 
 `document_causal_mask_mod` is the target model's mask for packed rows: causal, same document only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -45,6 +60,9 @@ Backend = Literal["flex", "sdpa"]
 # Room for every rung of the anchor ladder (m * 2^k up to the cap: 16 rungs reach a cap of 2^15 * m
 # anchors); torch's default of 8 would be one rung short for a cap above 1024 at block 16.
 FLEX_RECOMPILE_LIMIT = 16
+# Graphs of the compiled layer code per shape (see the module docstring): in training one for the first
+# layer (input without gradient) and one for the others, in evaluation (no_grad) one for all layers.
+GRAPHS_PER_SHAPE = 3
 
 
 def drafter_mask_mod(
@@ -204,13 +222,38 @@ def compiled_flex_on_cpu() -> Iterator[None]:
         _compile_on_cpu = before
 
 
+def raise_recompile_limit(shapes: int = 0) -> int:
+    """Set dynamo's recompile limit to hold `shapes` static shapes (and the ladder's); returns the limit.
+
+    Call it before compiling, never from inside a compiled function (see the module docstring). It only
+    raises the limit: a larger value set by the caller stays.
+    """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("raise_recompile_limit inside a traced call would become a guard of its graph")
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT,
+                                        GRAPHS_PER_SHAPE * shapes)
+    return int(dynamo_config.recompile_limit)
+
+
+def compile_drafter_layers(layers: Iterable[torch.nn.Module], shapes: int = 0) -> int:
+    """torch.compile each drafter layer with static shapes; `shapes` is the run's ladder length.
+
+    One graph per (query, key) length, shared by every layer (see the module docstring). The recompile
+    limit is raised first, outside any traced call. Returns the limit in force.
+    """
+    limit = raise_recompile_limit(shapes)
+    for layer in layers:
+        layer.compile(dynamic=False)
+    return limit
+
+
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """The process's one compiled flex attention (static shapes: one kernel per shape of the ladder)."""
     # Uncompiled flex attention materialises the scores; on CUDA the compiled kernel is the point of it.
     global _compiled_flex
     if _compiled_flex is None:
-        dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+        raise_recompile_limit()
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
@@ -219,7 +262,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LayerMask, s
     """Masked attention: q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hq > Hkv) -> [B, Hq, Q, D]."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
-        fn = compiled_flex_attention() if q.device.type == "cuda" or _compile_on_cpu else flex_attention
+        if torch.compiler.is_compiling():
+            # Inside a compiled drafter layer dynamo captures flex attention into the layer's own graph;
+            # going through the compiled wrapper here would trace its one-time setup into that graph.
+            fn = flex_attention
+        elif q.device.type == "cuda" or _compile_on_cpu:
+            fn = compiled_flex_attention()
+        else:
+            fn = flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bias.to(q.dtype), scale=scale, enable_gqa=gqa)
     return out * mask.row_has_key.to(out.dtype)

@@ -30,6 +30,7 @@ from dflash_shared.errors import ConfigError, Preempted
 from dflash_shared.storage import ObjectStore
 from dflash_train import checkpoint as ckpt
 from dflash_train.anchors import anchor_count_buckets
+from dflash_train.attention import compile_drafter_layers
 from dflash_train.config import TrainConfig
 from dflash_train.data import DataPlan, ShardCache, StepLoader
 from dflash_train.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
@@ -88,8 +89,9 @@ def build_drafter(cfg: DrafterConfig, config: TrainConfig, device: torch.device)
     if config.activation_checkpointing:
         drafter.set_gradient_checkpointing(True)
     if config.compile:
-        for layer in drafter.layers:
-            layer.compile()
+        # Static shapes: per ladder rung two training graphs (the first layer, the rest) and one for
+        # no_grad evaluation; the recompile limit is raised before the first compile (dflash_train.attention).
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
     return drafter
 
 
