@@ -7,6 +7,10 @@
 #                                              write the podman settings file, print its path
 #
 # Tags:  localhost/dflash-<name>:<git short sha> and :latest.
+# Digests: each image's digest is recorded in $DFLASH_IMAGE_BUILD_DIR/digests.json (a run file's
+#         images.digests_file), so rendered Jobs name the exact build, whatever a node has cached under a tag.
+#         DFLASH_PUSH_TO=<registry>/<path> also pushes each image as <that>/dflash-<name>:<git short sha>
+#         and records the digest the registry serves (without it: the local manifest digest, "pushed": false).
 # Engine: docker when a daemon answers and buildx is present, podman otherwise (installed with
 #         apt-get when missing and running as root). DFLASH_CONTAINER_ENGINE=docker|podman forces one.
 # Base:  BASE_IMAGE, when set, is passed to every build. Otherwise each Dockerfile's default
@@ -183,7 +187,54 @@ build_one() {
   drop_if_untagged "$previous"
   # Machine-readable results for callers (the image tests): which engine, which exact tag.
   printf '%s\n' "$tag" >"$BUILD_DIR/$name.image"
+  record_digest "$name" "$tag"
   log "$name OK: $tag (+latest), $((size / 1000000)) MB, $((SECONDS - t0)) s, $ENGINE, base ${base:-${default:-from Dockerfile}}"
+}
+
+# Writes $BUILD_DIR/<name>.digest: the image's reference and digest as one JSON object. Pushed (DFLASH_PUSH_TO),
+# the digest is the registry's, the one a kubelet resolves; a local manifest digest can differ from it.
+record_digest() {
+  local name="$1" tag="$2" ref="$2" digest="" pushed=false digest_file="$BUILD_DIR/$1.pushed-digest"
+  if [[ -n "${DFLASH_PUSH_TO:-}" ]]; then
+    ref="${DFLASH_PUSH_TO%/}/dflash-$name:$SHORT_SHA"
+    "$ENGINE" tag "$tag" "$ref"
+    rm -f "$digest_file"
+    if [[ "$ENGINE" == "podman" ]]; then
+      podman push --digestfile "$digest_file" "$ref" >>"$BUILD_DIR/logs/$name.log" 2>&1 \
+        || die "push of $ref failed (log: $BUILD_DIR/logs/$name.log)"
+      digest="$(cat "$digest_file")"
+    else
+      docker push "$ref" >>"$BUILD_DIR/logs/$name.log" 2>&1 || die "push of $ref failed"
+      digest="$(docker image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' "$ref" \
+        | sed -n "s#^${DFLASH_PUSH_TO%/}/dflash-$name@##p" | head -n 1)"
+    fi
+    pushed=true
+  elif [[ "$ENGINE" == "podman" ]]; then
+    digest="$(podman image inspect --format '{{.Digest}}' "$tag")"
+  else
+    # A docker image that was never pushed has no manifest digest; its image id stands in, marked unpushed.
+    digest="$(docker image inspect --format '{{.Id}}' "$tag")"
+  fi
+  [[ "$digest" =~ ^sha256:[0-9a-f]{64}$ ]] || die "no digest for $ref (got '$digest')"
+  printf '{"ref": "%s", "digest": "%s", "pushed": %s}\n' "$ref" "$digest" "$pushed" >"$BUILD_DIR/$name.digest"
+  log "$name digest $digest${DFLASH_PUSH_TO:+ (pushed as $ref)}"
+}
+
+# Collects every <name>.digest of the build folder into digests.json, images built earlier included, so a
+# build of one image keeps the others' digests.
+write_digests_json() {
+  local out="$BUILD_DIR/digests.json" tmp="$BUILD_DIR/.digests.json.tmp" f sep=""
+  {
+    printf '{"schema": 1, "revision": "%s", "images": {' "$GIT_REVISION"
+    for f in "$BUILD_DIR"/*.digest; do
+      [[ -f "$f" ]] || continue
+      printf '%s\n  "%s": %s' "$sep" "$(basename "$f" .digest)" "$(cat "$f")"
+      sep=","
+    done
+    printf '\n}}\n'
+  } >"$tmp"
+  mv "$tmp" "$out"
+  log "digests recorded in $out (images.digests_file of a run file)"
 }
 
 main() {
@@ -220,6 +271,7 @@ main() {
   printf '%s\n' "$ENGINE" >"$BUILD_DIR/engine"
   log "building ${names[*]} with $ENGINE at revision $GIT_REVISION"
   for d in "${names[@]}"; do build_one "$d"; done
+  write_digests_json
 }
 
 main "$@"

@@ -10,10 +10,15 @@ for errors, 404/409 codes):
     PUT    /apis/batch/v1/namespaces/{ns}/jobs/{name}/status                replace the status
     GET    /api/v1/namespaces/{ns}/pods?labelSelector=...                   list
     GET    /apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets?labelSelector=...   list
+    GET    /api/v1/namespaces/{ns}/configmaps/{name}                        get (and the other core kinds)
+    DELETE .../{plural}/{name}?propagationPolicy=Background                 delete, with garbage collection
 
 Every request is authorized against the rules of a Role (the driver's rendered Role): a verb the Role does
-not grant answers 403 as RBAC would, so the tests also show the Role is enough. No controller runs: a test
-moves Jobs along itself (`set_status`) and adds the pods a failed Job would have left (`add`).
+not grant answers 403 as RBAC would (a rule with resourceNames grants only those names, and no list), so the
+tests also show the Role is enough. No controller runs but the garbage collector: deleting an object deletes
+the objects whose ownerReferences name its uid (unless the policy is Orphan, the API's default for a batch/v1
+Job), and an object created with an owner that does not exist is collected at once. A test moves Jobs along
+itself (`set_status`) and adds the pods a failed Job would have left (`add`).
 """
 
 from __future__ import annotations
@@ -30,11 +35,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-_PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1|apis/jobset\.x-k8s\.io/v1alpha2)/namespaces/(?P<ns>[^/]+)/"
+_PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1|apis/jobset\.x-k8s\.io/v1alpha2|apis/kueue\.x-k8s\.io/v1beta1"
+                   r"|apis/rbac\.authorization\.k8s\.io/v1)/namespaces/(?P<ns>[^/]+)/"
                    r"(?P<plural>[a-z]+)"
                    r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$")
-_GROUP = {"api/v1": "", "apis/batch/v1": "batch", "apis/jobset.x-k8s.io/v1alpha2": "jobset.x-k8s.io"}
-_KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod", "jobsets": "JobSet"}
+_GROUP = {"api/v1": "", "apis/batch/v1": "batch", "apis/jobset.x-k8s.io/v1alpha2": "jobset.x-k8s.io",
+          "apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io",
+          "apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io"}
+_KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod", "jobsets": "JobSet", "configmaps": "ConfigMap",
+         "services": "Service", "serviceaccounts": "ServiceAccount", "roles": "Role",
+         "rolebindings": "RoleBinding", "workloads": "Workload", "namespaces": "Namespace", "secrets": "Secret"}
+_PLURAL = {kind: plural for plural, kind in _KIND.items()}
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 
@@ -58,6 +69,7 @@ class FakeKubeApi:
         self.objects: dict[Key, dict[str, Any]] = {}
         self.role = role
         self.requests: list[tuple[str, str]] = []  # (verb, plural) of every request served
+        self.deleted: list[tuple[Key, str]] = []  # every object deleted, with the propagation policy
         self.on_create: Callable[[dict[str, Any]], None] | None = None
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -96,10 +108,16 @@ class FakeKubeApi:
 
     def add(self, obj: dict[str, Any]) -> None:
         obj = copy.deepcopy(obj)
-        plural = obj["kind"].lower() + "s"
+        plural = _PLURAL[obj["kind"]]
         self._stamp(obj)
+        namespace = obj["metadata"].get("namespace", "")
         with self._lock:
-            self.objects[(plural, obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
+            self.objects[(plural, namespace, obj["metadata"]["name"])] = obj
+            uids = {o["metadata"]["uid"] for (_, ns, _), o in self.objects.items() if ns == namespace}
+            owners = obj["metadata"].get("ownerReferences") or []
+            if owners and not any(ref["uid"] in uids for ref in owners):
+                # The garbage collector deletes an object none of whose owners exists.
+                self._collect((plural, namespace, obj["metadata"]["name"]), "Background")
 
     def get(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
@@ -114,9 +132,21 @@ class FakeKubeApi:
         with self._lock:
             self.objects[(plural, namespace, name)]["status"] = status
 
-    def delete(self, plural: str, namespace: str, name: str) -> None:
+    def delete(self, plural: str, namespace: str, name: str, policy: str | None = None) -> None:
+        """Delete as the API server does; `policy` None is the API's default (Orphan for a batch/v1 Job)."""
         with self._lock:
-            del self.objects[(plural, namespace, name)]
+            self._collect((plural, namespace, name), policy or ("Orphan" if plural == "jobs" else "Background"))
+
+    def _collect(self, key: Key, policy: str) -> None:
+        gone = self.objects.pop(key)
+        self.deleted.append((key, policy))
+        if policy == "Orphan":
+            return
+        uid = gone["metadata"]["uid"]
+        for other, obj in list(self.objects.items()):
+            if other in self.objects and other[1] == key[1] and any(
+                    ref["uid"] == uid for ref in obj["metadata"].get("ownerReferences") or []):
+                self._collect(other, "Background")
 
     @staticmethod
     def _stamp(obj: dict[str, Any]) -> None:
@@ -126,10 +156,11 @@ class FakeKubeApi:
         meta.setdefault("resourceVersion", "1")
         obj.setdefault("status", {})
 
-    def _allowed(self, verb: str, group: str, plural: str) -> bool:
+    def _allowed(self, verb: str, group: str, plural: str, name: str = "") -> bool:
         if self.role is None:
             return True
         return any(group in rule["apiGroups"] and plural in rule["resources"] and verb in rule["verbs"]
+                   and ("resourceNames" not in rule or (name and name in rule["resourceNames"]))
                    for rule in self.role["rules"])
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -171,7 +202,7 @@ class FakeKubeApi:
                     verb = "watch"
                 api.requests.append((verb, parts["plural"] + ("/status" if parts["sub"] else "")))
                 resource = parts["plural"] + ("/status" if parts["sub"] else "")
-                if not api._allowed(verb, _GROUP[parts["prefix"]], resource):
+                if not api._allowed(verb, _GROUP[parts["prefix"]], resource, parts["name"]):
                     self._status(403, "Forbidden",
                                  f'{parts["plural"]} is forbidden: User "system:serviceaccount:{parts["ns"]}:driver" '
                                  f'cannot {verb} resource "{resource}" in API group "{_GROUP[parts["prefix"]]}" '
@@ -232,7 +263,9 @@ class FakeKubeApi:
                     if api.get(parts["plural"], parts["ns"], parts["name"]) is None:
                         self._status(404, "NotFound", f'{parts["plural"]} "{parts["name"]}" not found')
                         return
-                    api.delete(parts["plural"], parts["ns"], parts["name"])
+                    policy = (parse_qs(urlsplit(self.path).query).get("propagationPolicy", [None])[0]
+                              or self._body().get("propagationPolicy"))
+                    api.delete(parts["plural"], parts["ns"], parts["name"], policy)
                     self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
 
             def do_PUT(self) -> None:  # noqa: N802

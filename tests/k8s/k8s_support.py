@@ -17,6 +17,7 @@ from referencing import Registry, Resource
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_RUN = REPO_ROOT / "k8s" / "example-run.toml"
 BASE_DIR = REPO_ROOT / "k8s" / "base"
+SETUP_DIR = REPO_ROOT / "k8s" / "namespace"
 OVERLAYS = REPO_ROOT / "k8s" / "overlays"
 # podFailurePolicy and backoffLimitPerIndex need 1.31 or later.
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]
@@ -94,7 +95,8 @@ def containers(job: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    """The container's literal environment (entries from the downward API, `valueFrom`, left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
 def failure_action(job: dict[str, Any], exit_code: int | None = None, condition: str | None = None) -> str:

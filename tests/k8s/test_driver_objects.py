@@ -41,8 +41,9 @@ def test_the_driver_is_the_only_job_applied(built: tuple[str, list[dict[str, Any
     assert container["command"][:2] == ["dflash-pipeline", "drive"]
     assert "nvidia.com/gpu" not in container["resources"]["limits"] and "nodeSelector" not in pod
     assert pod["serviceAccountName"] == "dflash-example-driver" and pod["automountServiceAccountToken"] is True
-    expected = "registry.invalid/dflash/dflash-pipeline:latest" if overlay == "gpu-cluster" else (
-        "localhost/dflash-pipeline:latest")
+    # The overlay renames the image and keeps the run file's tag; no overlay sets a tag of its own.
+    expected = "registry.invalid/dflash/dflash-pipeline:0.1.0" if overlay == "gpu-cluster" else (
+        "localhost/dflash-pipeline:0.1.0")
     assert container["image"] == expected
     # The namespace comes from the pod itself, so a kustomize `namespace:` moves the driver with the run.
     assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in (
@@ -73,8 +74,10 @@ def test_overlay_patches_reach_the_jobs_the_driver_creates() -> None:
     gpu = jobs(kustomize_build(OVERLAYS / "gpu-cluster"))
     assert all(job["spec"]["parallelism"] == 1 for job in local.values())
     assert all(job["metadata"]["labels"]["dflash-pipeline/accelerator"] == "cpu" for job in local.values())
-    assert gpu["train"]["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == (
-        "NVIDIA-H100-80GB-HBM3")
+    # The GPU product is the run file's to pin (where `plan` sees it), never the overlay's.
+    assert "nvidia.com/gpu.product" not in gpu["train"]["spec"]["template"]["spec"]["nodeSelector"]
+    assert {t.get("key") for t in gpu["train"]["spec"]["template"]["spec"]["tolerations"]} == {
+        "nvidia.com/gpu", "dedicated"}
     assert gpu["tokenize"]["spec"]["template"]["spec"]["containers"][0]["image"].startswith("registry.invalid/")
 
 
@@ -85,7 +88,11 @@ def test_the_driver_role_grants_only_what_it_calls(built: tuple[str, list[dict[s
     grants = {(rule["apiGroups"][0], resource, verb) for rule in role["rules"] for resource in rule["resources"]
               for verb in rule["verbs"]}
     assert grants == {("batch", "cronjobs", "get"), ("batch", "cronjobs", "list"), ("batch", "jobs", "get"),
-                      ("batch", "jobs", "create"), ("", "pods", "list"), ("jobset.x-k8s.io", "jobsets", "list")}
+                      ("batch", "jobs", "create"), ("", "pods", "list"), ("jobset.x-k8s.io", "jobsets", "list"),
+                      ("", "configmaps", "get"), ("kueue.x-k8s.io", "workloads", "list")}
+    # Of the ConfigMaps, only the run object (the stage Jobs' owner) may be read.
+    (configmaps,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
+    assert configmaps["resourceNames"] == ["dflash-example-run"]
     (binding,) = by_kind(docs, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}

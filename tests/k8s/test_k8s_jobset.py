@@ -85,12 +85,17 @@ def test_a_multi_node_jobset_replaces_the_job_and_its_service() -> None:
     spec = node["template"]["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 4
     pod = spec["template"]["spec"]
-    # JobSet's own headless Service; pod 0 of the node Job is <jobset>-node-0-0.<subdomain>.
-    assert jobset["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True,
-                                         "subdomain": name}
+    # JobSet's own headless Service, named after the JobSet (the subdomain's default); pod 0 of the node Job is
+    # <jobset>-node-0-0.<jobset>, both from the JobSet's name as the pod's label gives it, so a namePrefix
+    # overlay that renames the JobSet renames the endpoint with it.
+    assert jobset["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     assert "subdomain" not in pod
     args = pod["containers"][0]["args"]
-    assert f"--rdzv-endpoint={name}-node-0-0.{name}:{RENDEZVOUS_PORT}" in args
+    assert f"--rdzv-endpoint=$(JOBSET_NAME)-node-0-0.$(JOBSET_NAME):{RENDEZVOUS_PORT}" in args
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["JOBSET_NAME"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-name']"}}
+    assert "RENDEZVOUS_SERVICE" not in env and name == "dflash-example-train"
     assert "--nnodes=4" in args and "--nproc-per-node=8" in args and "--node-rank=$(JOB_COMPLETION_INDEX)" in args
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     # No GPU pod before the data: the gang's Job is created once the wait Job has completed.

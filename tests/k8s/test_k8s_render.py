@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 from dflash_pipeline import load_run_config, parse_run_config, render_documents
-from dflash_pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret
+from dflash_pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret, setup_files
 from dflash_pipeline.config import read_run_file
 from dflash_pipeline.jobs import HOME_DIR, RUN_AS, SCRATCH_DIR
+from dflash_pipeline.namespace_setup import setup_documents
 from dflash_pipeline.stages import (
     EVALUATE,
     EXPORT,
@@ -31,7 +32,6 @@ from dflash_pipeline.yaml_out import dump_all
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from tests.k8s.k8s_support import (
-    BASE_DIR,
     EXAMPLE_RUN,
     REPO_ROOT,
     containers,
@@ -97,10 +97,12 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 def test_optional_settings_reach_the_manifests() -> None:
     docs = render_documents(parse_run_config(everything_set()))
     # No Job is applied directly: the stages are templates the run driver (the one Job) instantiates.
-    assert [d["kind"] for d in docs] == (["ServiceAccount"] + ["CronJob"] * 7
-                                         + ["ServiceAccount", "Role", "RoleBinding", "Job"])
-    # The driver reads and writes the run's prefix too: its own account carries the same cloud identity.
-    for account in [d for d in docs if d["kind"] == "ServiceAccount"]:
+    assert [d["kind"] for d in docs] == (["CronJob"] * 7 + ["ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                                                           "Job"])
+    # The driver reads and writes the run's prefix too: its own account carries the same cloud identity as
+    # the stages' account of the namespace setup.
+    run = parse_run_config(everything_set())
+    for account in [d for d in [*docs, *setup_documents(run)] if d["kind"] == "ServiceAccount"]:
         assert account["metadata"]["annotations"] == {
             "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/x"}
     generate = jobs(docs)["generate"]
@@ -272,14 +274,13 @@ def test_a_partial_stage_table_keeps_the_stage_defaults() -> None:
     assert run.stages.for_stage("tokenize").shards == 1
 
 
-def test_committed_base_is_what_the_renderer_makes() -> None:
-    expected = base_files(load_run_config(EXAMPLE_RUN), EXAMPLE_RUN.name)
-    committed = {p.name: p.read_text(encoding="utf-8") for p in BASE_DIR.glob("*.yaml")}
+@pytest.mark.parametrize("folder", ["base", "namespace"])
+def test_committed_base_is_what_the_renderer_makes(folder: str) -> None:
+    run = load_run_config(EXAMPLE_RUN)
+    expected = (base_files if folder == "base" else setup_files)(run, EXAMPLE_RUN.name)
+    committed = {p.name: p.read_text(encoding="utf-8") for p in (REPO_ROOT / "k8s" / folder).glob("*.yaml")}
     stale = sorted(set(committed) ^ set(expected)) or sorted(n for n in expected if committed[n] != expected[n])
-    assert not stale, (
-        f"k8s/base is out of date ({', '.join(stale)}); run "
-        "python -m dflash_pipeline render --config k8s/example-run.toml --out k8s/base"
-    )
+    assert not stale, f"k8s/{folder} is out of date ({', '.join(stale)}); run make k8s-base"
 
 
 def test_yaml_writer_round_trips_through_a_yaml_parser(docs: list[dict[str, Any]]) -> None:
@@ -319,9 +320,9 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
         doc, end = decoder.raw_decode(text.lstrip())
         found.append(doc)
         text = text.lstrip()[end:]
-    driver = ["ServiceAccount", "Role", "RoleBinding", "Job"]
-    assert [d["kind"] for d in found] == ["Namespace", "ServiceAccount", "CronJob", *driver]
-    assert found[2]["metadata"]["annotations"]["dflash-pipeline/job-name"] == "dflash-example-tokenize"
+    driver = ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Job"]
+    assert [d["kind"] for d in found] == ["CronJob", *driver]
+    assert found[0]["metadata"]["annotations"]["dflash-pipeline/job-name"] == "dflash-example-tokenize"
 
     # A stand-in for kubectl that records what it is given: submit must pipe exactly the rendered stream.
     fake = tmp_path / "fake-kubectl"
@@ -333,8 +334,13 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
     assert submitted.returncode == 0, submitted.stderr
     assert (tmp_path / "args").read_text().split() == ["apply", "-f", "-"]
     assert (tmp_path / "stdin").read_text() == rendered.stdout == dry.stdout
-    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == [
-        "Namespace", "ServiceAccount", *["CronJob"] * 7, *driver]
+    assert [d["kind"] for d in yaml.safe_load_all(rendered.stdout)] == [*["CronJob"] * 7, *driver]
+    # The namespace's one-time setup is its own stream, never part of the run's.
+    setup = _cli("render", "--setup", "--config", str(EXAMPLE_RUN))
+    assert setup.returncode == 0, setup.stderr
+    assert [d["kind"] for d in yaml.safe_load_all(setup.stdout)] == ["Namespace", "ServiceAccount"]
+    both = _cli("render", "--setup", "--stage", "train", "--config", str(EXAMPLE_RUN))
+    assert both.returncode == ExitCode.USAGE and "leave out --stage" in both.stderr
 
     unknown = _cli("render", "--config", str(EXAMPLE_RUN), "--stage", "trian")
     assert unknown.returncode == ExitCode.USAGE and "unknown stage(s) trian" in unknown.stderr
@@ -351,6 +357,12 @@ def test_render_out_writes_the_base_and_removes_stale_files(tmp_path: Path) -> N
     assert "job-old.yaml" not in names and "mine.yaml" in names and "cronjob-tokenize.yaml" in names
     driver_files = {"job-driver.yaml", "role-driver.yaml", "rolebinding-driver.yaml", "serviceaccount-driver.yaml"}
     assert driver_files <= set(names)
+    assert {"configmap-run.yaml"} <= set(names) and "namespace.yaml" not in names
     kustomization = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
-    assert "secret.example.yaml" not in kustomization["resources"]
     assert all((tmp_path / name).is_file() for name in kustomization["resources"])
+    # The credentials example belongs to the namespace setup, and is written beside it, unlisted.
+    assert "secret.example.yaml" not in names
+    setup = _cli("render", "--setup", "--config", str(EXAMPLE_RUN), "--out", str(tmp_path / "ns"))
+    assert setup.returncode == 0, setup.stderr
+    listed = yaml.safe_load((tmp_path / "ns" / "kustomization.yaml").read_text())["resources"]
+    assert listed == ["namespace.yaml", "serviceaccount.yaml"] and (tmp_path / "ns" / "secret.example.yaml").is_file()

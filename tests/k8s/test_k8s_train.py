@@ -94,7 +94,10 @@ def test_multi_node_is_an_indexed_job_behind_a_headless_service() -> None:
     flags = dict(a.split("=", 1) for a in args[1:-3])
     assert flags["--nnodes"] == "4" and flags["--nproc-per-node"] == "8"
     assert flags["--node-rank"] == "$(JOB_COMPLETION_INDEX)"
-    assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == f"{name}-0.{name}:{RENDEZVOUS_PORT}"
+    # The Service's name comes from the environment (kustomize renames it with the Service), the kubelet expands it.
+    assert flags["--rdzv-backend"] == "c10d"
+    assert flags["--rdzv-endpoint"] == f"{name}-0.$(RENDEZVOUS_SERVICE):{RENDEZVOUS_PORT}"
+    assert env_of(main_container(job))["RENDEZVOUS_SERVICE"] == service["metadata"]["name"]
     assert flags["--rdzv-id"] == "example"
     # The base gets the Service as a file of its own, listed in the kustomization.
     data = read_run_file(EXAMPLE_RUN)

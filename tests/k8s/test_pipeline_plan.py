@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from dflash_pipeline import layout, parse_run_config
 from dflash_pipeline.config import RunConfig, read_run_file
-from dflash_pipeline.plan import START_SECONDS, build_plan, format_plan
+from dflash_pipeline.plan import START_SECONDS, build_plan, format_plan, gpu_model_warnings, plan_json
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import (
@@ -156,8 +157,8 @@ def test_manifests_and_an_earlier_run_replace_the_estimates(s3_bucket: str, stor
 def test_the_command_prints_the_table_and_json_offline() -> None:
     base = [sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(HEADLINE_RUN), "--offline"]
     text = subprocess.run(base, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True).stdout
-    assert text.splitlines()[1].split() == ["stage", "pods", "GPUs", "GPU-hours", "wall", "scratch/pod", "written",
-                                            "model", "copies", "work"]
+    assert text.splitlines()[1].split() == ["stage", "pods", "GPUs", "GPU-hours", "cost", "wall", "scratch/pod",
+                                            "written", "model", "copies", "work"]
     assert "generate     64    64" in text and "(run file)" in text and "(estimate)" in text
     out = json.loads(subprocess.run([*base, "--json"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
                                     check=True).stdout)
@@ -244,3 +245,82 @@ def test_the_pipeline_passes_the_training_window_to_generate_and_tokenize() -> N
     data["stages"]["generate"]["config"] = {"training_window": 8192}
     run = parse_run_config(data)
     assert stage_config(GENERATE, run, run.stages.for_stage("generate"))["training_window"] == 8192
+
+
+def test_plan_without_credentials_warns_and_sizes_the_run_from_its_file(tmp_path: Path) -> None:
+    """The pre-submit check runs where no credentials for the bucket exist: figures from the run file, a warning."""
+    empty = tmp_path / "aws"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_CONFIG_FILE=str(empty / "config"), AWS_SHARED_CREDENTIALS_FILE=str(empty / "credentials"),
+               AWS_EC2_METADATA_DISABLED="true", AWS_REGION="us-east-1")
+    done = subprocess.run([sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(HEADLINE_RUN)],
+                          capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stdout.splitlines() if line.startswith("warning: storage:")]
+    assert "s3://dflash-example-bucket/runs/qwen36-27b-v1/prompts/manifest.json" in warning
+    assert "--offline" in warning and "run file" in warning
+    offline = subprocess.run([sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(HEADLINE_RUN),
+                              "--offline"], capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120,
+                             check=True)
+    # The same figures as offline; only the warning differs.
+    assert [line for line in done.stdout.splitlines() if line != warning] == offline.stdout.splitlines()
+
+
+def test_cost_is_gpu_hours_times_the_price() -> None:
+    plan = build_plan(headline(gpu_hour_price=2.5, currency="EUR"))
+    for stage in plan.stages:
+        assert plan.cost(stage) == (None if stage.gpu_hours is None else pytest.approx(stage.gpu_hours * 2.5))
+    text = format_plan(plan)
+    total = sum(s.gpu_hours or 0 for s in plan.stages)
+    assert f"({total * 2.5:,.0f} EUR at 2.50 per GPU-hour)" in text
+    unpriced = format_plan(build_plan(headline(gpu_hour_price=None)))
+    assert "cost" not in unpriced.splitlines()[1] and "per GPU-hour" not in unpriced
+    train = next(s for s in plan_json(plan)["stages"] if s["stage"] == "train")
+    assert train["cost"] == pytest.approx(train["gpu_hours"] * 2.5)
+
+
+def test_the_plan_warns_where_a_gpu_stage_is_not_pinned_to_the_gpu_it_assumes() -> None:
+    assert gpu_model_warnings(headline()) == []
+    data = read_run_file(HEADLINE_RUN)
+    data["stages"]["generate"]["gpu_types"] = ["NVIDIA-H100-80GB-HBM3"]
+    del data["stages"]["evaluate"]["gpu_types"]
+    warnings = gpu_model_warnings(parse_run_config(data))
+    assert warnings == [
+        "generate: the plan assumes NVIDIA-H200 ([plan] gpu_model) but the stage runs on NVIDIA-H100-80GB-HBM3: "
+        "measure or set the throughputs for that GPU",
+        "evaluate: the plan assumes NVIDIA-H200 ([plan] gpu_model) but the stage may run on any GPU; set "
+        "stages.evaluate.gpu_types = [\"NVIDIA-H200\"]"]
+    assert all(f"warning: {w}" in format_plan(build_plan(parse_run_config(data))) for w in warnings)
+
+
+def test_the_gpu_cluster_overlay_schedules_the_gpu_the_plan_assumes(tmp_path: Path) -> None:
+    """The headline run's base through the shipped gpu-cluster overlay: every GPU pod may only land on the plan's
+    GPU, and the overlay pins no other product."""
+    import shutil
+
+    from dflash_pipeline.base import write_base
+    from tests.k8s.k8s_support import OVERLAYS, jobs, kustomize_build
+
+    run = headline()
+    write_base(run, HEADLINE_RUN.name, tmp_path / "k8s" / "base")
+    shutil.copytree(OVERLAYS / "gpu-cluster", tmp_path / "k8s" / "overlays" / "gpu-cluster")
+    built = jobs(kustomize_build(tmp_path / "k8s" / "overlays" / "gpu-cluster"))
+    for stage in ("generate", "train", "evaluate", "serve-check"):
+        pod = built[stage]["spec"]["template"]["spec"]
+        (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                             "values": [run.plan.gpu_model]}]
+        assert "nvidia.com/gpu.product" not in pod["nodeSelector"]
+
+
+def test_a_queued_jobset_is_warned_for_the_quota_it_holds_while_it_waits() -> None:
+    data = read_run_file(HEADLINE_RUN)
+    data["stages"]["train"] = {**data["stages"]["train"], "gang": "jobset"}
+    assert not [w for w in build_plan(parse_run_config(data)).warnings if "reserves quota" in w]
+    data["scheduling"] = {"queue_name": "dflash-batch"}
+    plan = build_plan(parse_run_config(data))
+    (warning,) = [w for w in plan.warnings if "reserves quota" in w]
+    waited = sum(s.wall_seconds or 0 for s in plan.stages[:3])  # import, generate, tokenize
+    assert "its 32 GPUs" in warning and f"~{32 * waited / 3600:,.0f} GPU-hours of quota held" in warning

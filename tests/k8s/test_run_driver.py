@@ -129,7 +129,7 @@ def api(run: RunConfig) -> Iterator[FakeKubeApi]:
     (role,) = [d for d in docs if d["kind"] == "Role"]
     fake = FakeKubeApi(role).start()
     for doc in docs:
-        if doc["kind"] == "CronJob":
+        if doc["kind"] in ("CronJob", "ConfigMap"):
             fake.add(doc)
     try:
         yield fake
@@ -265,7 +265,7 @@ def test_a_failed_train_jobset_stops_the_run_before_export(s3_bucket: str, store
     fake = FakeKubeApi(role).start()
     try:
         for doc in docs:
-            if doc["kind"] in ("CronJob", "JobSet"):
+            if doc["kind"] in ("CronJob", "ConfigMap", "JobSet"):
                 fake.add(doc)
         sim = Cluster(fake, store)
         tokenized = f"{run.root}/{run.run_id}/tokenized/manifest.json"
@@ -297,7 +297,7 @@ def test_a_role_without_the_needed_verb_exits_environment_naming_it(store: Objec
     fake = FakeKubeApi(role).start()
     try:
         for doc in render_documents(run):
-            if doc["kind"] == "CronJob":
+            if doc["kind"] in ("CronJob", "ConfigMap"):
                 fake.add(doc)
         with pytest.raises(ClusterAccessError, match='cannot get resource "jobs"') as refused:
             driver(fake, store, run, Cluster(fake, store)).run()

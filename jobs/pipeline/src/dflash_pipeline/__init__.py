@@ -3,14 +3,17 @@
 - `config`: `RunConfig`, one TOML/JSON file per run.
 - `layout`: the prefixes of a run, <root>/<run_id>/<kind>.
 - `stages`: what each stage is (image, command, config prefix) and how it is wired to the layout.
-- `jobs`: the one Job builder every stage goes through, and the namespace and ServiceAccount.
-- `driver_objects`, `run_objects`: the stage Jobs as templates, the run driver's objects, all a run applies.
+- `jobs`: the one Job builder every stage goes through; `jobset`: a multi-node gang as a JobSet.
+- `namespace_setup`: the namespace's one-time setup (Namespace, the stages' ServiceAccount), in no run.
+- `driver_objects`, `run_objects`: the stage Jobs as templates, the run object, the run driver's objects, all
+  a run applies.
 - `driver`, `kube`, `run_state`: the run driver (creates each stage's Job once its input is committed) and
-  the state it writes for `status`.
-- `base`: the same objects written as a kustomize base (k8s/base).
+  the state it writes for `status`; `cancel`: delete one run's objects.
+- `gang_hold`: how long a lost rank keeps a multi-node gang's other GPUs, from the rendered Job.
+- `base`: the same objects written as a kustomize base (k8s/base), the setup as another (k8s/namespace).
 - `status`, `wait`: progress read from storage; waiting for a manifest from a script.
 
-The command line is `python -m dflash_pipeline {render,submit,status,plan,local,drive,wait}`.
+The command line is `python -m dflash_pipeline {render,submit,status,plan,local,cancel,drive,wait}`.
 """
 
 from dflash_pipeline.config import RunConfig, load_run_config, parse_run_config

@@ -117,6 +117,23 @@ class JobSettings(_Frozen):
         description="How a multi-node stage's pods run together: an Indexed Job the run driver creates (a failed "
         "pod is replaced alone) or a JobSet (needs the JobSet controller; the whole gang restarts). See k8s/README.md.",
     )
+    rendezvous_timeout_seconds: int = Field(
+        default=600, ge=60, le=7200,
+        description="How long the torchruns of a multi-node stage wait for every node at the c10d rendezvous "
+        "(join_timeout). A rank that cannot come back costs the other pods this long per retry, so it bounds how "
+        "long they hold their GPUs (k8s/README.md, \"A lost node\").",
+    )
+    min_parallelism: int | None = Field(
+        default=None, ge=1,
+        description="Kueue partial admission of a sharded stage (Job annotation kueue.x-k8s.io/job-min-parallelism): "
+        "Kueue may admit the Job with fewer pods, down to this many, when the quota for all is not free; the "
+        "remaining shards run as admitted pods finish. Needs Kueue's PartialAdmission (beta, on by default).",
+    )
+    exclusive_topology: str | None = Field(
+        default=None,
+        description="JobSet only: a node label key (a node pool, a rack, an NVLink domain) whose value all pods "
+        "of the gang share, one gang per domain (annotation alpha.jobset.sigs.k8s.io/exclusive-topology).",
+    )
     gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
     gpu_types: list[str] = Field(
         default_factory=list, description="Allowed GPU products (node affinity on gpu_type_label); empty: any."
@@ -173,6 +190,8 @@ class JobSettings(_Frozen):
                 raise ValueError(f"{what}_limit {limit} is below the {what} request {request}")
         if self.max_failed_shards is not None and self.max_failed_shards > self.shards:
             raise ValueError(f"max_failed_shards {self.max_failed_shards} exceeds shards {self.shards}")
+        if self.min_parallelism is not None and self.min_parallelism > self.shards:
+            raise ValueError(f"min_parallelism {self.min_parallelism} exceeds shards {self.shards}")
         if self.gpu_types and not self.gpus:
             raise ValueError("gpu_types is set but gpus is 0")
         if self.gpu_resource in self.extra_resources:
@@ -271,18 +290,71 @@ class StagesSettings(_Frozen):
         return settings
 
 
+IMAGE_NAMES = ("tokenizer", "generator", "trainer", "pipeline")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+# Tags that move with every build: a Job the run driver creates days after `kubectl apply` would run whatever
+# build each node happens to have cached under them.
+MOVING_TAGS = frozenset({"latest"})
+
+
+def _check_digests(values: dict[str, str]) -> dict[str, str]:
+    for name, digest in values.items():
+        if name not in IMAGE_NAMES:
+            raise ValueError(f"digests: unknown image {name!r}; the images are {', '.join(IMAGE_NAMES)}")
+        if not _DIGEST.match(digest):
+            raise ValueError(f"digests.{name}: {digest!r} is not an image digest (sha256: and 64 hex digits)")
+    return values
+
+
 class ImageSettings(_Frozen):
-    """Where the stage images come from: <registry>/dflash-<name>:<tag>."""
+    """Where the stage images come from: <registry>/dflash-<name>:<tag>@<digest>.
+
+    A digest pins the exact build: every pod of a run, created at apply time or days later by the run driver,
+    runs the same image whatever a node has cached. `make build-images` records each image's digest in a
+    JSON file that `digests_file` names.
+    """
 
     registry: str = Field(default="localhost", description="Registry and path prefix of the images.")
-    tag: str = Field(default="latest", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$", description="Image tag.")
+    tag: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
+        description="Image tag (the git revision build-images tags each image with); 'latest' is refused. "
+        "Optional where every image has a digest.",
+    )
+    digests: Annotated[dict[str, str], AfterValidator(_check_digests)] = Field(
+        default_factory=dict,
+        description="Image name (tokenizer, generator, trainer, pipeline) -> 'sha256:...' digest; references "
+        "are then rendered by digest. Over the ones read from digests_file.",
+    )
+    digests_file: str | None = Field(
+        default=None,
+        description="JSON file written by `make build-images` (build/images/digests.json), relative to the run "
+        "file: its digests are used for the images `digests` does not name.",
+    )
+    require_digests: bool = Field(
+        default=False, description="Refuse to render an image reference without a digest."
+    )
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="imagePullPolicy of every container."
     )
     pull_secrets: list[str] = Field(default_factory=list, description="imagePullSecrets names.")
 
+    @model_validator(mode="after")
+    def _pinned(self) -> ImageSettings:
+        if self.tag in MOVING_TAGS:
+            raise ValueError(
+                f"tag {self.tag!r} moves with every build: a stage Job created days after apply would run whatever "
+                "each node has cached; use the git revision docker/build-images.sh tags, and digests_file")
+        return self
+
     def ref(self, name: str) -> str:
-        return f"{self.registry.rstrip('/')}/dflash-{name}:{self.tag}"
+        """`<registry>/dflash-<name>[:<tag>][@<digest>]`; kubelets pull by the digest when there is one."""
+        digest = self.digests.get(name)
+        if digest is None and (self.require_digests or self.tag is None):
+            why = "images.require_digests is set" if self.require_digests else "images.tag is not set"
+            raise ConfigError(f"image dflash-{name} has no digest and {why}: run `make build-images` and name its "
+                              "digests file in images.digests_file, or set images.digests")
+        tag = f":{self.tag}" if self.tag else ""
+        return f"{self.registry.rstrip('/')}/dflash-{name}{tag}" + (f"@{digest}" if digest else "")
 
 
 class TargetModel(_Frozen):
@@ -390,9 +462,10 @@ class RunConfig(_Frozen):
     root: str = Field(description="s3://bucket/prefix under which <run_id>/<kind> prefixes are made.")
     namespace: DnsLabel = Field(default="dflash", description="Namespace of every object.")
     create_namespace: bool = Field(
-        default=True,
-        description="Render the Namespace object (labelled for the restricted Pod Security Standard); turn off "
-        "for a namespace that already exists or that you may not create.",
+        default=False,
+        description="Put the Namespace (labelled for the restricted Pod Security Standard) into the one-time "
+        "namespace setup (`render --setup`, k8s/namespace). Never part of a run's own objects: deleting one run "
+        "must not delete the namespace and every other run in it.",
     )
     images: ImageSettings = Field(default_factory=ImageSettings, description="Stage images.")
     target: TargetModel = Field(description="Target model.")
@@ -460,6 +533,29 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def read_digests_file(path: Path) -> dict[str, str]:
+    """Image name -> digest from the file `docker/build-images.sh` writes (`{"images": {name: {"digest": ...}}}`)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"cannot read images.digests_file {path}: {err.strerror}; run `make build-images`, "
+                          "which writes it") from err
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"images.digests_file {path} is not JSON: {err}") from err
+    images = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(images, dict):
+        raise ConfigError(f"images.digests_file {path} has no \"images\" object")
+    # Only the images runs use; the file may also list others build-images made.
+    return {name: str(entry["digest"]) for name, entry in images.items()
+            if name in IMAGE_NAMES and isinstance(entry, dict) and entry.get("digest")}
+
+
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read and validate a run file (.toml or .json)."""
-    return parse_run_config(read_run_file(path), str(path))
+    """Read and validate a run file (.toml or .json); a digests_file is read relative to the run file."""
+    path = Path(path)
+    data = read_run_file(path)
+    images = data.get("images")
+    if isinstance(images, dict) and isinstance(images.get("digests_file"), str):
+        recorded = read_digests_file(path.parent / images["digests_file"])
+        data = {**data, "images": {**images, "digests": {**recorded, **(images.get("digests") or {})}}}
+    return parse_run_config(data, str(path))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from dflash_pipeline.driver_objects import driver_name
 from dflash_pipeline.kube import Cluster, ClusterUnavailableError, JobView, StageTemplate
@@ -49,12 +50,16 @@ class RunDriver:
         poll_s: float = 15.0,
         max_poll_s: float = 300.0,
         sleep: Callable[[float], None] = time.sleep,
+        run_object: str | None = None,
     ) -> None:
         if not 0 < poll_s <= max_poll_s:
             raise ConfigError(f"poll interval {poll_s} s must be positive and at most the maximum {max_poll_s} s")
         self.cluster, self.store, self.root, self.run_id = cluster, store, root, run_id
         self.poll_s, self.max_poll_s, self.sleep = poll_s, max_poll_s, sleep
+        self.run_object = run_object
         self.state = RunState()
+        # The run object's ownerReference, read once at the start: every Job created carries it.
+        self._owner: dict[str, Any] | None = None
         # Stages whose Job this driver has seen unfinished (or created): their manifest means "succeeded".
         self._watched: set[str] = set()
 
@@ -66,6 +71,7 @@ class RunDriver:
                 f"no stage templates of run {self.run_id!r} in namespace {self.cluster.namespace}: apply the run's "
                 "kustomization (or `python -m dflash_pipeline submit`) that holds this driver"
             )
+        self._owner = self.cluster.run_owner(self.run_id, self.run_object)
         logger.info("driving run %s: %s", self.run_id, " -> ".join(t.stage for t in templates))
         for t in templates:
             reason = f"input {t.input_manifest} not committed yet" if t.input_manifest else None
@@ -116,7 +122,8 @@ class RunDriver:
                     continue
                 self._fail(t, templates, JobView(job.name, "failed",
                                                  f"the Job completed but {t.output_manifest} is missing"))
-            return False, self._set(t.stage, job.phase, job=job.name, reason=job.reason) or changed
+            reason = (self.cluster.admission(job) if job.phase == "created" else None) or job.reason
+            return False, self._set(t.stage, job.phase, job=job.name, reason=reason) or changed
         return True, changed
 
     def _start(self, t: StageTemplate, templates: list[StageTemplate]) -> bool:
@@ -126,7 +133,7 @@ class RunDriver:
                 for stage, jobset in self.cluster.failed_jobsets(self.run_id):
                     self._fail(t, templates, jobset, kind="JobSet", failed_stage=stage)
             return self._set(t.stage, "waiting", reason=f"input {t.input_manifest} not committed yet")
-        if self.cluster.create_job(t.body):
+        if self.cluster.create_job(t.body, self._owner):
             logger.info("stage %s: input committed, created Job %s", t.stage, t.job_name)
         else:
             logger.info("stage %s: Job %s exists already, adopting it", t.stage, t.job_name)

@@ -15,6 +15,12 @@ The driver runs as its own ServiceAccount with a namespaced Role: read the templ
 list pods (for a failed pod's exit code and termination message). The stages' ServiceAccount keeps no
 Kubernetes API access at all.
 
+Every Job the driver creates is owned (an ownerReference) by the run object, a ConfigMap `dflash-<run_id>-run`
+applied with the run: deleting the run (`kubectl delete -k`, `pipeline cancel`) lets the garbage collector
+delete its stage Jobs and their pods, and tools that prune by ownership (`kubectl apply --prune`, Argo CD)
+see them as the run's. The driver Job does not own them: a driver restarted after a fix must find the running
+generation where it was.
+
 Of the run file's `[scheduling]` the driver takes the run-wide hooks only, never a stage's: pod labels and
 annotations (a workload identity webhook must mutate its pod too, since it reads and writes the run's
 prefix), Job labels and annotations, and the pod priorityClassName. Not the Kueue queue (see
@@ -26,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.jobs import CONTAINER_SECURITY, HOME_DIR, PART_OF, POD_SECURITY, storage_env
+from dflash_pipeline.jobs import CONTAINER_SECURITY, HOME_DIR, PART_OF, POD_SECURITY, RUN_LABEL, storage_env
 from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL
 from dflash_shared.exit_codes import ExitCode
 
@@ -34,7 +40,8 @@ from dflash_shared.exit_codes import ExitCode
 ROLE_LABEL = "dflash-pipeline/role"
 TEMPLATE_ROLE = "stage-template"
 DRIVER_ROLE = "driver"
-INSTANCE_LABEL = "app.kubernetes.io/instance"
+RUN_OBJECT_ROLE = "run"
+RUN_OBJECT_ENV = "DFLASH_RUN_OBJECT"
 JOB_NAME_ANNOTATION = "dflash-pipeline/job-name"
 ORDER_ANNOTATION = "dflash-pipeline/order"
 INPUT_ANNOTATION = "dflash-pipeline/input"
@@ -69,16 +76,21 @@ def driver_name(run_id: str) -> str:
     return f"dflash-{run_id}-driver"
 
 
+def run_object_name(run_id: str) -> str:
+    return f"dflash-{run_id}-run"
+
+
 def stage_template(job: dict[str, Any], order: int) -> dict[str, Any]:
     """The stage Job as a suspended CronJob's jobTemplate; its labels let the overlays' patches find it."""
     meta = job["metadata"]
     labels = dict(meta["labels"])
     stage = labels["app.kubernetes.io/component"]
+    run_id = labels[RUN_LABEL]
     annotations = {**meta.get("annotations", {}), JOB_NAME_ANNOTATION: meta["name"], ORDER_ANNOTATION: str(order)}
     return {
         "apiVersion": "batch/v1",
         "kind": "CronJob",
-        "metadata": {"name": template_name(labels[INSTANCE_LABEL], stage), "namespace": meta["namespace"],
+        "metadata": {"name": template_name(run_id, stage), "namespace": meta["namespace"],
                      "labels": {**labels, ROLE_LABEL: TEMPLATE_ROLE}, "annotations": annotations},
         "spec": {
             "schedule": NEVER,
@@ -93,9 +105,9 @@ def stage_template(job: dict[str, Any], order: int) -> dict[str, Any]:
 def _driver_labels(run: RunConfig) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "dflash-driver",
-        INSTANCE_LABEL: run.run_id,
         "app.kubernetes.io/component": DRIVER_ROLE,
         "app.kubernetes.io/part-of": PART_OF,
+        RUN_LABEL: run.run_id,
         ROLE_LABEL: DRIVER_ROLE,
     }
 
@@ -146,6 +158,11 @@ def driver_role(run: RunConfig) -> dict[str, Any]:
             {"apiGroups": ["batch"], "resources": ["cronjobs"], "verbs": ["get", "list"]},
             {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "create"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+            # The run object, whose uid the stage Jobs' ownerReference names; only that one ConfigMap.
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"],
+             "resourceNames": [run_object_name(run.run_id)]},
+            # Why Kueue holds a Job (a LocalQueue that does not exist, no quota): its Workload's conditions.
+            {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list"]},
             # A multi-node train stage rendered as a JobSet runs on its own; the driver only notices its failure.
             {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["list"]},
         ],
@@ -173,6 +190,8 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
         "env": [
             # From the pod itself, so an overlay that moves the run to another namespace moves the driver too.
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            # The run object's name: renamed with it by a namePrefix overlay (the base's kustomizeconfig.yaml).
+            {"name": RUN_OBJECT_ENV, "value": run_object_name(run.run_id)},
             {"name": "HOME", "value": HOME_DIR},
             {"name": "TMPDIR", "value": "/tmp"},
             *storage_env(run),
@@ -227,6 +246,23 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
     }
 
 
+def run_object(run: RunConfig) -> dict[str, Any]:
+    """The run itself as an object: the owner of every stage Job the driver creates (see the module docstring).
+
+    A ConfigMap because every cluster has the kind, holds no secret, and needs no controller; its data says
+    what the run is, for people reading it with kubectl.
+    """
+    labels = {"app.kubernetes.io/name": "dflash-run", "app.kubernetes.io/component": RUN_OBJECT_ROLE,
+              "app.kubernetes.io/part-of": PART_OF, RUN_LABEL: run.run_id, ROLE_LABEL: RUN_OBJECT_ROLE}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": run_object_name(run.run_id), "namespace": run.namespace, "labels": labels},
+        "data": {"run_id": run.run_id, "root": run.root},
+    }
+
+
 def driver_objects(run: RunConfig) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding and Job of the run driver."""
-    return [driver_service_account(run), driver_role(run), driver_role_binding(run), driver_job(run)]
+    """The run object, then the ServiceAccount, Role, RoleBinding and Job of the run driver."""
+    return [run_object(run), driver_service_account(run), driver_role(run), driver_role_binding(run),
+            driver_job(run)]

@@ -1,4 +1,4 @@
-"""Kubernetes objects of a run: one builder for every stage's Indexed Job, plus the namespace and account.
+"""Kubernetes objects of a run: one builder for every stage's Indexed Job (and a multi-node Job's Service).
 
 Each stage is an Indexed Job with completions = parallelism = shards: pod i gets JOB_COMPLETION_INDEX=i
 from Kubernetes and DFLASH_NUM_SHARDS from the Job, which is all the sharded runner needs. The stage's
@@ -50,6 +50,12 @@ from dflash_shared.runner import COUNT_ENV
 
 PART_OF = "dflash-pipeline"
 ACCELERATOR_LABEL = "dflash-pipeline/accelerator"
+# Every object of a run carries this label, and the run driver, `cancel` and `status` select by it. Not
+# app.kubernetes.io/instance: Argo CD writes that label for its own tracking (its default before v3), so
+# under Argo CD it would name the Argo application, not the run.
+RUN_LABEL = "dflash-pipeline/run"
+# Kueue partial admission: the least parallelism it may admit a Job with when the quota for all is not free.
+MIN_PARALLELISM_ANNOTATION = "kueue.x-k8s.io/job-min-parallelism"
 # The image contract (docker/*/Dockerfile): user 10001, TMPDIR and HOME at these paths.
 RUN_AS = 10001
 SCRATCH_DIR = "/work/scratch"
@@ -72,8 +78,9 @@ CONTAINER_SECURITY = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 RENDEZVOUS_PORT = 29500
-# How long the first torchrun waits for the others: pods of one Job can start minutes apart (image pulls).
-RENDEZVOUS_JOIN_TIMEOUT_S = 1800
+# The headless Service's name, as the container sees it: a literal that kustomize renames with the Service (the
+# base's kustomizeconfig.yaml), so a namePrefix or nameSuffix overlay keeps the rendezvous endpoint resolvable.
+RENDEZVOUS_SERVICE_ENV = "RENDEZVOUS_SERVICE"
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -107,6 +114,14 @@ def _check_shape(stage: StageDef, settings: JobSettings) -> None:
     if not stage.sharded and settings.shards != 1:
         raise ConfigError(f"{where}.shards = {settings.shards}: {stage.name} is one process group, not shards; "
                           "scale it with `nodes` and `gpus`")
+    if not stage.sharded and settings.max_failed_shards:
+        raise ConfigError(f"{where}.max_failed_shards = {settings.max_failed_shards}: the pods of {stage.name} are "
+                          "one process group, which fails as a whole when one of them cannot come back")
+    if not stage.sharded and settings.min_parallelism is not None:
+        raise ConfigError(f"{where}.min_parallelism: {stage.name} is one process group; it cannot start with "
+                          "fewer pods (a gang is admitted whole)")
+    if settings.exclusive_topology is not None and settings.gang != "jobset":
+        raise ConfigError(f"{where}.exclusive_topology needs gang = \"jobset\" (JobSet places the gang)")
 
 
 def launch_args(run: RunConfig, stage: StageDef, settings: JobSettings) -> list[str]:
@@ -123,8 +138,11 @@ def launch_args(run: RunConfig, stage: StageDef, settings: JobSettings) -> list[
     name = job_name(run, stage)
     return [
         "torchrun", f"--nnodes={settings.nodes}", per_node, "--node-rank=$(JOB_COMPLETION_INDEX)",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={name}-0.{name}:{RENDEZVOUS_PORT}", f"--rdzv-id={run.run_id}",
-        f"--rdzv-conf=join_timeout={RENDEZVOUS_JOIN_TIMEOUT_S}", *stage.rank_command,
+        # Pod 0's hostname is the Job's name (the driver creates it under that name, whatever an overlay calls
+        # the template) and its index; the kubelet expands the Service's name from the container's environment.
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={name}-0.$({RENDEZVOUS_SERVICE_ENV}):{RENDEZVOUS_PORT}",
+        f"--rdzv-id={run.run_id}",
+        f"--rdzv-conf=join_timeout={settings.rendezvous_timeout_seconds}", *stage.rank_command,
     ]
 
 
@@ -151,9 +169,9 @@ def rendezvous_service(run: RunConfig, stage: StageDef) -> dict[str, Any]:
 def labels(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": f"dflash-{stage.name}",
-        "app.kubernetes.io/instance": run.run_id,
         "app.kubernetes.io/component": stage.name,
         "app.kubernetes.io/part-of": PART_OF,
+        RUN_LABEL: run.run_id,
         ACCELERATOR_LABEL: "gpu" if settings.gpus else "cpu",
     }
 
@@ -251,6 +269,8 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     env += [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR}]
     env += storage_env(run)
     env += [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
+    if settings.nodes > 1:
+        env.append({"name": RENDEZVOUS_SERVICE_ENV, "value": job_name(run, stage)})
     volumes, mounts = _volumes(run, stage, settings)
     container = _with_credentials(run, {
         "name": stage.name,
@@ -289,6 +309,8 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     extra_labels, extra_annotations = job_metadata(run, stage, settings)
     job_labels = {**own_labels, **extra_labels}
     annotations.update(extra_annotations)
+    if settings.min_parallelism is not None and settings.min_parallelism < settings.shards:
+        annotations[MIN_PARALLELISM_ANNOTATION] = str(settings.min_parallelism)
     pod_labels, pod_annotations = pod_metadata(run, settings)
     pod_meta: dict[str, Any] = {"labels": {**own_labels, **pod_labels}}
     if pod_annotations:
@@ -299,10 +321,17 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         "parallelism": pods(stage, settings),
         "backoffLimitPerIndex": settings.retries_per_shard,
     }
-    if settings.max_failed_shards is not None:
+    if not stage.sharded:
+        # One process group: once a pod has used up its retries (or its node is gone and every other pod times
+        # out at the rendezvous), the Job fails at once and frees every GPU, rather than waiting for the other
+        # indexes to run out of retries in a rendezvous that cannot complete (see `gang_hold`).
+        spec["maxFailedIndexes"] = 0
+    elif settings.max_failed_shards is not None:
         spec["maxFailedIndexes"] = settings.max_failed_shards
     spec["podFailurePolicy"] = pod_failure_policy()
-    # A replacement starts only once the failed pod is gone, so one index never has two writers.
+    # A replacement starts only once the failed pod is gone, so one index never has two writers (and the Job
+    # API requires it with a podFailurePolicy). A pod stuck Terminating on an unreachable node is therefore
+    # never replaced until the node is tainted out-of-service or deleted (k8s/README.md, "A lost node").
     spec["podReplacementPolicy"] = "Failed"
     spec["ttlSecondsAfterFinished"] = settings.ttl_seconds_after_finished
     if deadline := active_deadline_seconds(settings):
@@ -362,26 +391,6 @@ def stage_objects(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:
     if run.stages.for_stage(stage.name).nodes > 1:
         return [rendezvous_service(run, stage), job]
     return [job]
-
-
-def namespace(run: RunConfig) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Namespace",
-        "metadata": {"name": run.namespace, "labels": {
-            "app.kubernetes.io/part-of": PART_OF,
-            # Every pod rendered here meets the restricted Pod Security Standard.
-            "pod-security.kubernetes.io/enforce": "restricted",
-        }},
-    }
-
-
-def service_account(run: RunConfig) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": run.storage.service_account, "namespace": run.namespace,
-                                "labels": {"app.kubernetes.io/part-of": PART_OF}}
-    if run.storage.service_account_annotations:
-        metadata["annotations"] = dict(sorted(run.storage.service_account_annotations.items()))
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata, "automountServiceAccountToken": False}
 
 
 def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[StageDef]:

@@ -37,9 +37,9 @@ from dflash_pipeline.jobs import (
     HOME_DIR,
     POD_SECURITY,
     RENDEZVOUS_PORT,
+    RENDEZVOUS_SERVICE_ENV,
     _with_credentials,
     build_job,
-    job_name,
     storage_env,
 )
 from dflash_pipeline.layout import layout
@@ -51,6 +51,7 @@ API_VERSION = "jobset.x-k8s.io/v1alpha2"
 NODE_JOB = "node"
 WAIT_JOB = "wait-for-input"
 KUEUE_PREFIX = "kueue.x-k8s.io/"
+EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 # The waiting pod costs 50m CPU, so it may wait long: generation of a headline run takes days.
 WAIT_FOR_INPUT_S = 14 * 86400
 # The orchestration image (dflash_pipeline, its `wait` command); no stage image carries it.
@@ -66,9 +67,16 @@ PREEMPTED_MESSAGES = [f".*failed with exit code {int(ExitCode.PREEMPTED)} matchi
                       ".*has condition DisruptionTarget matching FailJob rule.*"]
 
 
-def node_pod_name(run: RunConfig, stage: StageDef) -> str:
-    """Hostname of pod 0 of the node Job: <jobset>-<replicatedJob>-<job index>-<pod index>."""
-    return f"{job_name(run, stage)}-{NODE_JOB}-0-0"
+# The JobSet's name as its pods see it (JobSet labels every pod with it): a namePrefix overlay renames the
+# JobSet, and with it the pods' hostnames and the headless Service, so the endpoint is built from the label.
+JOBSET_NAME_ENV = "JOBSET_NAME"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+def node_pod_name() -> str:
+    """Hostname of pod 0 of the node Job, <jobset>-<replicatedJob>-<job index>-<pod index>, for the kubelet to
+    expand."""
+    return f"$({JOBSET_NAME_ENV})-{NODE_JOB}-0-0"
 
 
 def _gang_failure_policy() -> dict[str, Any]:
@@ -94,8 +102,10 @@ def _node_job(run: RunConfig, stage: StageDef) -> tuple[dict[str, Any], dict[str
     pod = spec["template"]["spec"]
     pod.pop("subdomain", None)  # JobSet sets the pods' subdomain to its own headless Service
     main = pod["containers"][0]
-    main["args"] = _with_rendezvous(main["args"], f"{node_pod_name(run, stage)}.{job_name(run, stage)}:"
-                                                  f"{RENDEZVOUS_PORT}")
+    main["env"] = [e for e in main["env"] if e["name"] != RENDEZVOUS_SERVICE_ENV] + [
+        {"name": JOBSET_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_NAME_LABEL}']"}}}]
+    # The Service JobSet makes is named after the JobSet (network.subdomain left to its default).
+    main["args"] = _with_rendezvous(main["args"], f"{node_pod_name()}.$({JOBSET_NAME_ENV}):{RENDEZVOUS_PORT}")
     child: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": spec["completions"],
@@ -165,7 +175,7 @@ def build_jobset(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         # No rule matched (a rank's own error, exit 1 or 69): RestartJobSet, counted against maxRestarts.
     ]
     spec: dict[str, Any] = {
-        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": meta["name"]},
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "successPolicy": {"operator": "All", "targetReplicatedJobs": [NODE_JOB]},
         "failurePolicy": {"maxRestarts": settings.retries_per_shard, "restartStrategy": "BlockingRecreate",
                           "rules": rules},
@@ -176,4 +186,9 @@ def build_jobset(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         ],
         "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
     }
-    return {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": copy.deepcopy(meta), "spec": spec}
+    metadata = copy.deepcopy(meta)
+    if settings.exclusive_topology:
+        # One gang per topology domain: JobSet pins all pods of the node Job to nodes sharing this label's value
+        # and keeps other JobSets' gangs out of it.
+        metadata.setdefault("annotations", {})[EXCLUSIVE_TOPOLOGY_ANNOTATION] = settings.exclusive_topology
+    return {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata, "spec": spec}

@@ -1,10 +1,12 @@
 """The run driver's few calls to the Kubernetes API, through the official `kubernetes` client.
 
     templates(run_id)      list the run's stage templates (suspended CronJobs)   batch/v1 cronjobs: list
+    run_owner(run_id)      the run object that owns the stage Jobs               v1 configmaps: get (that one)
     job(name)              read a stage Job: its phase and failure reason        batch/v1 jobs: get
-    create_job(body)       create a stage Job (an existing one is adopted)       batch/v1 jobs: create
+    create_job(body, owner) create a stage Job (an existing one is adopted)      batch/v1 jobs: create
     failure_detail(name)   a failed pod's container exit code and message        v1 pods: list
     failed_jobsets(run_id) the run's JobSets that failed, with their reason      jobset.x-k8s.io jobsets: list
+    admission(job)         why Kueue holds a suspended Job                       kueue.x-k8s.io workloads: list
 
 Responses are read as raw JSON (`_preload_content=False`) rather than as the client's models: a client
 older than the cluster drops fields it has no model for (a Job's `podFailurePolicy` or `managedBy`
@@ -27,13 +29,15 @@ from dflash_pipeline.driver_objects import (
     CREATED_BY_LABEL,
     DRIVER_ROLE,
     INPUT_ANNOTATION,
-    INSTANCE_LABEL,
     JOB_NAME_ANNOTATION,
     ORDER_ANNOTATION,
     OUTPUT_ANNOTATION,
     ROLE_LABEL,
     TEMPLATE_ROLE,
+    run_object_name,
 )
+from dflash_pipeline.jobs import RUN_LABEL
+from dflash_pipeline.scheduling import QUEUE_LABEL
 from dflash_shared.errors import ConfigError, PreflightError
 from dflash_shared.exit_codes import describe
 from dflash_shared.manifests import MANIFEST_NAME
@@ -45,6 +49,9 @@ JobPhase = Literal["created", "running", "succeeded", "failed"]
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 # A multi-node stage rendered as a JobSet is applied with the run, not created by the driver (see jobset.py).
 JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta1"
+# Kueue labels each Workload with the uid of the Job it stands for.
+WORKLOAD_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 # How much of a termination message goes into a reason: the last lines are where the error is.
 _MESSAGE_CHARS = 600
 
@@ -79,6 +86,18 @@ class JobView:
     name: str
     phase: JobPhase
     reason: str | None = None
+    uid: str | None = None
+    queue: str | None = None  # the Kueue LocalQueue it is labelled for
+    suspended: bool = False
+
+
+def owner_reference(obj: dict[str, Any]) -> dict[str, Any]:
+    """An ownerReference to `obj` as the API server stored it (its uid). Not a controller reference and no
+    blockOwnerDeletion: the Job controller stays the controller of the pods, Kueue does not mistake the run
+    object for a parent workload, and the driver needs no update right on the owner."""
+    meta = obj["metadata"]
+    return {"apiVersion": obj.get("apiVersion", "v1"), "kind": obj.get("kind", "ConfigMap"), "name": meta["name"],
+            "uid": meta["uid"]}
 
 
 def template_from_cronjob(cronjob: dict[str, Any]) -> StageTemplate:
@@ -110,7 +129,14 @@ def template_from_cronjob(cronjob: dict[str, Any]) -> StageTemplate:
 
 
 def job_view(job: dict[str, Any]) -> JobView:
-    """A Job's phase from its status conditions; only Failed and Complete are final."""
+    """A Job's phase from its status conditions (only Failed and Complete are final), uid and Kueue queue."""
+    found = _job_view(job)
+    labels = job["metadata"].get("labels") or {}
+    return JobView(found.name, found.phase, found.reason, job["metadata"].get("uid"), labels.get(QUEUE_LABEL),
+                   bool((job.get("spec") or {}).get("suspend")))
+
+
+def _job_view(job: dict[str, Any]) -> JobView:
     name = job["metadata"]["name"]
     status = job.get("status") or {}
     true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
@@ -171,9 +197,11 @@ class Cluster:
         self.batch: Any = client.BatchV1Api(api_client)
         self.core: Any = client.CoreV1Api(api_client)
         self.custom: Any = client.CustomObjectsApi(api_client)
+        self.rbac: Any = client.RbacAuthorizationV1Api(api_client)
 
     @contextlib.contextmanager
-    def _api(self, what: str) -> Iterator[None]:
+    def call(self, what: str) -> Iterator[None]:
+        """Map the API server's refusals onto the pipeline's errors (and so its exit codes) for `what`."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
@@ -194,18 +222,35 @@ class Cluster:
             raise ClusterUnavailableError(f"cannot {what}: {err}") from err
 
     def templates(self, run_id: str) -> list[StageTemplate]:
-        selector = f"{ROLE_LABEL}={TEMPLATE_ROLE},{INSTANCE_LABEL}={run_id}"
-        with self._api(f"list CronJobs ({selector})"):
+        selector = f"{ROLE_LABEL}={TEMPLATE_ROLE},{RUN_LABEL}={run_id}"
+        with self.call(f"list CronJobs ({selector})"):
             resp = self.batch.list_namespaced_cron_job(self.namespace, label_selector=selector,
                                                        _preload_content=False)
         items = json.loads(resp.data).get("items", [])
         return sorted((template_from_cronjob(item) for item in items), key=lambda t: t.order)
 
+    def run_owner(self, run_id: str, name: str | None = None) -> dict[str, Any]:
+        """The ownerReference every stage Job gets: the run object applied with the run (`name`: as an overlay
+        renamed it; default `dflash-<run_id>-run`)."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = name or run_object_name(run_id)
+        try:
+            with self.call(f"get ConfigMap {name}"):
+                resp = self.core.read_namespaced_config_map(name, self.namespace, _preload_content=False)
+        except ClusterUnavailableError as err:
+            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 404:
+                raise ConfigError(
+                    f"the run object ConfigMap {name} is not in namespace {self.namespace}: apply the run's "
+                    "kustomization again (python -m dflash_pipeline render); the stage Jobs are owned by it") from err
+            raise
+        return owner_reference({"apiVersion": "v1", "kind": "ConfigMap", **json.loads(resp.data)})
+
     def job(self, name: str) -> JobView | None:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            with self._api(f"get Job {name}"):
+            with self.call(f"get Job {name}"):
                 resp = self.batch.read_namespaced_job(name, self.namespace, _preload_content=False)
         except ClusterUnavailableError as err:
             if isinstance(err.__cause__, ApiException) and err.__cause__.status == 404:
@@ -213,13 +258,18 @@ class Cluster:
             raise
         return job_view(json.loads(resp.data))
 
-    def create_job(self, body: dict[str, Any]) -> bool:
-        """True when created, False when a Job of that name exists already (a driver before this one made it)."""
+    def create_job(self, body: dict[str, Any], owner: dict[str, Any] | None = None) -> bool:
+        """True when created, False when a Job of that name exists already (a driver before this one made it).
+
+        `owner`: the run object's ownerReference; deleting the run then deletes the Job and its pods.
+        """
         from kubernetes.client.exceptions import ApiException
 
         name = body["metadata"]["name"]
+        if owner is not None:
+            body = {**body, "metadata": {**body["metadata"], "ownerReferences": [owner]}}
         try:
-            with self._api(f"create Job {name}"):
+            with self.call(f"create Job {name}"):
                 self.batch.create_namespaced_job(self.namespace, quantities_as_strings(body),
                                                  _preload_content=False)
         except ClusterUnavailableError as err:
@@ -232,9 +282,9 @@ class Cluster:
         """(stage, JobSet) of the run's JobSets whose Failed condition is true; none where JobSet is not installed."""
         from kubernetes.client.exceptions import ApiException
 
-        selector = f"{INSTANCE_LABEL}={run_id}"
+        selector = f"{RUN_LABEL}={run_id}"
         try:
-            with self._api(f"list JobSets ({selector})"):
+            with self.call(f"list JobSets ({selector})"):
                 resp = self.custom.list_namespaced_custom_object(
                     JOBSET_GROUP, JOBSET_VERSION, self.namespace, "jobsets", label_selector=selector,
                     _preload_content=False)
@@ -247,9 +297,45 @@ class Cluster:
                  for i in items]
         return [(stage, view) for stage, view in views if view.phase == "failed"]
 
+    def admission(self, job: JobView) -> str | None:
+        """Why Kueue has not admitted a suspended Job, from its Workload; None without Kueue or a reason.
+
+        A Job labelled for a LocalQueue that does not exist is never admitted and would read "waiting for
+        admission" forever: Kueue says so in the Workload's QuotaReserved condition.
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        if not job.suspended or job.uid is None:
+            return None
+        selector = f"{WORKLOAD_JOB_UID_LABEL}={job.uid}"
+        try:
+            with self.call(f"list Workloads ({selector})"):
+                resp = self.custom.list_namespaced_custom_object(
+                    KUEUE_GROUP, KUEUE_VERSION, self.namespace, "workloads", label_selector=selector,
+                    _preload_content=False)
+        except ClusterUnavailableError as err:
+            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 404:
+                return None  # no Kueue on this cluster
+            raise
+        except ClusterAccessError:
+            return None  # an older Role without the rule: the plain "waiting for admission" stays
+        items = json.loads(resp.data).get("items", [])
+        if not items:
+            queue = f" (LocalQueue {job.queue})" if job.queue else ""
+            return f"no Kueue Workload for the Job yet{queue}"
+        conditions = {c["type"]: c for c in (items[0].get("status") or {}).get("conditions") or []}
+        held = conditions.get("QuotaReserved")
+        if held and held.get("status") == "False" and held.get("message"):
+            message = str(held["message"])
+            if job.queue and "doesn't exist" in message and "LocalQueue" in message:
+                return (f"no LocalQueue {job.queue} in namespace {self.namespace}: Kueue never admits the Job until "
+                        f"one is created, or the run file names another queue (Kueue: {message})")
+            return f"Kueue: {message}"
+        return None
+
     def failure_detail(self, job_name: str) -> str | None:
         selector = f"{JOB_NAME_LABEL}={job_name}"
-        with self._api(f"list pods ({selector})"):
+        with self.call(f"list pods ({selector})"):
             resp = self.core.list_namespaced_pod(self.namespace, label_selector=selector, _preload_content=False)
         return pod_failure(json.loads(resp.data).get("items", []))
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.config import RunConfig, quantity_value
+from dflash_pipeline.gang_hold import GangHold, dead_rank_hold
 from dflash_pipeline.layout import layout
 from dflash_pipeline.plan_tokens import RecordTokens, answer_mean_for
 from dflash_pipeline.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
@@ -34,7 +35,7 @@ from dflash_pipeline.stages import plan as run_stages
 from dflash_pipeline.stages import stage_value, training_window
 from dflash_shared.manifest_io import ManifestError, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, CompletionsSection, Kind, Manifest, TokenizedSection
-from dflash_shared.storage import ObjectNotFoundError, ObjectStore, join
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
 from dflash_shared.window import DEFAULT_TRAINING_WINDOW, MAX_UNREAD_FRACTION
 
 # Default estimates, used only where neither a manifest nor the run file says; each is printed as `estimate`.
@@ -97,20 +98,41 @@ class RunPlan:
     run_id: str
     stages: list[StagePlan]
     figures: dict[str, Figure]
+    run_warnings: list[str] = field(default_factory=list)  # about the run as a whole (storage, GPU model)
+    gpu_hour_price: float | None = None
+    currency: str = "USD"
+    gang: GangHold | None = None  # a multi-node train stage: what a lost node costs the other pods
 
     @property
     def warnings(self) -> list[str]:
-        return [f"{s.stage}: {w}" for s in self.stages for w in s.warnings]
+        return [*self.run_warnings, *(f"{s.stage}: {w}" for s in self.stages for w in s.warnings)]
+
+    def cost(self, stage: StagePlan) -> float | None:
+        if self.gpu_hour_price is None or stage.gpu_hours is None:
+            return None
+        return stage.gpu_hours * self.gpu_hour_price
 
 
-def _manifest(store: ObjectStore | None, prefix: str) -> Manifest | None:
-    if store is None:
-        return None
-    uri = join(prefix, MANIFEST_NAME)
-    try:
-        return parse_manifest(uri, store.read_bytes(uri))
-    except (ObjectNotFoundError, ManifestError):
-        return None
+class _Manifests:
+    """Reads manifests from the store until it refuses: `plan` is a pre-submit check, often run where no
+    credentials for the bucket exist, so a store it cannot read leaves the figures to the run file (and says so)
+    instead of failing the command."""
+
+    def __init__(self, store: ObjectStore | None) -> None:
+        self.store = store
+        self.unread: str | None = None
+
+    def read(self, prefix: str) -> Manifest | None:
+        if self.store is None:
+            return None
+        uri = join(prefix, MANIFEST_NAME)
+        try:
+            return parse_manifest(uri, self.store.read_bytes(uri))
+        except (ObjectNotFoundError, ManifestError):
+            return None
+        except StorageError as err:
+            self.store, self.unread = None, f"{uri}: {err}"
+            return None
 
 
 class _Figures:
@@ -120,11 +142,12 @@ class _Figures:
         self.run = run
         self.inputs = run.plan
         lay = layout(run.root, run.run_id)
-        self.own = {kind: _manifest(store, lay.prefix(kind)) for kind in (Kind.prompts, Kind.completions,
-                                                                          Kind.tokenized)}
+        self.manifests = _Manifests(store)
+        read = self.manifests.read
+        self.own = {kind: read(lay.prefix(kind)) for kind in (Kind.prompts, Kind.completions, Kind.tokenized)}
         earlier = run.plan.measured_from
-        self.earlier = ({kind: _manifest(store, join(earlier, kind.value)) for kind in (Kind.completions,
-                                                                                        Kind.tokenized, Kind.drafter)}
+        self.earlier = ({kind: read(join(earlier, kind.value)) for kind in (Kind.completions, Kind.tokenized,
+                                                                            Kind.drafter)}
                         if earlier else {})
         self.table: dict[str, Figure] = {}
 
@@ -415,7 +438,61 @@ def build_plan(run: RunConfig, store: ObjectStore | None = None) -> RunPlan:
         _scratch_warning(item, float(quantity_value(scratch_limit(run, stage, settings))))
         _deadline_warning(item)
         out.append(item)
-    return RunPlan(run.run_id, out, figures.table)
+    warnings = [] if figures.manifests.unread is None else [
+        f"storage: could not read {figures.manifests.unread}; the figures come from the run file and estimates, "
+        "not from manifests (credentials for the bucket, or --offline to skip reading)"]
+    warnings += gpu_model_warnings(run)
+    warnings += _reserved_while_waiting(run, out)
+    return RunPlan(run.run_id, out, figures.table, warnings, run.plan.gpu_hour_price, run.plan.currency,
+                   _gang_hold(run))
+
+
+def _gang_hold(run: RunConfig) -> GangHold | None:
+    if run.stages.train.nodes < 2:
+        return None
+    from dflash_pipeline.jobs import stage_objects  # the rendered objects: the figures are theirs
+    from dflash_pipeline.stages import TRAIN
+
+    (gang,) = [d for d in stage_objects(run, TRAIN) if d["kind"] in ("Job", "JobSet")]
+    return dead_rank_hold(gang)
+
+
+def _reserved_while_waiting(run: RunConfig, stages: list[StagePlan]) -> list[str]:
+    """A JobSet under Kueue is admitted, and holds its quota, from apply, while its first pod waits for the data."""
+    train = run.stages.train
+    if train.gang != "jobset" or not (train.queue_name or run.scheduling.queue_name):
+        return []
+    before = stages[:[s.stage for s in stages].index("train")]
+    wait = sum(s.wall_seconds or 0 for s in before)
+    gpus = train.nodes * train.gpus
+    return [f"train: under Kueue the JobSet reserves quota for its {gpus} GPUs from apply while it waits "
+            f"~{long_duration(wait)} for its input (~{_gpu_hours(gpus * wait / 3600)} GPU-hours of quota held): keep "
+            "gang = \"indexed-job\" (the driver creates it once its input exists) or apply it after tokenize "
+            "(render --stage train)"]
+
+
+def gpu_model_warnings(run: RunConfig) -> list[str]:
+    """The GPU the throughputs assume against the GPUs each stage may be scheduled on (gpu_types or a node
+    selector on the GPU product label): a cluster overlay that pins another product than the plan assumes
+    would make every figure of the plan wrong."""
+    model = run.plan.gpu_model
+    if model is None:
+        return []
+    out = []
+    for stage in run_stages(run):
+        settings = run.stages.for_stage(stage.name)
+        if not settings.gpus:
+            continue
+        pinned = set(settings.gpu_types)
+        if settings.gpu_type_label in settings.node_selector:
+            pinned.add(settings.node_selector[settings.gpu_type_label])
+        if not pinned:
+            out.append(f"{stage.name}: the plan assumes {model} ([plan] gpu_model) but the stage may run on any GPU; "
+                       f"set stages.{stage.name}.gpu_types = [\"{model}\"]")
+        elif model not in pinned:
+            out.append(f"{stage.name}: the plan assumes {model} ([plan] gpu_model) but the stage runs on "
+                       f"{', '.join(sorted(pinned))}: measure or set the throughputs for that GPU")
+    return out
 
 
 def _scratch_warning(plan: StagePlan, limit: float) -> None:
@@ -433,6 +510,10 @@ def _deadline_warning(plan: StagePlan) -> None:
         f"active_deadline_seconds {plan.deadline_seconds:,} is shorter than the predicted "
         f"{long_duration(plan.wall_seconds)}: the Job would be stopped partway; raise "
         f"stages.{plan.stage}.active_deadline_seconds or add pods")
+
+
+def _money(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.0f}"
 
 
 def _count(value: float | None) -> str:
@@ -469,10 +550,13 @@ def _gpu_hours(value: float | None) -> str:
 
 
 def format_plan(plan: RunPlan) -> str:
-    rows = [("stage", "pods", "GPUs", "GPU-hours", "wall", "scratch/pod", "written", "model copies", "work")]
+    priced = plan.gpu_hour_price is not None
+    rows = [("stage", "pods", "GPUs", "GPU-hours", *(["cost"] if priced else []), "wall", "scratch/pod", "written",
+             "model copies", "work")]
     for s in plan.stages:
+        priced_cell = [] if not priced else ["-" if not s.gpus else _money(plan.cost(s))]
         rows.append((s.stage, str(s.pods), str(s.gpus), "-" if not s.gpus else
-                     _gpu_hours(s.gpu_hours), long_duration(s.wall_seconds),
+                     _gpu_hours(s.gpu_hours), *priced_cell, long_duration(s.wall_seconds),
                      _bytes(s.scratch_bytes_per_pod) if s.scratch_bytes_per_pod else "-", _bytes(s.store_bytes),
                      str(s.model_copies), s.work))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -481,9 +565,16 @@ def format_plan(plan: RunPlan) -> str:
     gpu_hours = sum(s.gpu_hours or 0 for s in plan.stages)
     wall = sum(s.wall_seconds or 0 for s in plan.stages)
     copies = sum(s.model_copies for s in plan.stages)
-    lines.append(f"total: {_gpu_hours(gpu_hours)} GPU-hours, {long_duration(wall)} of wall time with the stages one "
-                 f"after another; {copies} copies of the target pulled from the object store "
+    total_cost = "" if not priced else (f" ({_money(gpu_hours * (plan.gpu_hour_price or 0))} {plan.currency} at "
+                                        f"{plan.gpu_hour_price:,.2f} per GPU-hour)")
+    lines.append(f"total: {_gpu_hours(gpu_hours)} GPU-hours{total_cost}, {long_duration(wall)} of wall time with "
+                 f"the stages one after another; {copies} copies of the target pulled from the object store "
                  f"({_bytes(copies * plan.figures['target bytes'].value)})")
+    if plan.gang is not None:
+        g = plan.gang
+        lines.append(f"a lost node: the other {g.pods} train pods hold their {g.gpus} GPUs up to "
+                     f"{long_duration(g.seconds)} ({_gpu_hours(g.gpu_hours)} GPU-hours) before the gang fails "
+                     f"(bounded by {g.bounded_by}; stages.train.rendezvous_timeout_seconds, retries_per_shard)")
     if any(s.wall_seconds is None for s in plan.stages):
         lines.append("unknown (?): the run's prompt count is not known yet: set [plan] prompts, or plan again once "
                      "the import has written its manifest")
@@ -528,7 +619,12 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
         "stages": [{"stage": s.stage, "pods": s.pods, "gpus": s.gpus, "gpu_hours": s.gpu_hours,
                     "wall_seconds": s.wall_seconds, "scratch_bytes_per_pod": s.scratch_bytes_per_pod,
                     "store_bytes": s.store_bytes, "model_copies": s.model_copies, "work": s.work,
-                    "deadline_seconds": s.deadline_seconds, "warnings": s.warnings} for s in plan.stages],
+                    "deadline_seconds": s.deadline_seconds, "cost": plan.cost(s), "warnings": s.warnings}
+                   for s in plan.stages],
+        "gpu_hour_price": plan.gpu_hour_price, "currency": plan.currency,
+        "lost_node_hold": None if plan.gang is None else {
+            "seconds": plan.gang.seconds, "gpus": plan.gang.gpus, "gpu_hours": plan.gang.gpu_hours,
+            "bounded_by": plan.gang.bounded_by, "steps": plan.gang.steps},
         "figures": {name: {"value": f.value, "source": f.source} for name, f in plan.figures.items()},
         "warnings": plan.warnings,
     }

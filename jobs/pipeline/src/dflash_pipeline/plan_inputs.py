@@ -47,3 +47,12 @@ class PlanInputs(BaseModel):
     copy_bytes_per_s: float | None = Field(
         default=None, gt=0, description="Object store -> pod scratch copy rate of the target, bytes per second."
     )
+    gpu_model: str | None = Field(
+        default=None,
+        description="The GPU product the throughput figures assume, as the node label names it (e.g. "
+        "'NVIDIA-H200'): the plan warns about a GPU stage whose gpu_types does not pin it.",
+    )
+    gpu_hour_price: float | None = Field(
+        default=None, ge=0, description="Price of one GPU-hour: the plan prints each stage's cost and the total."
+    )
+    currency: str = Field(default="USD", max_length=8, description="What gpu_hour_price is counted in.")

@@ -1,10 +1,12 @@
 """Everything a run applies, in one list: `render`, `submit` and the kustomize base all write this.
 
-    Namespace, the stages' ServiceAccount,
     per stage: its Job as a template (a suspended CronJob) and, for a multi-node Job, its headless Service,
+    the run object (a ConfigMap that owns the stage Jobs the driver creates),
     the run driver: ServiceAccount, Role, RoleBinding, Job.
 
 A headless Service is applied directly: it holds no resources and selects nothing until its Job's pods exist.
+Never the Namespace or the stages' ServiceAccount: every run of the namespace shares them, so they are its
+one-time setup (`namespace_setup`), which deleting a run must not touch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.driver_objects import driver_objects, stage_template
-from dflash_pipeline.jobs import namespace, selected_stages, service_account, stage_objects
+from dflash_pipeline.jobs import selected_stages, stage_objects
 from dflash_pipeline.stages import StageDef, plan
 from dflash_shared.errors import ConfigError
 
@@ -28,6 +30,5 @@ def render_documents(run: RunConfig, only: list[str] | None = None) -> list[dict
     """What `kubectl apply` gets for the run (`only`: just the named stages' templates). Never a Secret."""
     if not run.root.startswith("s3://"):
         raise ConfigError(f"root {run.root!r} is a local directory: pods can only exchange data through s3://")
-    head = [namespace(run)] if run.create_namespace else []
     objects = [doc for stage in selected_stages(run, only) for doc in stage_documents(run, stage)]
-    return [*head, service_account(run), *objects, *driver_objects(run)]
+    return [*objects, *driver_objects(run)]
