@@ -61,11 +61,46 @@ def test_help_runs_in_the_real_environment(name: str, tmp_path: Path) -> None:
 def test_a_missing_environment_names_its_make_target(name: str, python: bool, tmp_path: Path) -> None:
     venv, _, target, _ = WRAPPERS[name]
     wrapper = fake_checkout(tmp_path, name, python=python, stamp=False)
-    proc = run([wrapper, "--help"], cwd=tmp_path)
+    proc = run([wrapper, "run", "--input", "x"], cwd=tmp_path)
     assert proc.returncode == ENVIRONMENT_EXIT
     assert proc.stdout == ""
     assert f"run `make {target}` first" in proc.stderr
     assert str(tmp_path / venv) in proc.stderr
+
+
+def commands_of(help_text: str) -> list[str]:
+    """The command names a --help lists: under 'commands:' (indented 2) or argparse's subcommands (indented 4)."""
+    names, inside = [], False
+    for line in help_text.splitlines():
+        if line.strip() in ("commands:", "positional arguments:"):
+            inside = True
+        elif inside and not line.strip() and names:
+            break
+        elif inside and len(line) - len(line.lstrip()) in (2, 4) and not line.lstrip().startswith("{"):
+            names.append(line.split()[0])  # continuation lines of a description are indented further
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+@pytest.mark.parametrize("word", ["--help", "-h", "help"])
+def test_help_lists_the_commands_without_the_environment(name: str, word: str, tmp_path: Path) -> None:
+    venv, _, target, _ = WRAPPERS[name]
+    wrapper = fake_checkout(tmp_path, name, python=False, stamp=False)
+    proc = run([wrapper, word], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: {name} ")
+    assert len(commands_of(proc.stdout)) >= 3 and "examples:" in proc.stdout
+    assert f"run `make {target}` (in {tmp_path}) before running a command" in proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_the_help_without_the_environment_lists_what_the_command_has(name: str, tmp_path: Path) -> None:
+    venv, stamp, target, _ = WRAPPERS[name]
+    if not (REPO / venv / stamp).is_file():
+        pytest.skip(f"{venv} is not built here (make {target})")
+    offline = run([fake_checkout(tmp_path, name, python=False, stamp=False), "--help"], cwd=tmp_path).stdout
+    real = run([REPO / "bin" / name, "--help"], cwd=tmp_path).stdout
+    assert sorted(commands_of(offline)) == sorted(commands_of(real)), (offline, real)
 
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))

@@ -21,6 +21,7 @@ from dflash_shared.jsonl import (
     excerpt,
     iter_lines,
     printable,
+    utf16_kind,
 )
 from dflash_shared.storage import ObjectStore, StorageError
 
@@ -98,3 +99,17 @@ def test_a_failed_read_beneath_the_decoder_is_a_storage_error() -> None:
     with pytest.raises(StorageError, match="reading s3://b/a.jsonl.zst failed: TimeoutError") as err:
         stream.read(10)
     assert reads.failure is err.value and exit_code_for(err.value) is ExitCode.RETRYABLE
+
+
+@pytest.mark.parametrize(("encoding", "named"), [
+    ("utf-16", "UTF-16 little-endian (it starts with that byte-order mark)"),
+    ("utf-16-le", "UTF-16 little-endian"),
+    ("utf-16-be", "UTF-16 big-endian"),
+])
+def test_a_utf16_file_is_named_as_such(encoding: str, named: str, tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_bytes('{"messages": [{"role": "user", "content": "Hi"}]}\n{"x": 1}\n'.encode(encoding))
+    with pytest.raises(UnreadableFileError) as err:
+        list(iter_lines(ObjectStore(), str(path)))
+    assert f"is not UTF-8: it looks like {named}; convert it, e.g. iconv -f " in err.value.detail
+    assert utf16_kind('{"a": "ü"}\n'.encode()) is None  # UTF-8 with non-ASCII text is not mistaken for it

@@ -33,7 +33,7 @@ SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY-EXAMPLEKEY"
 
 STAGE_SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import errno, os, sys, time
     from dflash_shared.cli import run_stage_main
     from dflash_shared.errors import BadInputError, ConfigError, PreflightError
     from dflash_shared.logs import setup_logging
@@ -66,6 +66,15 @@ STAGE_SCRIPT = textwrap.dedent(
             raise StorageError("S3 get_object failed for s3://b/k: SlowDown")
         if kind == "unexpected":
             raise RuntimeError("boom with " + os.environ["AWS_SECRET_ACCESS_KEY"])
+        if kind == "permission":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/out/data")
+        if kind == "read_only":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), "/out")
+        if kind == "wrapped_access":
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/scratch/part")
+            except OSError as err:
+                raise RuntimeError("could not publish the shard") from err
         if kind == "sigterm":
             try:
                 print("ready", flush=True)  # inside the try: a signal right after it must still unwind
@@ -87,8 +96,13 @@ CASES = {
     "config": (ExitCode.USAGE, "demo failed, exit 64 (USAGE): unknown flag(s) --max-lenght"),
     "validation": (ExitCode.USAGE, "exit 64 (USAGE): invalid Limits: max_length: Input should be a valid integer"),
     "preflight": (ExitCode.ENVIRONMENT, "demo failed, exit 69 (ENVIRONMENT): need 8 GPU(s), found 0"),
-    "storage": (ExitCode.RETRYABLE, "exit 1 (RETRYABLE): StorageError: S3 get_object failed for s3://b/k: SlowDown"),
-    "unexpected": (ExitCode.RETRYABLE, "demo failed, exit 1 (RETRYABLE): RuntimeError: boom with ***"),
+    "storage": (ExitCode.RETRYABLE, "demo failed, exit 1 (RETRYABLE): S3 get_object failed for s3://b/k: SlowDown"),
+    "unexpected": (ExitCode.RETRYABLE,
+                   "demo failed, exit 1 (RETRYABLE): unexpected failure (traceback at DEBUG level): boom with ***"),
+    # Plain words, no class name nor errno: the path and what the system said.
+    "permission": (ExitCode.ENVIRONMENT, "demo failed, exit 69 (ENVIRONMENT): cannot use /out/data: permission denied"),
+    "read_only": (ExitCode.ENVIRONMENT, "exit 69 (ENVIRONMENT): cannot use /out: read-only file system"),
+    "wrapped_access": (ExitCode.ENVIRONMENT, "exit 69 (ENVIRONMENT): could not publish the shard"),
 }
 
 
@@ -259,7 +273,7 @@ def test_progress_without_total_and_on_error(caplog: pytest.LogCaptureFixture) -
             raise RuntimeError("disk full")
     assert [r.getMessage() for r in caplog.records] == [
         "progress upload: 3 shards, 0.5 shards/s",
-        "stopped upload: 3 shards in 0:00:06, 0.5 shards/s (RuntimeError)",
+        "stopped upload: 3 shards in 0:00:06, 0.5 shards/s (by the error below)",
     ]
 
 

@@ -27,6 +27,9 @@ def verdict(content: str, reasoning: str | None = GOOD_REASONING, finish: str | 
         ({"content": "The answer is 42.", "reasoning": None}, quality.THINKING_MISSING),
         ({"content": "The answer is 42.", "reasoning": "  \n"}, quality.THINKING_MISSING),
         ({"content": ""}, quality.EMPTY_RESPONSE),
+        # An empty answer is empty whatever the thinking mode, with or without reasoning.
+        ({"content": "", "reasoning": None}, quality.EMPTY_RESPONSE),
+        ({"content": "", "reasoning": None, "thinking": False}, quality.EMPTY_RESPONSE),
         ({"content": " \n\t"}, quality.EMPTY_RESPONSE),
         ({"content": "Ok.", "tokens": 2}, quality.TOO_SHORT),
         ({"content": "the same sentence again. " * 40}, quality.REPETITIVE),

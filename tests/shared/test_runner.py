@@ -423,3 +423,15 @@ def test_four_workers_race_to_finalize_once(
     assert finalize(store, prefix, 4, worker.build_manifest) == manifest_uri
     assert snapshot(store, prefix) == before
     assert_no_temp_leftovers(store, storage_root)
+
+
+def test_the_left_out_line_names_each_reason_with_an_example() -> None:
+    from dflash_shared.runner import left_out_line
+
+    acc = Accounting(input_records=40, succeeded=37, failed=2, skipped=1, failures_by_reason={"malformed_record": 2},
+                     skips_by_reason={"duplicate": 1},
+                     examples={"malformed_record": ["a.jsonl:17: not valid JSON"], "duplicate": ["a.jsonl:3: same"]})
+    assert left_out_line(acc) == ("left out 3 of 40 records: malformed_record 2 (e.g. a.jsonl:17: not valid JSON); "
+                                  "duplicate 1 (e.g. a.jsonl:3: same)")
+    assert left_out_line(Accounting(input_records=5, succeeded=5, failed=0, skipped=0)) == (
+        "left out nothing: 5 of 5 records kept")

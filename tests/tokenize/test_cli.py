@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,7 +98,10 @@ def test_a_gate_failure_names_the_settings_that_change_the_verdict(tmp_path: Pat
     assert proc.returncode == 65
     assert "thinking_missing: 12" in proc.stderr
     assert "--enable-thinking false / DFLASH_TOKENIZE_ENABLE_THINKING=false" in proc.stderr
-    assert "--max-bad-fraction <fraction> / DFLASH_TOKENIZE_MAX_BAD_FRACTION=<fraction>" in proc.stderr
+    tried = re.search(r"tried on (\d+) rejected record\(s\): (\d+) become usable", proc.stderr)
+    assert tried and tried.group(1) == tried.group(2), proc.stderr[-2000:]
+    # Every record is unusable: accepting more bad records is no way out, so it is not offered.
+    assert "--max-bad-fraction" not in proc.stderr
     fixed = cli("run", "--input", src, "--output", str(tmp_path / "t"), "--tokenizer", tok, "--enable-thinking",
                 "false")
     assert fixed.returncode == 0, fixed.stderr[-2000:]
@@ -106,7 +110,7 @@ def test_a_gate_failure_names_the_settings_that_change_the_verdict(tmp_path: Pat
 def test_preflight_reports_every_broken_check(tmp_path: Path) -> None:
     proc = cli("preflight", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o"),
                "--tokenizer", str(tmp_path / "no-tokenizer"), "--disk-need-gib", "100000")
-    assert proc.returncode in (65, 69)
+    assert proc.returncode == 64  # the wrong tokenizer path is the setting to fix first
     for check in ("disk", "tokenizer", "input_manifest"):
         assert f"preflight tokenize FAIL {check}" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -134,8 +138,10 @@ def normalized(out: Path) -> dict[str, bytes]:
 def test_kill_9_mid_run_then_rerun_is_identical(tmp_path: Path, tok: str, store: ObjectStore) -> None:
     records = [completion(conversation(i)) for i in range(2400)]
     src = write_completions(store, str(tmp_path / "c"), records, shards=4)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     args = ["--tokenizer", tok, "--shard-bytes", str(48 * 1024), "--batch-records", "16", "--workers", "1",
-            "--run-id", "fixed"]
+            "--run-id", "fixed", "--scratch-dir", str(scratch)]
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     assert cli("run", "--input", src, "--output", str(clean), *args).returncode == 0
 
@@ -150,7 +156,11 @@ def test_kill_9_mid_run_then_rerun_is_identical(tmp_path: Path, tok: str, store:
     assert not (crashed / "manifest.json").exists()
     assert 2 <= len(published(crashed)) < len(published(clean))
 
-    assert cli("run", "--input", src, "--output", str(crashed), *args).returncode == 0
+    assert len(os.listdir(scratch)) == 1  # what kill -9 left behind
+    rerun = cli("run", "--input", src, "--output", str(crashed), *args)
+    assert rerun.returncode == 0
+    assert "removed 1 scratch directory left by earlier runs that were killed" in rerun.stderr
+    assert os.listdir(scratch) == []
     assert normalized(crashed) == normalized(clean)
     manifest = load_manifest(store, str(crashed), Kind.tokenized).manifest
     ids = [row for shard in manifest.shards for row in [shard.records]]
@@ -188,3 +198,118 @@ def test_workers_die_with_a_killed_stage(tmp_path: Path, tok: str, store: Object
     proc.wait()
     _, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, f"workers outlived the killed stage: {[p.pid for p in alive]}"
+
+
+def unwritable(tmp_path: Path) -> str:
+    """An output location this process may not write to, even as root (sysfs refuses new entries)."""
+    target = Path("/sys/dflash-test-output")
+    try:
+        target.mkdir()
+    except PermissionError:
+        return str(target / "out")
+    except OSError:
+        pass
+    target.rmdir() if target.exists() else None
+    if os.geteuid() == 0:
+        pytest.skip("no location here refuses writes to root")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    return str(locked / "out")
+
+
+def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if " ERROR " in line]
+
+
+@pytest.mark.parametrize("case", ["missing", "no_tokenizer_json"])
+def test_a_wrong_tokenizer_path_is_a_usage_error_before_any_record(case: str, tmp_path: Path,
+                                                                     store: ObjectStore) -> None:
+    src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(3)])
+    tok = tmp_path / "tok"
+    if case == "no_tokenizer_json":
+        tok.mkdir()
+    proc = cli("run", "--input", src, "--output", str(tmp_path / "t"), "--tokenizer", str(tok))
+    assert proc.returncode == 64, proc.stderr
+    (line,) = error_lines(proc)
+    assert f"tokenizer directory {tok} {'does not exist' if case == 'missing' else 'has no tokenizer.json'}" in line
+    assert "Error" not in line  # no exception class names
+    assert "processing" not in proc.stderr and not (tmp_path / "t" / "data").exists()
+
+
+@pytest.mark.parametrize("command", ["import", "run"])
+def test_an_unwritable_output_is_an_environment_error_before_any_record(command: str, tmp_path: Path, tok: str,
+                                                                          store: ObjectStore) -> None:
+    out = unwritable(tmp_path)
+    if command == "import":
+        source = tmp_path / "external"
+        source.mkdir()
+        (source / "a.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"},
+                                                               {"role": "assistant", "content": "Hello."}]}) + "\n")
+        proc = cli("import", "--source", str(source), "--output", out)
+    else:
+        src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(3)])
+        proc = cli("run", "--input", src, "--output", out, "--tokenizer", tok)
+    assert proc.returncode == 69, proc.stderr
+    (line,) = error_lines(proc)
+    assert f"the output {out} cannot be written: cannot use " in line
+    assert "Errno" not in line and "PermissionError" not in line
+    assert "processing" not in proc.stderr  # found before any record was read
+
+
+def test_a_missing_import_source_is_a_usage_error(tmp_path: Path) -> None:
+    proc = cli("import", "--source", str(tmp_path / "nowhere"), "--output", str(tmp_path / "c"))
+    assert proc.returncode == 64, proc.stderr
+    assert f"source {tmp_path / 'nowhere'} does not exist" in error_lines(proc)[0]
+
+
+def test_a_successful_import_says_what_it_left_out(tmp_path: Path) -> None:
+    source = tmp_path / "external"
+    source.mkdir()
+    good = [json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                     {"role": "assistant", "content": f"Answer {i}."}]}) for i in range(39)]
+    (source / "a.jsonl").write_text("\n".join([*good[:16], "{not json", *good[16:]]) + "\n")
+    proc = cli("import", "--source", str(source), "--output", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "left out" in x]
+    assert f"left out 1 of 40 records: malformed_record 1 (e.g. {source / 'a.jsonl'}:17: " in line
+
+
+def test_help_describes_each_command_with_an_example() -> None:
+    proc = cli("--help")
+    assert proc.returncode == 0
+    for command in ("import", "preflight", "run"):
+        assert re.search(rf"^  {command} +\S", proc.stdout, re.MULTILINE), proc.stdout
+    assert "examples:\n  dflash-tokenize " in proc.stdout and "exit codes: 0 done" in proc.stdout
+    sub = cli("run", "--help")
+    assert sub.returncode == 0 and "example:\n  dflash-tokenize run --input " in sub.stdout
+
+
+def test_an_interrupted_run_reuses_its_published_files(tmp_path: Path, tok: str, store: ObjectStore) -> None:
+    records = [completion(conversation(i)) for i in range(2400)]
+    src = write_completions(store, str(tmp_path / "c"), records, shards=4)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    args = ["--tokenizer", tok, "--shard-bytes", str(48 * 1024), "--batch-records", "16", "--workers", "1",
+            "--run-id", "fixed", "--scratch-dir", str(scratch)]
+    clean, stopped = tmp_path / "clean", tmp_path / "stopped"
+    assert cli("run", "--input", src, "--output", str(clean), *args).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_tokenize", "run", "--input", src, "--output",
+                             str(stopped), *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while len(published(stopped)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be stopped; make the input larger"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
+    assert os.listdir(scratch) == []
+    # A file whose progress record the signal cut off is rewritten; every recorded one is reused.
+    recorded = len(list((stopped / "_progress").rglob("*.json")))
+    assert recorded >= len(published(stopped)) - 1 >= 3
+    rerun = cli("run", "--input", src, "--output", str(stopped), *args)
+    assert rerun.returncode == 0, rerun.stderr
+    reused = re.search(r"reusing (\d+) file\(s\) published before the interruption", rerun.stderr)
+    assert reused and int(reused.group(1)) == recorded, rerun.stderr
+    assert normalized(stopped) == normalized(clean)  # progress records removed, the same bytes as one run

@@ -17,11 +17,18 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from dflash_shared.errors import BadInputError, Preempted, did_you_mean, exit_code_for
+from dflash_shared.errors import (
+    BadInputError,
+    Preempted,
+    access_failure,
+    describe_os_error,
+    did_you_mean,
+    exit_code_for,
+)
 from dflash_shared.exit_codes import ExitCode, describe
 from dflash_shared.logs import logging_configured, redact, setup_logging
 
@@ -77,14 +84,27 @@ def one_line(exc: BaseException) -> str:
     return " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+def _summary(exc: BaseException) -> str:
+    """What went wrong in plain words: a refused local access says which path and why."""
+    if isinstance(exc, OSError) and exc.strerror:  # "[Errno 13] Permission denied: '/x'" reads as code
+        return describe_os_error(exc)
+    text = one_line(exc)
+    refused = access_failure(exc)
+    return describe_os_error(refused) if refused is not None and not text else text
+
+
 def report_failure(stage: str, exc: BaseException) -> ExitCode:
     """Log the failure as one line (plus details for bad input) and return its exit code."""
     code = exit_code_for(exc)
-    summary = redact(one_line(exc)) or type(exc).__name__
+    summary = redact(_summary(exc)) or f"no message ({type(exc).__name__})"
     if code is ExitCode.PREEMPTED:
         logger.warning("%s stopped: %s; exit %s, a rerun resumes", stage, summary, describe(code))
     else:
-        kind = "" if code in _EXPECTED else f"{type(exc).__name__}: "
+        # The expected failures' messages are the whole story; anything else is a bug or a fault nobody
+        # foresaw, whose traceback is at DEBUG level (a retry may pass, so the Job retries it).
+        storage: Any = sys.modules.get("dflash_shared.storage")
+        known = code in _EXPECTED or (storage is not None and isinstance(exc, storage.StorageError))
+        kind = "" if known else "unexpected failure (traceback at DEBUG level): "
         logger.error("%s failed, exit %s: %s%s", stage, describe(code), kind, summary)
     if isinstance(exc, BadInputError):
         for reason, count in sorted(exc.counts.items()):
@@ -119,16 +139,38 @@ def run_stage_main(stage: str, fn: Callable[[], int | None]) -> NoReturn:
 
 Command = Callable[[], int | None]
 
+EXIT_CODES_LINE = ("exit codes: 0 done, 1 retry, 64 fix the configuration, 65 fix the input, "
+                   "69 fix the node or its access, 75 stopped by a signal (a rerun resumes)")
 
-def select_command(prog: str, commands: Mapping[str, Command], command: str) -> Command:
-    """The subcommand named `command`. `--help` prints the usage and exits 0; no or an unknown command exits 64."""
-    usage = f"usage: {prog} {{{'|'.join(commands)}}} [--flag value ...]  (--help on each command)"
+
+def usage(prog: str, commands: Mapping[str, object], about: Mapping[str, str] | None = None,
+          examples: Sequence[str] = ()) -> str:
+    """The top-level help: one line per command, examples, and the exit codes a script can act on."""
+    lines = [f"usage: {prog} {{{'|'.join(commands)}}} [--flag value ...]  (--help on each command)"]
+    if about:
+        width = max(len(name) for name in commands)
+        lines += ["", "commands:", *(f"  {name:<{width}}  {about.get(name, '')}".rstrip() for name in commands)]
+    if examples:
+        lines += ["", "examples:", *(f"  {example}" for example in examples)]
+    if about:
+        lines += ["", f"`{prog} COMMAND --help` lists the command's flags and their DFLASH_* variables.",
+                  EXIT_CODES_LINE]
+    return "\n".join(lines)
+
+
+def select_command(prog: str, commands: Mapping[str, Command], command: str,
+                   about: Mapping[str, str] | None = None, examples: Sequence[str] = ()) -> Command:
+    """The subcommand named `command`. `--help` prints the usage and exits 0; no or an unknown command exits 64.
+
+    `about` gives each command's one-line description and `examples` whole command lines, both for --help.
+    """
+    text = usage(prog, commands, about, examples)
     if command in ("-h", "--help", "help"):
-        print(usage)
+        print(text)
         sys.exit(0)
     if command not in commands:
         if command:
             print(f"{prog}: unknown command {command!r}{did_you_mean(command, list(commands))}", file=sys.stderr)
-        print(usage, file=sys.stderr)
+        print(text, file=sys.stderr)
         sys.exit(int(ExitCode.USAGE))
     return commands[command]

@@ -7,6 +7,7 @@ wrapper (`dflash_shared.cli.run_stage_main`) turns that into a process exit stat
 from __future__ import annotations
 
 import difflib
+import errno
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,13 +78,38 @@ def _environment_storage_failure(exc: BaseException) -> bool:
     return False
 
 
+# A local path this process may not use: no retry of the same command on the same node heals these (an
+# operator fixes a mount, a permission or frees disk), so they are ENVIRONMENT like refused S3 access.
+ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
+
+
+def access_failure(exc: BaseException) -> OSError | None:
+    """The OSError of a refused local access in `exc` or the exceptions it was raised from, else None."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # cause chains are short; the bound guards against cycles
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in ACCESS_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def describe_os_error(err: OSError) -> str:
+    """'cannot use /out/data: permission denied' (never the class name nor the errno number)."""
+    reason = (err.strerror or str(err) or "refused").lower()
+    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
+    return f"cannot use {' -> '.join(paths)}: {reason}" if paths else reason
+
+
 def exit_code_for(exc: BaseException) -> ExitCode:
-    """The exit status for an exception that reached the entrypoint."""
+    """The exit status for an exception that reached the entrypoint (the table in `dflash_shared.exit_codes`)."""
     if isinstance(exc, Preempted):
         return ExitCode.PREEMPTED
-    if _environment_storage_failure(exc):
-        # Missing or refused credentials, a missing bucket, an endpoint nobody answers on: ENVIRONMENT in
-        # `run` exactly as in `preflight`, so the Job's policy treats them alike.
+    if _environment_storage_failure(exc) or access_failure(exc) is not None:
+        # Missing or refused credentials, a missing bucket, an endpoint nobody answers on, a local path that
+        # may not be read or written: ENVIRONMENT in `run` exactly as in `preflight`, so the Job's policy
+        # treats them alike.
         return ExitCode.ENVIRONMENT
     if _is(exc, "dflash_shared.manifest_io", "ManifestError"):
         # A manifest that could not be read because storage failed (network, throttling) is a transient

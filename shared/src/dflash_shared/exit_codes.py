@@ -18,6 +18,29 @@ Code      Name         Meaning and what to do
                        resumes from it. Retry.
 ========  ===========  ==========================================================================
 
+Which failure gets which code, decided in one place (`dflash_shared.errors.exit_code_for`) for every
+entry point:
+
+=====================================================================  ===========
+Failure                                                                Code
+=====================================================================  ===========
+unknown flag or ``DFLASH_*`` variable, invalid value, missing setting  USAGE
+a configured path that is missing or unusable (tokenizer or target     USAGE
+directory without tokenizer.json or a chat template, a config file)
+a local path that cannot be read or written (permission denied,        ENVIRONMENT
+read-only filesystem, disk full)
+S3 credentials missing or refused, a missing bucket, no endpoint       ENVIRONMENT
+a failed preflight check of the node (GPU, disk, /dev/shm, imports)    ENVIRONMENT
+the quality gate, an input manifest that is missing, incompatible or   BAD_INPUT
+corrupt, an input shard that does not match its manifest
+SIGTERM or SIGINT                                                      PREEMPTED
+a storage failure that may pass (throttling, a dropped connection),    RETRYABLE
+anything unforeseen
+=====================================================================  ===========
+
+Configuration and access failures are found before the first record is read: `import` and `run` start
+with preflight's storage, tokenizer and output checks.
+
 A Kubernetes Job can encode the table directly::
 
     podFailurePolicy:

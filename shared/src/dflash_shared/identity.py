@@ -12,9 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dflash_shared.errors import ConfigError
 
-class TargetFilesError(ValueError):
-    """A model or tokenizer directory lacks what the stages need (tokenizer.json, a chat template)."""
+
+class TargetFilesError(ConfigError):
+    """A model or tokenizer directory lacks what the stages need (tokenizer.json, a chat template).
+
+    A configured path to fix, so USAGE (64) unless a stage says otherwise.
+    """
 
 
 def sha256_bytes(data: bytes) -> str:

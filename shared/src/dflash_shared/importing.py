@@ -35,6 +35,7 @@ from dflash_shared.dataset_sources import (
     saved_dataset_files,
 )
 from dflash_shared.errors import BadInputError
+from dflash_shared.exit_codes import ExitCode
 from dflash_shared.jsonl import (
     JSONL_SUFFIXES,
     JsonlZstWriter,
@@ -56,11 +57,12 @@ from dflash_shared.manifests import (
     Producer,
     PromptsSection,
 )
+from dflash_shared.preflight import CheckError, Preflight
 from dflash_shared.quality import MALFORMED, fix_hints
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, run_shard
 from dflash_shared.settings import StageSettings, env_prefix
-from dflash_shared.storage import ObjectStore, StorageError
+from dflash_shared.storage import ObjectStore, StorageError, is_s3
 
 SOURCE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 DUPLICATE = "duplicate"
@@ -75,7 +77,13 @@ log = logging.getLogger(__name__)
 
 
 class ImportConfig(StageSettings):
-    """`<stage> import`: external conversations -> a prompts (generate) or completions (tokenize) manifest."""
+    """
+    `<stage> import`: external conversations -> a prompts (generate) or completions (tokenize) manifest.
+
+    example:
+      dflash-tokenize import --source chats/ --output store/completions
+      dflash-generate import --source hf://org/prompts@main:train --output store/prompts
+    """
 
     model_config = SettingsConfigDict(env_prefix="DFLASH_IMPORT_")
 
@@ -365,7 +373,8 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
             f"{accounting.failed} of {accounting.input_records} records in shard {ctx.index} are unusable "
             f"(limit {spec.max_bad_fraction:.0%}): {accounting.failures_by_reason}; e.g. "
             + "; ".join(ex for exs in accounting.examples.values() for ex in exs[:2])
-            + "\n" + fix_hints(accounting.failures_by_reason, env_prefix(ImportConfig), ImportConfig.model_fields),
+            + "\n" + fix_hints([], env_prefix(ImportConfig), ImportConfig.model_fields, [], accounting.failed,
+                               accounting.input_records),
             counts=accounting.failures_by_reason,
             examples=accounting.examples,
         )
@@ -430,4 +439,26 @@ def import_command(argv: list[str], kind: Kind, prog: str, packages: list[str]) 
     index, count = resolve_shard(config.shard_index, config.num_shards)
     setup_logging("import", shard=index)
     made = producer("import", public_dict(config), packages)
-    run_import(ObjectStore(), config.spec(kind), made, index, count)
+    store = ObjectStore()
+    start_checks(config, store).check(quiet=True)  # before a record is read
+    run_import(store, config.spec(kind), made, index, count)
+
+
+def start_checks(config: ImportConfig, store: ObjectStore) -> Preflight:
+    """What `import` checks before it reads a record: storage access, the source's path, a writable output."""
+    checks = Preflight("import", store)
+    s3_uris = [uri for uri in (config.source, config.output) if is_s3(uri)]
+    if s3_uris:
+        checks.credentials(s3_uris[0])
+
+    def source() -> str:
+        # A path that is not there is a typo in the settings; an empty folder is the input's problem (65).
+        if is_hub_source(config.source) or is_s3(config.source):
+            return f"{config.source}: checked when listed"
+        if not os.path.exists(config.source):
+            raise CheckError(f"source {config.source} does not exist: check --source", ExitCode.USAGE)
+        if not os.access(config.source, os.R_OK):
+            raise CheckError(f"source {config.source} cannot be read by this user", ExitCode.ENVIRONMENT)
+        return f"{config.source} exists"
+
+    return checks.add("source", source).storage_write(config.output)

@@ -73,10 +73,32 @@ class LineError(ValueError):
 class UnreadableFileError(BadInputError):
     """A file whose bytes cannot be decoded past some point; `line` is the last line read whole (0: none)."""
 
-    def __init__(self, uri: str, line: int, cause: BaseException) -> None:
+    def __init__(self, uri: str, line: int, cause: BaseException | None = None, detail: str | None = None) -> None:
         self.uri, self.line = uri, line
-        self.detail = f"cannot be read after line {line} ({type(cause).__name__}: {printable(str(cause))[:200]})"
+        self.detail = detail or f"cannot be read after line {line} ({printable(str(cause))[:200]})"
         super().__init__(f"{uri} {self.detail}")
+
+
+def utf16_kind(start: bytes) -> str | None:
+    """'UTF-16 little-endian' when the first bytes of a text file look like UTF-16, else None.
+
+    Windows tools (PowerShell's `>`, Notepad's "Unicode") write UTF-16; read as UTF-8 every line of it
+    fails on its own, which says nothing about the cause. A byte-order mark decides; without one, text that
+    is mostly ASCII has a zero byte beside each character, after it (little-endian) or before it (big).
+    """
+    if start.startswith(b"\xff\xfe"):
+        return "UTF-16 little-endian (it starts with that byte-order mark)"
+    if start.startswith(b"\xfe\xff"):
+        return "UTF-16 big-endian (it starts with that byte-order mark)"
+    head = start[:64]
+    if len(head) < 8:
+        return None
+    odd_zeros, even_zeros = head[1::2].count(0), head[0::2].count(0)
+    if odd_zeros >= len(head) // 4 and even_zeros == 0:
+        return "UTF-16 little-endian"
+    if even_zeros >= len(head) // 4 and odd_zeros == 0:
+        return "UTF-16 big-endian"
+    return None
 
 
 def _reject_constant(name: str) -> Any:
@@ -229,10 +251,18 @@ def iter_lines(store: ObjectStore, uri: str) -> Iterator[tuple[int, bytes]]:
         buffered = io.BufferedReader(stream, buffer_size=1 << 16)
         try:
             for number, line in enumerate(buffered, start=1):
+                kind = utf16_kind(line) if number == 1 else None
+                if kind is not None:
+                    name = uri.rsplit("/", 1)[-1]
+                    source_encoding = "UTF-16" if "byte-order mark" in kind else kind.replace(" little-endian", "LE")
+                    source_encoding = source_encoding.replace(" big-endian", "BE")
+                    convert = f"iconv -f {source_encoding} -t UTF-8 {name} > {name}.tmp && mv {name}.tmp {name}"
+                    raise UnreadableFileError(uri, 0, detail=f"is not UTF-8: it looks like {kind}; convert it, "
+                                              f"e.g. {convert}")
                 stripped = line.strip()
                 if stripped:
                     yield number, stripped
-        except StorageError:
+        except (StorageError, UnreadableFileError):
             raise
         except (OSError, ValueError) as err:  # pyarrow's codec errors (ArrowIOError, ArrowInvalid)
             source.raise_failure()

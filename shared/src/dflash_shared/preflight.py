@@ -13,8 +13,9 @@ writes exactly one line::
 A check that raises `CheckWarning` passes with a WARN line (logged at WARNING): the stage can run, but
 the operator should know (e.g. it will run much slower than it could).
 
-`run()` returns 0, BAD_INPUT (65) when an input manifest is unusable (a retry cannot help), else
-ENVIRONMENT (69) (another node might do). The same checks run from the command line,
+`run()` returns 0, USAGE (64) when a setting is wrong (a configured path that does not exist), BAD_INPUT
+(65) when an input manifest is unusable (a retry cannot help either way), else ENVIRONMENT (69) (another
+node might do). The same checks run from the command line,
 `python -m dflash_shared.preflight --stage generate --min-gpus 1 --read-prefix s3://...`, e.g. as an
 init container.
 """
@@ -37,7 +38,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared import gpu_driver
-from dflash_shared.errors import BadInputError, ConfigError, PreflightError
+from dflash_shared.errors import BadInputError, ConfigError, PreflightError, describe_os_error, exit_code_for
 from dflash_shared.exit_codes import ExitCode, describe
 from dflash_shared.logs import redact
 from dflash_shared.manifest_io import ManifestError, load_manifest
@@ -185,7 +186,12 @@ class Preflight:
 
         def check() -> str:
             probe = join(prefix, "_preflight", f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
-            self.store.write_bytes(probe, f"preflight {self.stage}\n".encode())
+            try:
+                self.store.write_bytes(probe, f"preflight {self.stage}\n".encode())
+            except OSError as err:
+                if not err.strerror:
+                    raise
+                raise CheckError(f"the output {prefix} cannot be written: {describe_os_error(err)}") from err
             try:
                 self.store.delete(probe)
             except StorageError as err:
@@ -315,26 +321,37 @@ class Preflight:
         except CheckWarning as err:
             return CheckResult(name, True, redact(str(err)), ExitCode.OK, warning=True)
         except Exception as err:  # one broken check must not hide the others
-            detail = redact(str(err)) or type(err).__name__
-            return CheckResult(name, False, detail, ExitCode.ENVIRONMENT)
+            # The one exit-code table decides: a wrong setting stays USAGE, anything else here is the node's.
+            code = exit_code_for(err)
+            code = code if code in (ExitCode.USAGE, ExitCode.BAD_INPUT) else ExitCode.ENVIRONMENT
+            plain = describe_os_error(err) if isinstance(err, OSError) and err.strerror else str(err)
+            return CheckResult(name, False, redact(plain) or f"failed ({type(err).__name__})", code)
 
-    def run(self) -> int:
-        """Run every check, log one line each, return 0, BAD_INPUT or ENVIRONMENT."""
+    def run(self, quiet: bool = False) -> int:
+        """Run every check, log one line each, return 0, USAGE, BAD_INPUT or ENVIRONMENT.
+
+        `quiet` logs every line at DEBUG level only, warnings aside: a stage that checks before its work
+        (`check(quiet=True)`) reports a failure as its one error line instead.
+        """
         self.results = []
         for name, check in self._checks:
             result = self._run_one(name, check)
             self.results.append(result)
-            log = logger.error if not result.ok else logger.warning if result.warning else logger.info
-            log(result.line(self.stage))
+            level = logging.ERROR if not result.ok else logging.WARNING if result.warning else logging.INFO
+            logger.log(logging.DEBUG if quiet and level != logging.WARNING else level, result.line(self.stage))
         failed = [r for r in self.results if not r.ok]
         if not failed:
             warned = [r.name for r in self.results if r.warning]
-            logger.info("preflight %s: all %d check(s) passed%s", self.stage, len(self.results),
-                        f" ({len(warned)} with a warning: {', '.join(warned)})" if warned else "")
+            logger.log(logging.DEBUG if quiet else logging.INFO, "preflight %s: all %d check(s) passed%s",
+                       self.stage, len(self.results),
+                       f" ({len(warned)} with a warning: {', '.join(warned)})" if warned else "")
             return ExitCode.OK
-        # Bad input wins: moving to another node cannot fix it, so the Job should not retry.
-        code = ExitCode.BAD_INPUT if any(r.code is ExitCode.BAD_INPUT for r in failed) else ExitCode.ENVIRONMENT
-        logger.error(
+        # A wrong setting or bad input wins: moving to another node cannot fix either, so the Job should
+        # not retry; a wrong setting comes first, since fixing it may change what the input is checked against.
+        codes = {r.code for r in failed}
+        code = next((c for c in (ExitCode.USAGE, ExitCode.BAD_INPUT) if c in codes), ExitCode.ENVIRONMENT)
+        logger.log(
+            logging.DEBUG if quiet else logging.ERROR,
             "preflight %s: %d of %d check(s) failed (%s); exit %s",
             self.stage,
             len(failed),
@@ -344,12 +361,14 @@ class Preflight:
         )
         return code
 
-    def check(self) -> None:
-        """`run()`, raising BadInputError or PreflightError on failure (for use inside a stage)."""
-        code = self.run()
+    def check(self, quiet: bool = False) -> None:
+        """`run()`, raising ConfigError, BadInputError or PreflightError on failure (for use inside a stage)."""
+        code = self.run(quiet)
         if code == ExitCode.OK:
             return
         failed = "; ".join(f"{r.name}: {r.detail}" for r in self.results if not r.ok)
+        if code == ExitCode.USAGE:
+            raise ConfigError(f"preflight {self.stage} failed: {failed}")
         if code == ExitCode.BAD_INPUT:
             raise BadInputError(f"preflight {self.stage} failed: {failed}")
         raise PreflightError(f"preflight {self.stage} failed: {failed}")

@@ -183,4 +183,6 @@ class Progress:
         if exc_type is None:
             self.close()
         else:
-            self.close("stopped", exc_type.__name__)
+            # In words: the error line that follows says what went wrong in full.
+            signal_name = getattr(exc, "signal_name", None)
+            self.close("stopped", f"{signal_name} received" if signal_name else "by the error below")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -99,10 +99,12 @@ def classify(
         return TRUNCATED
     if THINK_OPEN in content and THINK_CLOSE not in content:
         return THINKING_UNCLOSED
-    if thinking_requested and not (reasoning or "").strip():
-        return THINKING_MISSING
+    # An empty answer is that whatever the thinking mode: reported as thinking_missing, it would point at a
+    # thinking setting that cannot make it usable.
     if not content.strip():
         return EMPTY_RESPONSE
+    if thinking_requested and not (reasoning or "").strip():
+        return THINKING_MISSING
     if content_tokens is not None and content_tokens < policy.min_content_tokens:
         return TOO_SHORT
     if policy.reject_repetitive and is_repetitive((reasoning or "") + content, policy):
@@ -158,35 +160,65 @@ class GateCounts:
         return "\n".join(lines)
 
 
-# The setting that changes each verdict, as a person would type it: (field, value, when it is the right fix).
-# A gate failure names these so that a user whose data is fine for another setting learns which one.
+# The setting that changes each verdict, as a person would type it: (field, value, what is wrong in the data).
+# Only for stages that cannot try a setting on their rejected records (tokenize does, see dflash_tokenize.hints).
 _FIXES: dict[str, tuple[str, str, str]] = {
-    THINKING_MISSING: ("enable_thinking", "false", "the data has no thinking and should be trained without it"),
-    THINKING_UNCLOSED: ("allow_truncated", "true", "unfinished thoughts are what you want to train on"),
-    TRUNCATED: ("allow_truncated", "true", "answers cut at the length limit are acceptable training data"),
-    REPETITIVE: ("reject_repetitive", "false", "the repetition is intended (a looping test model)"),
-    TOO_SHORT: ("min_content_tokens", "1", "short answers are genuine"),
-    OVER_MAX_LENGTH: ("max_length", "<longer>", "longer sequences fit your training budget"),
+    THINKING_MISSING: ("enable_thinking", "false", "the answers carry no reasoning"),
+    TRUNCATED: ("allow_truncated", "true", "the answers were cut at a length limit"),
+    REPETITIVE: ("reject_repetitive", "false", "the answers repeat themselves"),
+    TOO_SHORT: ("min_content_tokens", "1", "the answers are shorter than min_content_tokens"),
+    OVER_MAX_LENGTH: ("max_length", "<longer>", "the records are longer than max_length"),
 }
+# Above this share of unusable records, accepting them (a higher max_bad_fraction) is no fix worth offering.
+_MOSTLY_BAD = 0.5
 
 
-def _setting(field: str, value: str, env_prefix: str) -> str:
+@dataclass(frozen=True)
+class Hint:
+    """A setting that changes the verdict on records of one reason, with how that was established."""
+
+    reason: str
+    field: str
+    value: str
+    why: str  # what is wrong in the data, in plain words
+    checked: str = ""  # e.g. "tried on 12 rejected records: 12 become usable", empty when not tried
+
+
+def setting_text(field: str, value: str, env_prefix: str) -> str:
+    """'--max-length 8192 / DFLASH_TOKENIZE_MAX_LENGTH=8192'."""
     flag = "--" + field.replace("_", "-")
     return f"{flag} {value} / {env_prefix}{field.upper()}={value}"
 
 
-def fix_hints(reasons: Iterable[str], env_prefix: str, fields: Iterable[str]) -> str:
-    """How to change the verdict for each of `reasons` (only settings the stage has, `fields`), then the limit."""
+def limit_value(bad: int, seen: int) -> str | None:
+    """The smallest max_bad_fraction (two decimals) that lets `bad` of `seen` pass; None when most are bad."""
+    if not seen or bad / seen >= _MOSTLY_BAD:
+        return None
+    return f"{-(-bad * 100 // seen) / 100:.2f}"  # rounded up in integers: 7 of 100 is 0.07, not 0.08
+
+
+def fix_hints(reasons: Iterable[str], env_prefix: str, fields: Iterable[str], computed: Sequence[Hint] | None = None,
+              bad: int | None = None, seen: int | None = None) -> str:
+    """Each way to change the verdict, one per line: the `computed` hints (else the fixed table's, for the
+    settings the stage has), then accepting more bad records when most records are usable.
+
+    With `bad` and `seen` the limit is the value that passes this input, else a placeholder.
+    """
     known = set(fields)
+    hints = list(computed) if computed is not None else [
+        Hint(reason, *_FIXES[reason]) for reason in reasons if reason in _FIXES and _FIXES[reason][0] in known]
     lines = []
-    for reason in reasons:
-        fix = _FIXES.get(reason)
-        if fix is not None and fix[0] in known:
-            field, value, when = fix
-            lines.append(f"  {reason}: if {when}, set {_setting(field, value, env_prefix)}")
+    for hint in hints:
+        checked = f" ({hint.checked})" if hint.checked else ""
+        lines.append(f"- {hint.reason}: {hint.why}; set {setting_text(hint.field, hint.value, env_prefix)}{checked}")
     if "max_bad_fraction" in known:
-        lines.append(f"  or accept more bad records: {_setting('max_bad_fraction', '<fraction>', env_prefix)}")
-    return "\n".join(["To change the verdict:", *lines]) if lines else ""
+        limit = limit_value(bad, seen) if bad is not None and seen is not None else "<fraction>"
+        if limit is not None:
+            accept = setting_text("max_bad_fraction", limit, env_prefix)
+            lines.append(f"- accept this share of unusable records: {accept}")
+    if not lines:
+        return "No setting makes most of these records usable: the data needs fixing (see the examples above)."
+    return "\n".join(["To change the verdict, any one of:", *lines])
 
 
 def gate_exceeded(counts: GateCounts, max_bad_fraction: float) -> bool:

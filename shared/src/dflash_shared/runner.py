@@ -22,8 +22,7 @@ import logging
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Manifest, Shard
+from dflash_shared.scratch import make_scratch
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, join
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,9 @@ INDEX_ENV = "JOB_COMPLETION_INDEX"
 COUNT_ENV = "DFLASH_NUM_SHARDS"
 DATA_DIR = "data"
 MARKERS_DIR = "_markers"
+# One small record per published file of an unfinished shard, so that a rerun can reuse the file (see
+# ShardContext.published_before); removed once the shard's marker is written.
+PROGRESS_DIR = "_progress"
 MAX_EXAMPLES_PER_REASON = 5
 _MARKER_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 _HASH_CHUNK = 8 * 2**20
@@ -203,12 +206,41 @@ class ShardMarker(_Frozen):
     outcome: ShardOutcome = Field(description="What the shard produced.")
 
 
+class FileProgress(_Frozen):
+    """Written right after a file of an unfinished shard is published: enough to trust and reuse it."""
+
+    items_sha256: str = Field(description="sha256 of the shard's assigned items (as in its marker).")
+    fingerprint: str = Field(description="The stage's digest of everything else the file's bytes depend on.")
+    shard: Shard = Field(description="The published file: URI, size, sha256, records.")
+    checkpoint: dict[str, Any] = Field(default_factory=dict, description="The stage's state when it was published.")
+
+
 def marker_uri(output_prefix: str, index: int, count: int) -> str:
     return join(output_prefix, MARKERS_DIR, f"shard-{index:05d}-of-{count:05d}.json")
 
 
 def _items_digest(items: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps(list(items), ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def left_out_line(accounting: Accounting) -> str:
+    """What a run left out, by reason, with one example location each: the line every successful run prints.
+
+    'left out 1 of 40 records: malformed_record 1 (e.g. /data/a.jsonl:17: not JSON)'; the manifest keeps more
+    examples, but an operator should not have to open it to learn that something was dropped.
+    """
+    reasons: dict[str, int] = dict(accounting.failures_by_reason)
+    for reason, n in accounting.skips_by_reason.items():
+        reasons[reason] = reasons.get(reason, 0) + n
+    if not reasons:
+        return f"left out nothing: {accounting.succeeded:,} of {accounting.input_records:,} records kept"
+    parts = []
+    for reason, n in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
+        example = (accounting.examples.get(reason) or [""])[0]
+        shown = example if len(example) <= 160 else example[:157] + "..."
+        parts.append(f"{reason} {n:,}" + (f" (e.g. {shown})" if shown else ""))
+    left = accounting.failed + accounting.skipped
+    return f"left out {left:,} of {accounting.input_records:,} records: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------- context
@@ -257,6 +289,12 @@ class ShardContext:
     scratch_dir: str
     logger: logging.LoggerAdapter[logging.Logger]
     published: list[Shard] = field(default_factory=list)
+    # What a published file's bytes depend on: the items (by digest) and the stage's own fingerprint.
+    items_sha256: str = ""
+    fingerprint: str = ""
+
+    def progress_prefix(self) -> str:
+        return join(self.output_prefix, PROGRESS_DIR, f"shard-{self.index:05d}-of-{self.count:05d}")
 
     def shard_uri(self, name: str) -> str:
         _check_name(name)
@@ -268,12 +306,13 @@ class ShardContext:
 
     def publish(
         self, source: str | os.PathLike[str] | bytes, name: str, records: int, tokens: int | None = None,
-        split: Literal["train", "heldout"] | None = None,
+        split: Literal["train", "heldout"] | None = None, checkpoint: Mapping[str, Any] | None = None,
     ) -> Shard:
         """Atomically upload a local file (path) or ``bytes`` as ``data/<name>`` and describe it.
 
         Size and sha256 come from the local bytes, so publishing never re-downloads the object. `split`
-        marks tokenized shards as training or held-out data.
+        marks tokenized shards as training or held-out data. With `checkpoint` (the stage's state once this
+        file is complete, JSON-ready) a progress record is written, and a rerun may reuse the file.
         """
         uri = self.shard_uri(name)
         if any(s.uri == uri for s in self.published):
@@ -288,8 +327,47 @@ class ShardContext:
             self.store.upload_from(path, uri)
         shard = Shard(uri=uri, bytes=size, sha256=digest, records=records, tokens=tokens, split=split)
         self.published.append(shard)
+        if checkpoint is not None:
+            # After the file: a crash in between leaves a file without a record, which a rerun rewrites.
+            record = FileProgress(items_sha256=self.items_sha256, fingerprint=self.fingerprint, shard=shard,
+                                  checkpoint=dict(checkpoint))
+            self.store.write_bytes(join(self.progress_prefix(), name.replace("/", "--") + ".json"),
+                                   record.model_dump_json().encode("utf-8"))
         self.logger.info("published %s (%d records, %d bytes)", uri, records, size)
         return shard
+
+    def published_before(self) -> list[FileProgress]:
+        """The files an interrupted run of this shard published and recorded, each checked against its
+        recorded size and sha256, with the same items and fingerprint; the others are left to be rewritten."""
+        found = []
+        for uri in self.store.list(self.progress_prefix(), ".json"):
+            try:
+                record = FileProgress.model_validate_json(self.store.read_bytes(uri))
+            except ValidationError:
+                self.logger.warning("ignoring %s: not a progress record", uri)
+                continue
+            if (record.items_sha256, record.fingerprint) != (self.items_sha256, self.fingerprint):
+                continue  # made with other items or settings: its file will be rewritten
+            found.append(record)
+
+        def verified(record: FileProgress) -> bool:
+            shard = record.shard
+            try:
+                return self.store.size(shard.uri) == shard.bytes and self.store.sha256(shard.uri) == shard.sha256
+            except ObjectNotFoundError:
+                return False
+
+        with ThreadPoolExecutor(max_workers=_IO_THREADS) as pool:
+            checks = list(pool.map(verified, found))
+        return [record for record, ok in zip(found, checks, strict=True) if ok]
+
+    def reuse(self, shard: Shard) -> None:
+        """List a file published by an earlier run of this shard as published by this one."""
+        self.published.append(shard)
+
+    def clear_progress(self) -> None:
+        for uri in self.store.list(self.progress_prefix()):
+            self.store.delete(uri)
 
     def outcome(
         self,
@@ -384,6 +462,7 @@ def run_shard(
     process: Callable[[ShardContext], ShardOutcome],
     *,
     scratch_root: str | None = None,
+    fingerprint: str = "",
 ) -> ShardOutcome:
     """Run shard ``index`` of ``count`` over ``assign(items, index, count)`` unless it is already done.
 
@@ -418,19 +497,23 @@ def run_shard(
             log.info("stage complete (%s exists), nothing to do", manifest)
         else:
             log.info("shard already complete (%s), skipping", own)
+        log.info("%s", left_out_line(marker.outcome.accounting))
         return marker.outcome
 
     log.info("processing %d of %d items", len(assigned), len(items))
-    scratch = tempfile.mkdtemp(prefix=f"dflash-{stage}-{index:05d}-", dir=scratch_root)
+    scratch = make_scratch(f"dflash-{stage}-{index:05d}-", scratch_root)
     try:
-        ctx = ShardContext(stage, index, count, assigned, output_prefix, store, scratch, log)
+        ctx = ShardContext(stage, index, count, assigned, output_prefix, store, scratch, log,
+                           items_sha256=digest, fingerprint=fingerprint)
         outcome = _check_outcome(process(ctx), ctx)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     marker = ShardMarker(stage=stage, item_count=len(assigned), items_sha256=digest, outcome=outcome)
     store.write_bytes(own, marker.model_dump_json(indent=2).encode("utf-8"))
+    ctx.clear_progress()  # the marker holds all of it now
     records = sum(s.records for s in outcome.shards)
     log.info("shard complete: %d records in %d files, marker %s", records, len(outcome.shards), own)
+    log.info("%s", left_out_line(outcome.accounting))
     return outcome
 
 
@@ -493,6 +576,8 @@ def finalize(
     uri, created = write_manifest(store, output_prefix, built)
     if created:
         log.info("wrote manifest %s (%d shards, %d records)", uri, len(built.shards), built.total_records)
+        if count > 1:  # a single shard's worker has said it already
+            log.info("all shards: %s", left_out_line(built.accounting))
     else:
         log.info("manifest %s was already written by another worker; nothing to do", uri)
     return uri

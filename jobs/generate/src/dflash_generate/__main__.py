@@ -11,13 +11,21 @@ from dflash_generate.config import GenerateConfig
 from dflash_generate.serve_check import serve_check_command
 from dflash_generate.stage import STAGE, run, worker_shard
 from dflash_shared.cli import run_stage_main, select_command
-from dflash_shared.importing import ImportConfig, run_import
+from dflash_shared.importing import import_command
 from dflash_shared.logs import setup_logging
 from dflash_shared.manifests import Kind
-from dflash_shared.provenance import producer
-from dflash_shared.runner import resolve_shard
-from dflash_shared.settings import parse_settings, public_dict
-from dflash_shared.storage import ObjectStore
+from dflash_shared.settings import parse_settings
+
+ABOUT = {
+    "import": "read conversations (JSONL, Parquet, a saved or Hub dataset) into a prompts manifest",
+    "preflight": "check the engine stack, GPUs, /dev/shm, storage and the input before a run; exit 0, 64, 65 or 69",
+    "run": "generate the target's completions of the prompts with vLLM",
+    "serve-check": "load an exported drafter in vLLM beside its target and measure acceptance",
+}
+EXAMPLES = (
+    "dflash-generate import --source prompts/ --output store/prompts",
+    "dflash-generate run --input store/prompts --output store/completions --model models/Qwen3-8B",
+)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -25,11 +33,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     command, rest = (args[0], args[1:]) if args else ("", [])
 
     def import_() -> None:
-        config = parse_settings(ImportConfig, rest, prog="dflash-generate import")
-        index, count = resolve_shard(config.shard_index, config.num_shards)
-        setup_logging("import", shard=index)
-        made = producer("import", public_dict(config), ["dflash-generate"])
-        run_import(ObjectStore(), config.spec(Kind.prompts), made, index, count)
+        import_command(rest, Kind.prompts, "dflash-generate import", ["dflash-generate"])
 
     def preflight() -> int:
         config = parse_settings(GenerateConfig, rest, prog="dflash-generate preflight")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     commands = {"import": import_, "preflight": preflight, "run": run_,
                 "serve-check": lambda: serve_check_command(rest)}
-    chosen = select_command("dflash-generate", commands, command)
+    chosen = select_command("dflash-generate", commands, command, ABOUT, EXAMPLES)
     run_stage_main(f"{STAGE} {command}", chosen)
 
 

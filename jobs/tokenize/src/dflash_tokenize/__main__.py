@@ -11,9 +11,20 @@ from dflash_shared.logs import setup_logging
 from dflash_shared.manifests import Kind
 from dflash_shared.runner import resolve_shard
 from dflash_shared.settings import parse_settings
-from dflash_tokenize.checks import build_preflight
+from dflash_shared.storage import ObjectStore
+from dflash_tokenize.checks import build_preflight, start_checks
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import STAGE, run
+
+ABOUT = {
+    "import": "read conversations (JSONL, Parquet, a saved or Hub dataset) into a completions manifest",
+    "preflight": "check storage, the tokenizer, the input manifest and disk before a run; exit 0, 64, 65 or 69",
+    "run": "tokenize completions into loss-masked Arrow shards and a tokenized manifest",
+}
+EXAMPLES = (
+    "dflash-tokenize import --source chats/ --output store/completions",
+    "dflash-tokenize run --input store/completions --output store/tokenized --tokenizer models/Qwen3-8B",
+)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -31,10 +42,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         config = parse_settings(TokenizeConfig, rest, prog="dflash-tokenize run")
         index, _ = resolve_shard(config.shard_index, config.num_shards)
         setup_logging(STAGE, shard=index)
-        run(config)
+        store = ObjectStore()
+        start_checks(config, store).check(quiet=True)  # before a record is read
+        run(config, store)
 
     commands = {"import": import_, "preflight": preflight, "run": run_}
-    chosen = select_command("dflash-tokenize", commands, command)
+    chosen = select_command("dflash-tokenize", commands, command, ABOUT, EXAMPLES)
     run_stage_main(f"{STAGE} {command}", chosen)
 
 

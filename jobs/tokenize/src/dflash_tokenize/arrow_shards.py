@@ -121,13 +121,13 @@ class RollingArrowWriter:
 
     def __init__(
         self, directory: str, name_for: Callable[[int], str], target_bytes: int,
-        on_finished: Callable[[FinishedFile], None],
+        on_finished: Callable[[FinishedFile], None], first_part: int = 0,
     ) -> None:
         self._directory = directory
         self._name_for = name_for
         self._target_bytes = target_bytes
         self._on_finished = on_finished
-        self._part = 0
+        self._part = first_part  # a resumed shard continues after the files it reuses
         self._sink: pa.NativeFile | None = None
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._current: FinishedFile | None = None

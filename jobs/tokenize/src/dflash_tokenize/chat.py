@@ -31,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Encoding, Tokenizer
 
 from dflash_shared import identity
+from dflash_shared.errors import ConfigError
 from dflash_shared.records import Message
 from dflash_tokenize.byte_spans import token_byte_lengths
 
@@ -48,8 +49,11 @@ TEMPLATE_TOKEN_NAMES = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-class ChatFormatError(ValueError):
-    """The tokenizer directory or its chat template cannot be used; the message names the file."""
+class ChatFormatError(ConfigError):
+    """The tokenizer directory or its chat template cannot be used; the message names the file.
+
+    A setting to fix (`--tokenizer` points at the wrong place), so it exits USAGE: a retry cannot help.
+    """
 
 
 def _raise_exception(message: str) -> None:
@@ -224,18 +228,25 @@ class ChatFormat:
         self.think_end_id = self.added_tokens.get(self.think_end)
         self.assistant_header = self._probe_assistant_header()
 
-    @classmethod
-    def from_dir(cls, directory: str | Path, **kwargs: Any) -> ChatFormat:
-        """Load `tokenizer.json` and the chat template from a model or tokenizer directory."""
-        directory = Path(directory)
-        tok_file = directory / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ChatFormatError(f"{directory}: tokenizer.json not found")
+    @staticmethod
+    def check_dir(directory: Path) -> tuple[dict[str, Any], str]:
+        """(tokenizer_config.json's content, the chat template) of a directory that has a tokenizer.json."""
+        if not (directory / "tokenizer.json").is_file():
+            what = "does not exist" if not directory.exists() else "has no tokenizer.json"
+            raise ChatFormatError(f"tokenizer directory {directory} {what}: point --tokenizer at the target model's "
+                                  "directory (local or s3://), the one holding tokenizer.json and the chat template")
         config_file = directory / "tokenizer_config.json"
         config: dict[str, Any] = {}
         if config_file.is_file():
             config = json.loads(config_file.read_text(encoding="utf-8"))
-        template = read_chat_template(directory, config)
+        return config, read_chat_template(directory, config)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, **kwargs: Any) -> ChatFormat:
+        """Load `tokenizer.json` and the chat template from a model or tokenizer directory."""
+        directory = Path(directory)
+        config, template = cls.check_dir(directory)
+        tok_file = directory / "tokenizer.json"
         tokens = {k: v for k in TEMPLATE_TOKEN_NAMES if (v := _token_content(config.get(k))) is not None}
         return cls(tok_file.read_bytes(), template, tokens, name=str(directory), **kwargs)
 

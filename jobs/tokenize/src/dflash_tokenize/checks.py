@@ -3,18 +3,54 @@
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
 from dflash_shared.preflight import CheckError, Preflight
-from dflash_shared.storage import ObjectStore, is_s3
-from dflash_tokenize.chat import ChatFormat
+from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_tokenize.chat import ChatFormat, ChatFormatError
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import STAGE, fetch_tokenizer, open_source
 
 REQUIRED = ["dflash_tokenize", "dflash_shared", "tokenizers", "jinja2", "pyarrow", "orjson"]
 # The origin pipeline's tokenizer died importing a torch it never used: this image must not have it.
 FORBIDDEN = ["torch", "vllm", "triton"]
+
+
+def tokenizer_files(store: ObjectStore, location: str) -> str:
+    """Check that `location` holds tokenizer.json and a chat template, without loading either.
+
+    A path that does not exist or lacks the files is a setting to fix (USAGE); a path that exists but cannot
+    be read is the node's access (ENVIRONMENT).
+    """
+    if is_s3(location):
+        if not store.exists(join(location, "tokenizer.json")):
+            raise CheckError(f"no tokenizer.json under {location}: point --tokenizer at the target model's "
+                             "directory", ExitCode.USAGE)
+        return f"{location}: tokenizer.json present"
+    directory = Path(location)
+    try:
+        ChatFormat.check_dir(directory)
+        with open(directory / "tokenizer.json", "rb") as handle:
+            handle.read(1)
+    except ChatFormatError as err:
+        raise CheckError(str(err), ExitCode.USAGE) from err
+    return f"{location}: tokenizer.json and a chat template present"
+
+
+def start_checks(config: TokenizeConfig, store: ObjectStore) -> Preflight:
+    """What `run` checks before it reads a record: storage access, a writable output and the tokenizer's files.
+
+    The cheap part of `build_preflight`: a wrong --tokenizer or an output nobody may write to then fails in
+    a second with the exit code of its kind, instead of after the whole input was read.
+    """
+    checks = Preflight(STAGE, store)
+    s3_uris = [uri for uri in (config.input, config.output, config.tokenizer) if is_s3(uri)]
+    if s3_uris:
+        checks.credentials(s3_uris[0])
+    checks.storage_write(config.output)
+    return checks.add("tokenizer", lambda: tokenizer_files(store, config.tokenizer))
 
 
 def build_preflight(config: TokenizeConfig, store: ObjectStore | None = None) -> Preflight:

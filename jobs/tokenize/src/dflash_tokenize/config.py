@@ -13,6 +13,14 @@ from dflash_shared.window import DEFAULT_TRAINING_WINDOW
 
 
 class TokenizeConfig(StageSettings):
+    """
+    Settings of `dflash-tokenize run` and `preflight`: flags, else DFLASH_TOKENIZE_* variables, else defaults.
+
+    example:
+      dflash-tokenize run --input store/completions --output store/tokenized --tokenizer models/Qwen3-8B
+      dflash-tokenize preflight --input store/completions --output store/tokenized --tokenizer models/Qwen3-8B
+    """
+
     model_config = SettingsConfigDict(env_prefix="DFLASH_TOKENIZE_")
 
     input: str = Field(description="Completions prefix (or its manifest.json URI) to read.")

@@ -10,6 +10,7 @@ shard done; the last worker to finish writes the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -17,8 +18,7 @@ import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,18 +40,21 @@ from dflash_shared.manifests import (
 )
 from dflash_shared.progress import Progress
 from dflash_shared.provenance import producer
-from dflash_shared.quality import GateCounts, fix_hints, gate_exceeded
+from dflash_shared.quality import fix_hints, gate_exceeded
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
+from dflash_shared.scratch import make_scratch
 from dflash_shared.settings import env_prefix, public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_shared.window import window_fraction
-from dflash_tokenize import split, worker
-from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter
-from dflash_tokenize.chat import ChatFormat
+from dflash_tokenize import hints, resume, split, worker
+from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter, Sequences
+from dflash_tokenize.chat import ChatFormat, ChatFormatError
 from dflash_tokenize.config import TokenizeConfig
 
 log = logging.getLogger(__name__)
 STAGE = "tokenize"
+# Records per reason (and kept ones) a failed gate tries other settings on: enough for "most", seconds of work.
+SAMPLES_PER_REASON = 32
 PACKAGES = ["dflash-tokenize", "tokenizers", "transformers", "pyarrow", "pydantic"]
 # Only the small files of a model directory: the weights are never downloaded by this stage.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
@@ -114,6 +117,8 @@ def fetch_tokenizer(store: ObjectStore, location: str, scratch: str) -> str:
         uri = join(location, name)
         if store.exists(uri):
             store.download_to(uri, os.path.join(local, name))
+    if not os.path.exists(os.path.join(local, "tokenizer.json")):
+        raise ChatFormatError(f"no tokenizer.json under {location}: point --tokenizer at the target model's directory")
     return local
 
 
@@ -203,7 +208,10 @@ def prefetched(store: ObjectStore, shards: list[Shard], scratch: str, ahead: int
             try:
                 yield shard, local
             finally:
-                os.unlink(local)
+                # Gone already when the stage stopped on a signal and removed its scratch before this
+                # generator was closed: nothing left to delete, and nothing to report.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(local)
 
 
 def line_batches(
@@ -252,11 +260,50 @@ def ordered_map(resolved: Resolved, workers: int, batches: Iterator[Any]) -> Ite
             yield pending.popleft().result()
 
 
+def _count(state: resume.State, result: worker.BatchResult, heldout: Sequences, end: int) -> None:
+    """Add one batch's verdicts and sums to the shard's running state, which now stands at `end`."""
+    state.position = end
+    state.totals.update(heldout_records=len(heldout), heldout_tokens=int(heldout.offsets[-1]),
+                        heldout_loss_tokens=int(heldout.loss_mask.sum()))
+    for where, reason, detail in result.rejected:
+        state.gate.observe(where, reason, detail)
+    kept = len(result.sequences)
+    state.gate.observe_good(kept)
+    state.totals.update(tokens=int(result.sequences.offsets[-1]), loss_tokens=int(result.sequences.loss_mask.sum()),
+                        sequences=kept, truncated_to_max_length=result.truncated,
+                        truncated_by_budget=result.truncated_by_budget,
+                        loss_tokens_before_truncation=result.loss_tokens_before_truncation)
+    state.histogram.update(result.histogram)
+
+
+def _resumed(batches: Iterator[list[tuple[str, bytes]]], plan: resume.Plan, fraction: float,
+             meta: deque[tuple[str | None, int]]) -> Iterator[list[tuple[str, bytes]]]:
+    """The batches still to tokenise; `meta` gets (None, end) for each new one, (writer, end) for each replayed."""
+    end = 0
+    for lines in batches:
+        start, end = end, end + len(lines)
+        if end > plan.position:
+            meta.append((None, end))
+            yield lines
+            continue
+        behind, needed = plan.needed(lines, start, fraction)
+        if needed:
+            meta.append((behind, end))
+            yield needed
+
+
 def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
     config = resolved.config
-    gate = GateCounts()
-    totals: Counter[str] = Counter()
-    histogram: Counter[str] = Counter()
+    plan = resume.plan(ctx.published_before())
+    for record in plan.reused:
+        ctx.reuse(record.shard)
+    if plan.reused:
+        ctx.logger.info("reusing %d file(s) published before the interruption (sizes and sha256 verified); "
+                        "resuming after input record %d", len(plan.reused), plan.position)
+    state = plan.state
+    order = {record.shard.uri: resume.order_key(record) for record in plan.reused}
+    samples: dict[str, list[tuple[str, bytes]]] = {}  # input lines the gate's hints are tried on
+    replaying = [False]
 
     def writer_for(part: split.Split) -> RollingArrowWriter:
         # Held-out files go to data/heldout/, under the same part names as the training files beside them.
@@ -265,41 +312,51 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
         os.makedirs(local, exist_ok=True)
 
         def publish(finished: FinishedFile) -> None:
-            ctx.publish(finished.path, folder + os.path.basename(finished.path), finished.records,
-                        tokens=finished.tokens, split=part)
+            # A file completed while replaying has no state of its own to record: a rerun rewrites it.
+            checkpoint = None if replaying[0] else state.to_json()
+            shard = ctx.publish(finished.path, folder + os.path.basename(finished.path), finished.records,
+                                tokens=finished.tokens, split=part, checkpoint=checkpoint)
+            order[shard.uri] = (state.position, resume.SPLITS.index(part))
             os.unlink(finished.path)
 
-        return RollingArrowWriter(local, lambda p: ctx.part_name(p, ".arrow"), config.shard_bytes, publish)
+        return RollingArrowWriter(local, lambda p: ctx.part_name(p, ".arrow"), config.shard_bytes, publish,
+                                  first_part=plan.parts[part])
 
-    writer, heldout_writer = writer_for("train"), writer_for("heldout")
+    writers = {"train": writer_for("train"), "heldout": writer_for("heldout")}
     workers = config.workers or len(os.sched_getaffinity(0))
     by_uri = {shard.uri: shard for shard in resolved.source.manifest.shards}
-    batches = line_batches(ctx.store, [by_uri[uri] for uri in ctx.items], ctx.scratch_dir, config.batch_records)
+    meta: deque[tuple[str | None, int]] = deque()
+    batches = _resumed(line_batches(ctx.store, [by_uri[uri] for uri in ctx.items], ctx.scratch_dir,
+                                         config.batch_records), plan, resolved.heldout_fraction, meta)
     # Every line of this shard's files is one record (bad ones included), so the manifest's counts give the total.
-    total = sum(by_uri[uri].records for uri in ctx.items)
+    total = sum(by_uri[uri].records for uri in ctx.items) - plan.position
     with Progress(total=total, unit="records", desc=f"tokenize shard {ctx.index}") as progress:
         for result in ordered_map(resolved, workers, batches):
+            behind, end = meta.popleft()
             train, heldout = split.partition(result.sequences, resolved.heldout_fraction)
-            writer.write(train)
-            heldout_writer.write(heldout)
-            totals.update(heldout_records=len(heldout), heldout_tokens=int(heldout.offsets[-1]),
-                          heldout_loss_tokens=int(heldout.loss_mask.sum()))
-            for where, reason, detail in result.rejected:
-                gate.observe(where, reason, detail)
-            kept = len(result.sequences)
-            gate.observe_good(kept)
-            tokens = int(result.sequences.offsets[-1])
-            totals.update(tokens=tokens, loss_tokens=int(result.sequences.loss_mask.sum()), sequences=kept,
-                          truncated_to_max_length=result.truncated, truncated_by_budget=result.truncated_by_budget,
-                          loss_tokens_before_truncation=result.loss_tokens_before_truncation)
-            histogram.update(result.histogram)
-            progress.update(kept + len(result.rejected), tokens=tokens)
-    writer.close_current()
-    heldout_writer.close_current()
+            if behind is not None:  # records a reused file's writer already has are not written nor counted
+                replaying[0] = True
+                writers[behind].write(train if behind == "train" else heldout)
+                replaying[0] = False
+                continue
+            _count(state, result, heldout, end)
+            for reason, lines in result.samples.items():
+                chosen = samples.setdefault(reason, [])
+                chosen.extend(lines[: SAMPLES_PER_REASON - len(chosen)])
+            writers["train"].write(train)
+            writers["heldout"].write(heldout)
+            progress.update(len(result.sequences) + len(result.rejected), tokens=int(result.sequences.offsets[-1]))
+    for each in writers.values():
+        each.close_current()
+    ctx.published.sort(key=lambda shard: order[shard.uri])
+    gate = state.gate
     if gate_exceeded(gate, config.max_bad_fraction):
+        computed = hints.suggest(resolved.worker_settings(), resolved.chat, samples, resolved.source.manifest.section,
+                                 config.max_bad_fraction)
         raise BadInputError(
             f"tokenize shard {ctx.index}: too much bad input (limit {config.max_bad_fraction:.0%}). " + gate.report()
-            + "\n" + fix_hints(gate.bad, env_prefix(TokenizeConfig), TokenizeConfig.model_fields),
+            + "\n" + fix_hints([h.reason for h in computed], env_prefix(TokenizeConfig), TokenizeConfig.model_fields,
+                               computed, gate.bad_total, gate.seen),
             counts=dict(gate.bad),
             examples=gate.examples,
         )
@@ -311,14 +368,16 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
         failures_by_reason=dict(gate.bad),
         examples=gate.examples,
     )
-    return ctx.outcome(accounting, totals=dict(totals), histograms={"length": dict(histogram)})
+    return ctx.outcome(accounting, totals=dict(state.totals), histograms={"length": dict(state.histogram)})
 
 
 def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
     config = resolved.config
     acc = merged.accounting
     if acc.input_records and acc.failed / acc.input_records > config.max_bad_fraction:
-        raise BadInputError(f"tokenize: {acc.failed} of {acc.input_records} records unusable: {acc.failures_by_reason}")
+        raise BadInputError(
+            f"tokenize: {acc.failed} of {acc.input_records} records unusable: {acc.failures_by_reason}\n"
+            + fix_hints([], env_prefix(TokenizeConfig), TokenizeConfig.model_fields, [], acc.failed, acc.input_records))
     loss_tokens = int(merged.totals.get("loss_tokens", 0))
     loss_before = int(merged.totals.get("loss_tokens_before_truncation", 0))
     return Manifest(
@@ -353,11 +412,23 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
     )
 
 
+# Settings that change how the work is spread over processes or disks, never a byte of the output.
+_NOT_IN_OUTPUT = ("workers", "scratch_dir", "disk_need_gib")
+
+
+def fingerprint(resolved: Resolved) -> str:
+    """What the bytes of a shard's files depend on besides its items: a rerun reuses files only if it matches."""
+    settings = {k: v for k, v in public_dict(resolved.config).items() if k not in _NOT_IN_OUTPUT}
+    effective = {"mode": resolved.mode, "thinking": resolved.enable_thinking, "heldout": resolved.heldout_fraction,
+                 "target": resolved.target.model_dump(mode="json"), "settings": settings}
+    return hashlib.sha256(json.dumps(effective, sort_keys=True).encode("utf-8")).hexdigest()
+
+
 def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
     """Run this worker's shard; returns the manifest URI once the last shard is done."""
     store = store or ObjectStore()
     index, count = resolve_shard(config.shard_index, config.num_shards)
-    scratch = tempfile.mkdtemp(prefix="dflash-tokenize-", dir=config.scratch_dir)
+    scratch = make_scratch("dflash-tokenize-", config.scratch_dir)  # removes what killed runs left behind
     try:
         resolved = resolve(config, store, scratch)
         items = [shard.uri for shard in resolved.source.manifest.shards]
@@ -366,7 +437,7 @@ def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
                  config.template_kwargs() or "default", len(items), index, count, resolved.heldout_fraction,
                  resolved.source.manifest.total_records)
         run_shard(STAGE, store, config.output, items, index, count,
-                  lambda ctx: process_shard(ctx, resolved), scratch_root=config.scratch_dir)
+                  lambda ctx: process_shard(ctx, resolved), scratch_root=scratch, fingerprint=fingerprint(resolved))
         return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -64,6 +64,23 @@ class BatchResult:
     truncated_by_budget: int = 0
     # Loss tokens of the kept records before the max_length cut.
     loss_tokens_before_truncation: int = 0
+    # A few input lines per reason (KEPT: of kept records), on which a failing gate tries other settings.
+    samples: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)
+
+
+KEPT = ""
+SAMPLES_PER_BATCH = 8  # the stage keeps up to SAMPLES_PER_REASON over its batches
+
+
+def _samples(lines: list[tuple[str, bytes]], rejected: list[tuple[str, str, str]],
+             kept: list[str]) -> dict[str, list[tuple[str, bytes]]]:
+    raw = dict(lines)
+    out: dict[str, list[tuple[str, bytes]]] = {}
+    for where, reason in [*((w, r) for w, r, _ in rejected), *((w, KEPT) for w in kept)]:
+        chosen = out.setdefault(reason, [])
+        if len(chosen) < SAMPLES_PER_BATCH and where in raw:
+            chosen.append((where, raw[where]))
+    return out
 
 
 _chat: ChatFormat | None = None
@@ -147,6 +164,7 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
     order = {where: i for i, (where, _) in enumerate(lines)}
 
     kept_ids: list[str] = []
+    kept_where: list[str] = []
     kept_source_ids: list[str | None] = []
     id_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
@@ -185,6 +203,7 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
         by_budget += cut_by_budget
         loss_before += loss_tokens
         kept_ids.append(record.id)
+        kept_where.append(where)
         kept_source_ids.append(record.source_id)
         id_parts.append(ids)
         mask_parts.append(mask)
@@ -202,4 +221,5 @@ def process_batch(lines: list[tuple[str, bytes]]) -> BatchResult:
         offsets=offsets,
         source_ids=kept_source_ids,
     )
-    return BatchResult(sequences, rejected, truncated, histogram, by_budget, loss_before)
+    return BatchResult(sequences, rejected, truncated, histogram, by_budget, loss_before,
+                       _samples(lines, rejected, kept_where))

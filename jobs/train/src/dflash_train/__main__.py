@@ -13,6 +13,16 @@ from dflash_shared.cli import run_stage_main, select_command
 from dflash_shared.settings import parse_settings
 
 STAGE = "train"
+ABOUT = {
+    "preflight": "check GPUs, storage, the tokenized input and the target before training; exit 0, 64, 65 or 69",
+    "run": "train (or resume) a drafter on tokenized shards; torchrun for several GPUs",
+    "export": "write a trained checkpoint as a drafter directory vLLM loads",
+    "evaluate": "measure a drafter's acceptance on held-out prompts against its target",
+}
+EXAMPLES = (
+    "dflash-train run --input store/tokenized --output store/drafter --target models/Qwen3-8B",
+    "dflash-train export --drafter store/drafter --output store/export --target models/Qwen3-8B",
+)
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
@@ -44,7 +54,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         evaluate_command(rest)
 
     commands = {"preflight": preflight, "run": run_, "export": export, "evaluate": evaluate}
-    chosen = select_command("dflash-train", commands, command)
+    chosen = select_command("dflash-train", commands, command, ABOUT, EXAMPLES)
     run_stage_main(f"{STAGE} {command}", chosen)
 
 
