@@ -5,6 +5,7 @@ VENV := .venv
 VENV_STAMP := $(VENV)/.stamp
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 # Where the environment builds write their output (pip's notes on every package, which a person need not read).
 # `make V=1 ...` streams it instead.
 LOGS := build/logs
@@ -100,8 +101,9 @@ docs: $(VENV_STAMP) ## Regenerate the README's configuration reference from the 
 schemas: $(VENV_STAMP) ## Export the JSON Schema of every manifest kind to schemas/
 	$(PY) -m dflash_shared.schemas schemas
 
-k8s-base: $(VENV_STAMP) ## Regenerate k8s/base from the example run config
+k8s-base: $(VENV_STAMP) ## Regenerate k8s/base (and the namespace setup, k8s/namespace) from the example run config
 	$(PY) -m dflash_pipeline render --config k8s/example-run.toml --out k8s/base
+	$(PY) -m dflash_pipeline render --setup --config k8s/example-run.toml --out k8s/namespace
 
 # ---------------------------------------------------------------- images
 build-images: ## Build every image under docker/ (docker or podman)
@@ -123,6 +125,9 @@ bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer
 bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU setting)
 	.venv-generate/bin/python bench/bench_eval.py
 
+bench-quality: venv-generate ## The trained drafter against vLLM's n-gram speculation and the untrained drafter, on a target that speaks
+	.venv-generate/bin/python bench/bench_quality.py $(BENCH_ARGS)
+
 bench-numerics: venv-train ## How often bfloat16 rounding parts speculative from greedy output, and the lossy verifiers the policy catches
 	.venv-train/bin/python bench/bench_numerics.py
 
@@ -133,4 +138,4 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help tools demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
-	build-image base-image lock bench-tokenize bench-train bench-eval bench-numerics
+	build-image base-image lock bench-tokenize bench-train bench-eval bench-numerics bench-quality

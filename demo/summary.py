@@ -52,6 +52,35 @@ def serving_note(store: ObjectStore, shards: list[str]) -> str:
     return f" ({check['dtype']} vs {check['offline_dtype']}; {alike})"
 
 
+def speculation_rows(store: ObjectStore, section: EvaluationSection, shards: list[str]) -> list[str]:
+    """The trained drafter beside vLLM's n-gram speculation and the untrained drafter, when the serving check ran
+    the n-gram baseline: the same prompts, the same engine settings.
+
+    Engine tau is vLLM's 1 + accepted / drafts, over the steps that drafted something; tok/step counts every
+    step (n-gram drafts nothing without a match, which its tau leaves out).
+    """
+    report = next((uri for uri in shards if uri.endswith("serve-check.json")), None)
+    if report is None:
+        return []
+    check = json.loads(store.read_bytes(report))
+    ngram = check.get("ngram")
+    if ngram is None:
+        return []
+    settings = ngram["settings"]
+    label = (f"n-gram (lookup {settings['prompt_lookup_min']}-{settings['prompt_lookup_max']}, "
+             f"{settings['num_speculative_tokens']} drafted)")
+    per_step = check.get("engine_tokens_per_step")
+    rows = [f"speculation on the {check['prompts']} prompts  {'offline tau':>12}{'engine tau':>12}{'tok/step':>10}",
+            f"  {'DFlash, trained':<38}{section.tau:>12.2f}{check['engine']['tau']:>12.2f}"
+            f"{per_step if per_step is not None else float('nan'):>10.2f}",
+            f"  {label:<38}{'-':>12}{ngram['tau']:>12.2f}{ngram['tokens_per_step']:>10.2f}"]
+    if section.tau_untrained is not None:
+        rows.append(f"  {'DFlash, untrained':<38}{section.tau_untrained:>12.2f}{'-':>12}{'-':>10}")
+    rows.append(f"  trained / n-gram engine tau {check['engine']['tau'] / ngram['tau']:.2f}x"
+                + (f", tokens per step {per_step / ngram['tokens_per_step']:.2f}x" if per_step else ""))
+    return rows
+
+
 SPLIT_NAMES = {"heldout": "held-out", "train": "trained-on"}
 
 
@@ -94,6 +123,9 @@ def main(run_json: str) -> int:
                 line += f", engine tau {section.engine_tau:.2f}"
                 line += serving_note(store, [shard.uri for shard in m.shards])
         print(line)
+        if isinstance(section, EvaluationSection):
+            for row in speculation_rows(store, section, [shard.uri for shard in m.shards]):
+                print(f"  {'':12s} {row}")
         if acc.failures_by_reason:
             print(f"  {'':12s} failures: {acc.failures_by_reason}")
         print(f"  {'':12s} {join(prefix, MANIFEST_NAME)}")

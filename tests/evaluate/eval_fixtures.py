@@ -157,7 +157,8 @@ def target_answers(target_dir: Path, prompts: Sequence[Sequence[int]], new_token
 
 
 def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]], block_size: int = 8,
-                  steps: int = 200, seed: int = 0, log: Callable[[str], None] | None = None) -> Path:
+                  steps: int = 200, seed: int = 0, log: Callable[[str], None] | None = None,
+                  num_anchors: int = 2) -> Path:
     """A checkpoint-like folder of a drafter trained on `docs` ((prompt, answer) pairs), cached.
 
     It holds what a training checkpoint holds for export: `model.safetensors` (float32, export names) and
@@ -165,7 +166,7 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
     ('acc_1', ...), the keys training writes into the drafter manifest's final_metrics.
     """
     digest = _sources_digest(target_dir.name, json.dumps([list(map(list, d)) for d in docs]), str(block_size),
-                             str(steps), str(seed))
+                             str(steps), str(seed), *([f"anchors={num_anchors}"] if num_anchors != 2 else []))
     folder = cache_root() / "evaluate-data" / f"drafter-{digest}"
     if (folder / "metrics.json").is_file():
         return folder
@@ -178,7 +179,7 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
     from dflash_train.step import dflash_step
     from dflash_train.target import FrozenTarget
 
-    cfg = drafter_config(block_size, arch_of(target_dir))
+    cfg = drafter_config(block_size, arch_of(target_dir), num_anchors)
     target = FrozenTarget.from_pretrained(target_dir, cfg.target_layer_ids, dtype=torch.float32)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).train()
@@ -258,15 +259,15 @@ def untrained_like(drafter: Any) -> Any:
     return DFlashDrafter(drafter.config).eval().requires_grad_(False)
 
 
-def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3") -> DrafterConfig:
+def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3", num_anchors: int = 2) -> DrafterConfig:
     """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer Qwen3 target, or
     over layers 1, 3 and 5 (linear, full, linear attention) of the 8-layer Qwen3.6-architecture target."""
     from dflash_train.drafter_config import DrafterConfig
 
     if arch == "qwen3_6":
-        return DrafterConfig.debug(block_size=block_size, num_anchors=2, num_target_layers=8,
+        return DrafterConfig.debug(block_size=block_size, num_anchors=num_anchors, num_target_layers=8,
                                    target_layer_ids=[1, 3, 5], mask_token_id=qwen_special_ids(arch)["mask"])
-    return DrafterConfig.debug(block_size=block_size, num_anchors=2, mask_token_id=MASK_ID)
+    return DrafterConfig.debug(block_size=block_size, num_anchors=num_anchors, mask_token_id=MASK_ID)
 
 
 # ----------------------------------------------------------------------------------- stage inputs

@@ -72,8 +72,9 @@ def chain(arch: str, request: pytest.FixtureRequest) -> Any:
 def served(chain: Any, arch: str, request: pytest.FixtureRequest, vllm_env: None) -> tuple[Any, str]:
     target_dir = request.getfixturevalue("tiny_target_dir" if arch == "qwen3" else "hybrid_target_dir")
     output = join(chain.root, "evaluation")
+    # The n-gram baseline on the dense target only: one more engine start, and the same code on either target.
     config = ServeCheckConfig(evaluation=chain.evaluation, target=str(target_dir), output=output,
-                              gpu_memory_utilization=0.3, enforce_eager=True)
+                              gpu_memory_utilization=0.3, enforce_eager=True, ngram_baseline=arch == "qwen3")
     return run(config, chain.store), output
 
 
@@ -101,6 +102,30 @@ def test_engine_tau_agrees_with_offline_tau(chain: Any, arch: str, served: tuple
     assert check.matched.prompts == check.engine_equals_offline
     assert check.engine.draft_tokens == 7 * check.engine.drafts
     assert len(check.engine.acceptance_per_position) == 7
+
+
+def test_the_ngram_baseline_ran_on_the_same_prompts_and_its_figures_add_up(
+        chain: Any, arch: str, served: tuple[Any, str]) -> None:
+    check = _check(chain, served[1])
+    if arch != "qwen3":
+        assert check.ngram is None
+        return
+    ngram = check.ngram
+    assert ngram is not None and ngram.settings.prompt_lookup_min <= ngram.settings.prompt_lookup_max
+    # Prompt lookup is lossless: float32 greedy output with it equals plain output on every prompt.
+    assert ngram.outputs_identical == check.prompts == 16
+    assert ngram.output_tokens >= 16 * 8 and 0 < ngram.drafts and 0 <= ngram.accepted_tokens
+    assert ngram.tau == pytest.approx(1 + ngram.accepted_tokens / ngram.drafts)
+    steps = max(ngram.output_tokens - ngram.accepted_tokens, ngram.drafts + check.prompts)
+    assert ngram.tokens_per_step == pytest.approx(ngram.output_tokens / steps)
+    # Steps that drafted nothing, and the prefills, count in tokens per step, not in vLLM's tau.
+    assert ngram.tokens_per_step <= ngram.tau
+    # DFlash drafts on every step after the prefill: its steps are drafts + prompts, a whole number of tokens each.
+    per_step = check.engine_tokens_per_step
+    assert per_step is not None and 1 < per_step <= check.engine.tau
+    tokens = per_step * (check.engine.drafts + check.prompts)
+    assert tokens == pytest.approx(round(tokens)) and check.prompts * 8 <= round(tokens) <= check.prompts * 64
+    assert "ngram" in check.start_seconds
 
 
 def test_speculative_output_equals_plain_output(chain: Any, arch: str, served: tuple[Any, str]) -> None:

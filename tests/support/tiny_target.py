@@ -85,10 +85,10 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) 
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
-    _finish(out_dir, ids)
+    finish_model_dir(out_dir, ids)
 
 
-def _finish(out_dir: Path, ids: dict[str, int]) -> None:
+def finish_model_dir(out_dir: Path, ids: dict[str, int]) -> None:
     """The generation config every target ships, and file modes any user can read."""
     from transformers import GenerationConfig
 
@@ -186,13 +186,18 @@ def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
     weights = load_file(str(weights_path))
     weights.update({k: v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
     save_file(weights, str(weights_path), metadata={"format": "pt"})
-    _finish(out_dir, ids)
+    finish_model_dir(out_dir, ids)
 
 
 def _cached_build(family: str, params: dict[str, Any], write: Any, out_dir: Path | None) -> Path:
     """Build with `write(tmp_dir)` once per parameter set in the cache; copy into `out_dir` when given."""
     key = _cache_key({"family": family, **params})
     cached = qwen_assets.cache_root() / f"tiny-{family}" / f"s{params['seed']}-{key}"
+    return cached_model_build(cached, key, write, out_dir)
+
+
+def cached_model_build(cached: Path, key: str, write: Any, out_dir: Path | None) -> Path:
+    """`cached`, built by `write(tmp_dir)` unless complete; copied into `out_dir` when given (returned then)."""
     if not (cached / _DONE).is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the cache entry and rename: concurrent builders never see a half-written model.

@@ -47,6 +47,7 @@ from pydantic_settings import SettingsConfigDict
 
 from dflash_generate.engine import EngineConfig, engine_flavour, only_dtype
 from dflash_generate.model_source import ModelFiles, ModelSource
+from dflash_generate.ngram_baseline import BaselineAcceptance, NgramSettings, tokens_per_step
 from dflash_generate.target import TargetInfo, read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
@@ -107,6 +108,19 @@ class ServeCheckConfig(StageSettings, NumericsSettings):
     model_cache_dir: str | None = Field(default=None, description="Where an s3:// or hub target is copied to.")
     download_workers: int = Field(default=16, ge=1, description="Files copied in parallel.")
     run_id: str | None = Field(default=None, description="Run id; defaults to the offline evaluation's.")
+    ngram_baseline: bool = Field(
+        default=False, description="Also decode the prompts with vLLM's n-gram speculation (no training needed) "
+        "and report its acceptance beside the drafter's: one more engine start.")
+    ngram_num_speculative_tokens: int = Field(default=3, ge=1, description="n-gram baseline: tokens per draft.")
+    ngram_prompt_lookup_min: int = Field(default=1, ge=1, description="n-gram baseline: shortest match.")
+    ngram_prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram baseline: longest match.")
+
+    def ngram_settings(self) -> NgramSettings | None:
+        if not self.ngram_baseline:
+            return None
+        return NgramSettings(num_speculative_tokens=self.ngram_num_speculative_tokens,
+                             prompt_lookup_min=self.ngram_prompt_lookup_min,
+                             prompt_lookup_max=self.ngram_prompt_lookup_max)
 
 
 class _View(BaseModel):
@@ -199,6 +213,10 @@ class ServeCheckReport(BaseModel):
     compared: Literal["all", "matched"] = Field(
         description="Which gap was held to max_tau_gap: over all prompts (same dtype) or the matched ones.")
     start_seconds: dict[str, float] = Field(description="Engine start-up time, speculative and plain.")
+    engine_tokens_per_step: float | None = Field(
+        default=None, description="Drafter: output tokens per target step, every step counted (ngram_baseline.py).")
+    ngram: BaselineAcceptance | None = Field(
+        default=None, description="vLLM's n-gram speculation on the same prompts (ngram_baseline).")
 
 
 def spec_counters(metrics: list[Any]) -> dict[str, Any]:
@@ -420,8 +438,31 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
             plain_outputs = generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
         with started_engine(engine, speculative) as (llm, spec_start):
             served = speculative_pass(llm, report, plain_outputs, policy)
-    check = check_report(config, report, engine.dtype, served, {"speculative": spec_start, "plain": plain_start})
+        starts = {"speculative": spec_start, "plain": plain_start}
+        ngram = None
+        if (settings := config.ngram_settings()) is not None:
+            with started_engine(engine, settings.speculative_config()) as (llm, starts["ngram"]):
+                ngram = ngram_pass(llm, report, plain_outputs, settings)
+    check = check_report(config, report, engine.dtype, served, starts, ngram)
     return commit(config, store, check, offline, drafter)
+
+
+def ngram_pass(llm: Any, report: OfflineReportView, plain: list[Generated], settings: NgramSettings,
+               ) -> BaselineAcceptance:
+    """The report's prompts through an n-gram speculative engine: its counters, and its outputs against plain."""
+    before = spec_counters(llm.get_metrics())
+    outputs = generate(llm, report, label="n-gram")
+    after = spec_counters(llm.get_metrics())
+    drafts = int(after.get("num_drafts", 0)) - int(before.get("num_drafts", 0))
+    accepted = int(after.get("num_accepted_tokens", 0)) - int(before.get("num_accepted_tokens", 0))
+    tokens = sum(len(o.token_ids) for o in outputs)
+    identical = sum(a.token_ids == b.token_ids for a, b in zip(outputs, plain, strict=True))
+    per_step = tokens_per_step(tokens, accepted, drafts, len(outputs))
+    log.info("n-gram baseline (%s): tau %.3f over %d drafts, %.3f tokens per step; %d/%d outputs as plain",
+             settings.label(), 1 + accepted / drafts if drafts else 1.0, drafts, per_step, identical, len(outputs))
+    return BaselineAcceptance(settings=settings, tau=1 + accepted / drafts if drafts else 1.0, drafts=drafts,
+                              accepted_tokens=accepted, output_tokens=tokens, tokens_per_step=per_step,
+                              outputs_identical=identical)
 
 
 def engine_config(config: ServeCheckConfig, report: OfflineReportView, target_dir: str) -> EngineConfig:
@@ -465,7 +506,7 @@ def speculative_pass(llm: Any, report: OfflineReportView, plain: list[Generated]
 
 
 def check_report(config: ServeCheckConfig, report: OfflineReportView, dtype: str, served: SpeculativePass,
-                 start_seconds: dict[str, float]) -> ServeCheckReport:
+                 start_seconds: dict[str, float], ngram: BaselineAcceptance | None = None) -> ServeCheckReport:
     """The serve-check.json content of a speculative pass against the offline evaluation."""
     matched = matched_acceptance(report, served.outputs)
     outputs, acceptance = served.comparison, served.acceptance
@@ -479,6 +520,9 @@ def check_report(config: ServeCheckConfig, report: OfflineReportView, dtype: str
         engine_equals_offline=matched.prompts, matched=matched,
         compared="all" if dtype == report.dtype else "matched",
         start_seconds=start_seconds,
+        engine_tokens_per_step=tokens_per_step(sum(len(o.token_ids) for o in served.outputs),
+                                               acceptance.accepted_tokens, acceptance.drafts, len(served.outputs)),
+        ngram=ngram,
     )
 
 

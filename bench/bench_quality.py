@@ -1,0 +1,344 @@
+"""Is the trained drafter good? It against vLLM's n-gram speculation and the untrained drafter (`make bench-quality`).
+
+Every method decodes the same held-out prompts greedily in the same vLLM engine settings, and vLLM's own
+spec-decode counters give its acceptance: tau = 1 + accepted / drafts, and accepted tokens per draft position.
+The methods:
+- DFlash, trained: the drafter trained on the target's own answers to other prompts;
+- n-gram (prompt lookup): vLLM's `ngram` method, which needs no training, at each setting of a sweep over
+  `prompt_lookup_min/max` and speculative tokens; the best setting is its row in the comparison;
+- DFlash, untrained: the same drafter shape with random weights (the floor);
+- plain decoding: the reference for wall-clock tokens/s.
+The offline speculative loop's tau (the evaluate stage's) is printed beside the engine's for both drafters.
+
+Default setting (CPU, minutes): the speaking target (`tests.support.speaking_target`: a small Qwen3 trained by
+the project on the Python standard library's docstrings), prompts that neither it nor the drafter trained on,
+and a debug-size drafter trained here on the target's answers to the other prompts (cached). On a GPU, the same
+script measures a real target and drafter:
+
+    python bench/bench_quality.py --target /models/Qwen3-8B --drafter /exports/dflash-qwen3-8b \\
+        --prompts prompts.jsonl --device cuda --dtype bfloat16
+
+(`--drafter` is an exported drafter directory, as `dflash-train export` writes; `--prompts` a JSONL file of
+{"messages": [...]} or {"prompt": "..."} records; the untrained baseline is then its random re-initialisation.)
+Wall-clock figures on the CPU are CPU figures: they show the methods' order at toy size, not a GPU's speed-up.
+
+Runs in the generate environment with the train package installed (.venv-generate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The n-gram sweep: (prompt_lookup_min, prompt_lookup_max, num_speculative_tokens). vLLM's default is 5 / 5
+# (match exactly 5 tokens); short matches find more drafts in short answers, long ones fewer but surer, and
+# fewer drafted tokens waste less verification when a match runs out. The best setting by tokens per step is
+# the n-gram row of the comparison.
+NGRAM_SWEEP = ((1, 2, 3), (1, 4, 3), (2, 4, 3), (1, 2, 7), (2, 4, 7), (3, 6, 7))
+HELDOUT_EVERY = 10  # held-out prompts are every 10th of the target's held-out questions (spread over modules)
+
+
+@dataclass
+class MethodRun:
+    """One engine's pass over the held-out prompts."""
+
+    method: str
+    settings: str
+    tau: float | None  # None for plain decoding
+    drafts: int
+    accepted_per_position: list[float]
+    accepted: int
+    tokens: int
+    seconds: float
+    start_seconds: float
+    outputs: list[list[int]]
+    offline_tau: float | None = None
+
+    prompts: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens per target step, steps without a draft and the prefills included
+        (`dflash_generate.ngram_baseline` says how the steps are counted)."""
+        from dflash_generate.ngram_baseline import tokens_per_step
+
+        return tokens_per_step(self.tokens, self.accepted, self.drafts, self.prompts)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def speaking_prompts(heldout: int, train: int) -> tuple[list[str], list[str]]:
+    """Held-out and drafter-training questions: none of them in the target's own training split."""
+    from tests.support import stdlib_corpus
+
+    target_heldout = [p.question for p in stdlib_corpus.split_pairs("heldout")]
+    evaluation = target_heldout[::HELDOUT_EVERY][:heldout]
+    chosen = set(evaluation)
+    rest = [q for q in target_heldout if q not in chosen]
+    # The target's training questions too: the drafter should see the target's answers to many prompts.
+    rest += [p.question for p in stdlib_corpus.split_pairs("train")]
+    return evaluation, rest[:train]
+
+
+def prompts_from_file(path: Path, count: int) -> list[list[dict[str, str]]]:
+    out = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "messages" in record:
+            out.append([m for m in record["messages"] if m["role"] != "assistant"])
+        elif "prompt" in record:
+            out.append([{"role": "user", "content": record["prompt"]}])
+        else:
+            sys.exit(f"{path}:{line_no}: expected 'messages' or 'prompt'")
+        if len(out) == count:
+            break
+    return out
+
+
+def chat_ids(target_dir: Path, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    return [[int(i) for i in tok.apply_chat_template(c, add_generation_prompt=True, enable_thinking=False,
+                                                     tokenize=True, return_dict=False)] for c in conversations]
+
+
+def engine_pass(engine: Any, speculative: dict[str, Any] | None, prompts: list[list[int]], max_new_tokens: int,
+                stops: list[int], method: str, settings: str) -> MethodRun:
+    """Start an engine, warm it up, decode every prompt in one batch, read the counters around that batch."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from dflash_generate.serve_check import engine_acceptance, spec_counters, started_engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stops, detokenize=False)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    with started_engine(engine, speculative) as (llm, start_seconds):
+        llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+        before = spec_counters(llm.get_metrics()) if speculative else {}
+        began = time.perf_counter()
+        results = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        outputs = [list(r.outputs[0].token_ids) for r in results]
+        acceptance = engine_acceptance(before, spec_counters(llm.get_metrics())) if speculative else None
+    return MethodRun(method=method, settings=settings, tau=acceptance.tau if acceptance else None,
+                     drafts=acceptance.drafts if acceptance else 0,
+                     accepted=acceptance.accepted_tokens if acceptance else 0,
+                     accepted_per_position=acceptance.acceptance_per_position if acceptance else [],
+                     tokens=sum(len(o) for o in outputs), seconds=seconds, start_seconds=start_seconds,
+                     outputs=outputs, prompts=len(prompts))
+
+
+def offline_tau(target_dir: Path, export_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+                stops: list[int], device: str, dtype: str) -> float:
+    """The evaluate stage's offline speculative loop over the prompts: tau = (accepted + steps) / steps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.export import load_export_dir
+    from dflash_train.speculate import HookedTarget, speculative_generate
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch_dtype).to(device).eval()
+    drafter = load_export_dir(str(export_dir), device=device, dtype=torch_dtype)
+    target = HookedTarget(model, drafter.config.target_layer_ids)
+    steps = accepted = 0
+    try:
+        for prompt in prompts:
+            result = speculative_generate(drafter, target, prompt, max_new_tokens, frozenset(stops))
+            steps += len(result.accepted)
+            accepted += sum(result.accepted)
+    finally:
+        target.close()
+    return (accepted + steps) / steps if steps else float("nan")
+
+
+def trained_drafter(target_dir: Path, train_questions: list[str], max_new_tokens: int, steps: int,
+                    work: Path) -> tuple[Path, Path]:
+    """Export directories of a drafter trained on the target's answers (cached) and of its untrained twin."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from dflash_train.drafter_config import DrafterConfig
+    from dflash_train.export import write_export_dir
+    from dflash_train.model import DFlashDrafter
+    from tests.evaluate import eval_fixtures as ef
+
+    prompts = ef.chat_prompts(target_dir, train_questions)
+    answers = ef.target_answers(target_dir, prompts, new_tokens=max_new_tokens)
+    tokens = sum(len(a) for a in answers)
+    print(f"  drafter data: {len(prompts)} prompts, {tokens} answer tokens from the target (cached)")
+    # 16 anchors per row, as the train stage's debug preset: the fixture's default of 2 suits its 48 prompts.
+    checkpoint = ef.train_drafter(target_dir, list(zip(prompts, answers, strict=True)), steps=steps,
+                                  log=lambda line: print(f"  drafter training: {line}", flush=True), num_anchors=16)
+    cfg = DrafterConfig.model_validate_json((checkpoint / "drafter_config.json").read_text())
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    target_config = AutoConfig.from_pretrained(str(target_dir))
+    trained, untrained = work / "export-trained", work / "export-untrained"
+    write_export_dir(drafter.eval(), target_config, str(trained), dtype="float32")
+    write_export_dir(ef.untrained_like(drafter), target_config, str(untrained), dtype="float32")
+    return trained, untrained
+
+
+def untrained_twin(export_dir: Path, target_dir: Path, work: Path) -> Path:
+    """A random re-initialisation of an exported drafter (same config), exported the same way."""
+    from transformers import AutoConfig
+
+    from dflash_train.export import load_export_dir, write_export_dir
+    from tests.evaluate import eval_fixtures as ef
+
+    drafter = load_export_dir(str(export_dir))
+    out = work / "export-untrained"
+    write_export_dir(ef.untrained_like(drafter), AutoConfig.from_pretrained(str(target_dir)), str(out),
+                     dtype="float32")
+    return out
+
+
+def print_table(runs: list[MethodRun], best_ngram: MethodRun, prompts: int, max_new_tokens: int,
+                device: str) -> None:
+    plain = next(r for r in runs if r.tau is None)
+    print(f"\nheld-out prompts: {prompts} x up to {max_new_tokens} tokens, greedy, one batch per engine; "
+          f"wall clock on {device}{' (CPU figures)' if device == 'cpu' else ''}")
+    print(f"  {'method':<20}{'settings':<26}{'engine tau':>11}{'tok/step':>9}{'offline tau':>12}{'drafts':>7}"
+          f"{'tokens':>7}{'tokens/s':>9}{'vs plain':>9}")
+    for r in runs:
+        tau = f"{r.tau:.3f}" if r.tau is not None else "-"
+        off = f"{r.offline_tau:.3f}" if r.offline_tau is not None else "-"
+        best = " *" if r is best_ngram else ""
+        print(f"  {r.method:<20}{r.settings + best:<26}{tau:>11}{r.tokens_per_step:>9.3f}{off:>12}{r.drafts:>7}"
+              f"{r.tokens:>7}{r.tokens_per_second:>9.1f}{r.tokens_per_second / plain.tokens_per_second:>8.2f}x")
+    print("  engine tau = 1 + accepted / drafts (vLLM's counters; steps that drafted nothing are not counted);")
+    print("  tok/step = tokens / max(tokens - accepted, drafts + prompts): every target step counted, prefills too")
+    print("  * the n-gram setting with the most tokens per step: the n-gram row of the comparison")
+    for r in runs:
+        if r.accepted_per_position:
+            print(f"  accepted per position, {r.method} {r.settings}: "
+                  + " ".join(f"{a:.2f}" for a in r.accepted_per_position))
+    differing = [r.method + " " + r.settings for r in runs if r.outputs != plain.outputs]
+    print(f"  outputs equal to plain decoding: {len(runs) - 1 - len(differing)}/{len(runs) - 1} methods"
+          + (f" (differ: {', '.join(differing)})" if differing else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, default=None, help="target directory (default: speaking target)")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="exported drafter directory (default: train one on the target's answers, cached)")
+    parser.add_argument("--prompts", type=Path, default=None, help="held-out prompts, JSONL (with --target)")
+    parser.add_argument("--heldout", type=int, default=48, help="held-out prompts")
+    parser.add_argument("--train-prompts", type=int, default=4200, help="prompts whose answers train the drafter")
+    parser.add_argument("--train-steps", type=int, default=1200, help="drafter training steps (default setting)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="engine and offline dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--skip-offline", action="store_true", help="engine figures only")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the exports here (default: temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
+        os.environ.setdefault(key, value)
+    import torch
+
+    from dflash_generate.engine import EngineConfig, engine_flavour
+    from dflash_generate.target import read_target
+    from dflash_train.export import config_from_export
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # two shared cores: thread spinning costs more than the second thread gains
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+    began = time.monotonic()
+    if args.target is None:
+        from tests.support.speaking_target import build_speaking_qwen3, target_metrics
+
+        target_dir = build_speaking_qwen3()
+        m = target_metrics(target_dir)
+        print(f"speaking target: held-out loss {m['heldout_loss']:.3f} (perplexity {m['heldout_perplexity']:.1f}), "
+              f"distinct-token ratio of its greedy answers {m['distinct_token_ratio']:.3f} "
+              f"(threshold {m['min_distinct_token_ratio']}), {m['corpus']['train_pairs']} training pairs")
+        heldout_q, train_q = speaking_prompts(args.heldout, args.train_prompts)
+        conversations = [[{"role": "user", "content": q}] for q in heldout_q]
+    else:
+        if args.prompts is None:
+            sys.exit("--target needs --prompts (a JSONL file of held-out prompts)")
+        target_dir, train_q = args.target, []
+        conversations = prompts_from_file(args.prompts, args.heldout)
+    if args.drafter is None:
+        if args.target is not None:
+            sys.exit("--target needs --drafter (an exported drafter directory)")
+        trained, untrained = trained_drafter(target_dir, train_q, args.max_new_tokens, args.train_steps, work)
+    else:
+        trained, untrained = args.drafter, untrained_twin(args.drafter, target_dir, work)
+    setup_seconds = time.monotonic() - began
+    block_size = config_from_export(json.loads((trained / "config.json").read_text())).block_size
+
+    from tests.evaluate import eval_fixtures as ef
+
+    prompts = chat_ids(target_dir, conversations)
+    stops = list(ef.stop_ids(target_dir)) if args.target is None else _stop_ids(target_dir)
+    target = read_target(str(target_dir))
+    longest = max(len(p) for p in prompts)
+    engine = EngineConfig(model=str(target_dir), dtype=dtype, max_model_len=longest + args.max_new_tokens + 32,
+                          gpu_memory_utilization=0.3 if args.device == "cpu" else 0.85,
+                          enforce_eager=args.device == "cpu").for_target(target, engine_flavour())
+
+    def dflash(export: Path) -> dict[str, Any]:
+        return {"method": "dflash", "model": str(export), "num_speculative_tokens": block_size - 1}
+
+    runs = [engine_pass(engine, None, prompts, args.max_new_tokens, stops, "plain decoding", "-")]
+    runs.append(engine_pass(engine, dflash(trained), prompts, args.max_new_tokens, stops, "DFlash, trained",
+                            f"{block_size - 1} drafted"))
+    ngram_runs = []
+    for low, high, k in NGRAM_SWEEP:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
+        ngram_runs.append(engine_pass(engine, spec, prompts, args.max_new_tokens, stops, "n-gram",
+                                      f"min {low} max {high}, {k} drafted"))
+    runs += ngram_runs
+    runs.append(engine_pass(engine, dflash(untrained), prompts, args.max_new_tokens, stops, "DFlash, untrained",
+                            f"{block_size - 1} drafted"))
+    if not args.skip_offline:
+        for run, export in ((runs[1], trained), (runs[-1], untrained)):
+            run.offline_tau = offline_tau(target_dir, export, prompts, args.max_new_tokens, stops, args.device,
+                                          dtype)
+    best_ngram = max(ngram_runs, key=lambda r: r.tokens_per_step)
+    print_table(runs, best_ngram, len(prompts), args.max_new_tokens, args.device)
+    trained_run, untrained_run = runs[1], runs[-1]
+    assert trained_run.tau and best_ngram.tau and untrained_run.tau
+    print("\n  ratios               engine tau  tok/step")
+    for label, other, goal in (("trained / n-gram", best_ngram, 1.5), ("trained / untrained", untrained_run, 2.0)):
+        per_step = trained_run.tokens_per_step / other.tokens_per_step
+        print(f"  {label:<21}{trained_run.tau / other.tau:>9.2f}x{per_step:>9.2f}x   (goal >= {goal}x)")
+    print(f"  setup (target, drafter data and training; cached after the first run): {setup_seconds:.0f} s")
+    print(f"  engine start-up: {sum(r.start_seconds for r in runs):.0f} s over {len(runs)} engines")
+    if args.json:
+        args.json.write_text(json.dumps([{k: v for k, v in vars(r).items() if k != "outputs"} for r in runs],
+                                        indent=1) + "\n")
+
+
+def _stop_ids(target_dir: Path) -> list[int]:
+    """End-of-turn ids of a real target: its generation config's eos ids."""
+    config = json.loads((target_dir / "generation_config.json").read_text())
+    eos = config.get("eos_token_id")
+    return sorted(set(eos if isinstance(eos, list) else [eos]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The speaking target is a real language model: it does not loop, it beats a unigram model on text it never
+saw, and the checkpoint vLLM loads is the model that was trained (the small-vocabulary loss is exact)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.support import speaking_target as st
+from tests.support import stdlib_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def speaking() -> Path:
+    return st.build_speaking_qwen3()  # cached: built once per recipe and corpus (minutes on 2 cores)
+
+
+def test_the_corpus_is_the_standard_library_docs_and_its_split_is_stable() -> None:
+    pairs = stdlib_corpus.doc_pairs()
+    assert len(pairs) > 2000
+    assert len({p.name for p in pairs}) == len(pairs)
+    held = stdlib_corpus.split_pairs("heldout")
+    assert 0.08 < len(held) / len(pairs) < 0.18  # 1 in 8 by hash
+    by_name = {p.name: p for p in pairs}
+    assert by_name["textwrap.dedent"].question == "What does `textwrap.dedent(text)` do?"
+    assert by_name["textwrap.dedent"].answer.startswith("Remove any common leading whitespace from every line")
+    assert by_name["json.dumps"].question == "What does `json.dumps(...)` do?"  # a long signature is elided
+    assert by_name["json.dumps"].answer.startswith("Serialize ``obj`` to a JSON formatted ``str``.")
+    assert stdlib_corpus.corpus_digest() == stdlib_corpus.corpus_digest()
+
+
+def test_its_greedy_answers_do_not_loop_and_it_beats_a_unigram_model(speaking: Path) -> None:
+    metrics = st.target_metrics(speaking)
+    assert metrics["distinct_token_ratio"] >= st.MIN_DISTINCT_TOKEN_RATIO
+    # A unigram model of the training answers: the floor any language model must clear on held-out text.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(speaking)
+    counts: Counter[int] = Counter()
+    for pair in stdlib_corpus.split_pairs("train"):
+        counts.update(tokenizer(pair.answer, add_special_tokens=False)["input_ids"])
+    total = sum(counts.values())
+    held = [t for p in stdlib_corpus.split_pairs("heldout")
+            for t in tokenizer(p.answer, add_special_tokens=False)["input_ids"]]
+    unigram = -sum(math.log((counts[t] + 1) / (total + len(counts))) for t in held) / len(held)
+    assert metrics["heldout_loss"] < unigram - 0.5, (metrics["heldout_loss"], unigram)
+
+
+def test_a_looping_target_fails_the_threshold() -> None:
+    from tests.support.tiny_target import build_tiny_qwen3
+
+    random_target = build_tiny_qwen3()  # random weights: greedy decoding loops
+    questions = [p.question for p in stdlib_corpus.split_pairs("heldout")[:6]]
+    answers = st.probe_generations(random_target, questions, 48)
+    ratio = sum(st.distinct_token_ratio(a) for a in answers) / len(answers)
+    assert ratio < st.MIN_DISTINCT_TOKEN_RATIO, ratio
+
+
+def test_the_saved_checkpoint_is_the_trained_model(speaking: Path) -> None:
+    """The full-vocabulary loss of the saved model equals the training loss over the used rows plus the
+    n_unused zero logits, so the rows left out of training cost nothing and change nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(speaking)
+    model = AutoModelForCausalLM.from_pretrained(speaking, dtype=torch.float32).eval()
+    embed = model.get_input_embeddings().weight
+    zero_rows = int((embed.abs().sum(dim=1) == 0).sum())
+    assert 100_000 < zero_rows < embed.shape[0]  # most of the 151,936 rows are unused, and exactly zero
+    pair = stdlib_corpus.split_pairs("heldout")[0]
+    ids = st.chat_prompt_ids(tokenizer, pair.question) + tokenizer(pair.answer, add_special_tokens=False)["input_ids"]
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(batch).logits[0, :-1]
+        full = torch.nn.functional.cross_entropy(logits, batch[0, 1:])
+        used = (embed.abs().sum(dim=1) != 0).nonzero().squeeze(1)
+        small = logits[:, used]
+        unused = torch.full((small.shape[0], 1), math.log(embed.shape[0] - len(used)))
+        lse = torch.logsumexp(torch.cat([small, unused], dim=-1), dim=-1)
+        index = torch.full((embed.shape[0],), -1, dtype=torch.long)
+        index[used] = torch.arange(len(used))
+        exact = (lse - small.gather(-1, index[batch[0, 1:]][:, None]).squeeze(-1)).mean()
+    assert abs(float(full) - float(exact)) < 1e-4
+
+
+def test_the_cache_key_follows_the_recipe() -> None:
+    assert st._cache_key(st.Recipe()) == st._cache_key(st.Recipe())
+    assert st._cache_key(st.Recipe()) != st._cache_key(st.Recipe(steps=st.Recipe().steps + 1))
