@@ -97,7 +97,12 @@ def prompts_from_file(path: Path, count: int) -> list[list[dict[str, str]]]:
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            sys.exit(f"{path}:{line_no}: not a JSON record ({err.msg} at column {err.colno})")
+        if not isinstance(record, dict):
+            sys.exit(f"{path}:{line_no}: expected a JSON object with 'messages' or 'prompt'")
         if "messages" in record:
             out.append([m for m in record["messages"] if m["role"] != "assistant"])
         elif "prompt" in record:
@@ -106,6 +111,8 @@ def prompts_from_file(path: Path, count: int) -> list[list[dict[str, str]]]:
             sys.exit(f"{path}:{line_no}: expected 'messages' or 'prompt'")
         if len(out) == count:
             break
+    if not out:
+        sys.exit(f"{path}: no prompts")
     return out
 
 

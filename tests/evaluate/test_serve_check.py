@@ -281,3 +281,14 @@ def _fake_check(offline_run: Any, engine_tau: float | None, mismatches: list[str
         matched=MatchedAcceptance(prompts=16, offline_tau=tau, engine_tau=engine_tau,
                                   relative_gap=relative_gap(tau, engine_tau)),
     )
+
+
+def test_an_ngram_lookup_range_upside_down_is_refused_before_any_engine_starts() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="ngram_prompt_lookup_min 5 is above ngram_prompt_lookup_max 2"):
+        ServeCheckConfig(evaluation="e", target="t", output="o", ngram_baseline=True, ngram_prompt_lookup_min=5,
+                         ngram_prompt_lookup_max=2)
+    settings = ServeCheckConfig(evaluation="e", target="t", output="o", ngram_baseline=True).ngram_settings()
+    assert settings is not None and settings.speculative_config()["method"] == "ngram"
+    assert ServeCheckConfig(evaluation="e", target="t", output="o").ngram_settings() is None

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_generate.engine import EngineConfig, engine_flavour, only_dtype
@@ -114,6 +114,14 @@ class ServeCheckConfig(StageSettings, NumericsSettings):
     ngram_num_speculative_tokens: int = Field(default=3, ge=1, description="n-gram baseline: tokens per draft.")
     ngram_prompt_lookup_min: int = Field(default=1, ge=1, description="n-gram baseline: shortest match.")
     ngram_prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram baseline: longest match.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> ServeCheckConfig:
+        # vLLM refuses min > max only when the third engine starts, after the two others have run: refuse it here.
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"ngram_prompt_lookup_min {self.ngram_prompt_lookup_min} is above "
+                             f"ngram_prompt_lookup_max {self.ngram_prompt_lookup_max}")
+        return self
 
     def ngram_settings(self) -> NgramSettings | None:
         if not self.ngram_baseline:
@@ -235,11 +243,16 @@ def spec_counters(metrics: list[Any]) -> dict[str, Any]:
     return out
 
 
+def counter_delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
+    """How much a spec-decode counter (`spec_counters` snapshots) grew between two readings."""
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
 def engine_acceptance(before: dict[str, Any], after: dict[str, Any]) -> EngineAcceptance:
     """Acceptance over one generation from counter snapshots taken before and after it."""
 
     def delta(key: str) -> int:
-        return int(after.get(key, 0)) - int(before.get(key, 0))
+        return counter_delta(before, after, key)
 
     drafts = delta("num_drafts")
     if drafts <= 0:
@@ -453,8 +466,9 @@ def ngram_pass(llm: Any, report: OfflineReportView, plain: list[Generated], sett
     before = spec_counters(llm.get_metrics())
     outputs = generate(llm, report, label="n-gram")
     after = spec_counters(llm.get_metrics())
-    drafts = int(after.get("num_drafts", 0)) - int(before.get("num_drafts", 0))
-    accepted = int(after.get("num_accepted_tokens", 0)) - int(before.get("num_accepted_tokens", 0))
+    # Not engine_acceptance: an n-gram engine may draft nothing at all, which is a result here, not an error.
+    drafts = counter_delta(before, after, "num_drafts")
+    accepted = counter_delta(before, after, "num_accepted_tokens")
     tokens = sum(len(o.token_ids) for o in outputs)
     identical = sum(a.token_ids == b.token_ids for a, b in zip(outputs, plain, strict=True))
     per_step = tokens_per_step(tokens, accepted, drafts, len(outputs))
