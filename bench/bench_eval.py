@@ -103,7 +103,7 @@ class LoopProfile:
 def profile_loop(name: str, target_dir: Path, checkpoint: Path, texts: list[str], max_new_tokens: int,
                  block_size: int | None) -> LoopProfile:
     """Run the offline speculative loop (float32, CPU) over `texts` with every pass timed."""
-    from dflash_train.speculate import HookedTarget, speculative_generate
+    from dflash_train.evaluate.speculate import HookedTarget, speculative_generate
     from tests.evaluate import eval_fixtures as ef
 
     model = ef.load_target(target_dir)
@@ -195,11 +195,12 @@ def main() -> None:
     from dflash_generate.serve_check import run as serve_check
     from dflash_shared.errors import BadInputError
     from dflash_shared.storage import ObjectStore, join
-    from dflash_train.evaluate import REPORT_NAME as OFFLINE_REPORT
-    from dflash_train.evaluate import OfflineReport
-    from dflash_train.evaluate import run as evaluate
-    from dflash_train.evaluate_config import EvaluateConfig, ExportConfig
-    from dflash_train.export import run_export
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.stage import REPORT_NAME as OFFLINE_REPORT
+    from dflash_train.evaluate.stage import OfflineReport
+    from dflash_train.evaluate.stage import run as evaluate
+    from dflash_train.export.config import ExportConfig
+    from dflash_train.export.stage import run_export
     from tests.evaluate import eval_fixtures as ef
     from tests.support.tiny_target import build_tiny_qwen3, build_tiny_qwen3_6
 

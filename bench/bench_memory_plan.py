@@ -68,8 +68,8 @@ WINDOWS = (4096, 16384, 32768)
 def qwen3_6_inputs(max_length: int = 4096) -> Any:
     """The memory plan's inputs for the reference Qwen3.6-27B drafter on 8 GPUs (no weights needed): 64 target
     layers of ~400M parameters (the ~54 GB bf16 checkpoint), hidden 5120, 248,320 untied vocabulary rows."""
-    from dflash_train.drafter_config import QWEN3_6_DRAFTER, DrafterConfig
-    from dflash_train.memory_plan import PlanInputs, TargetShape, planned_anchor_count
+    from dflash_train.drafter.config import QWEN3_6_DRAFTER, DrafterConfig
+    from dflash_train.training.memory_plan import PlanInputs, TargetShape, planned_anchor_count
 
     target = TargetShape(layer_params=(400_000_000,) * 64, whole_params=2 * 248_320 * 5120, hidden_size=5120,
                          intermediate_size=17408, vocab_rows=248_320)
@@ -85,7 +85,7 @@ def qwen3_6_inputs(max_length: int = 4096) -> Any:
 
 def window_report() -> dict[str, Any]:
     """The Qwen3.6-27B preset's plan at each of WINDOWS: the fixed anchor cap, and the cap keeping 4K's density."""
-    from dflash_train.memory_plan import GPU_CLASSES, window_fits
+    from dflash_train.training.memory_plan import GPU_CLASSES, window_fits
 
     base = qwen3_6_inputs()
     return {"gpus_gib": {name: round(room / 2**30, 1) for name, room in GPU_CLASSES.items()},
@@ -95,7 +95,7 @@ def window_report() -> dict[str, Any]:
 def print_windows() -> None:
     from dataclasses import asdict
 
-    from dflash_train.memory_plan import window_table
+    from dflash_train.training.memory_plan import window_table
 
     report = window_report()
     rooms = ", ".join(f"{name}: {gib} GiB free" for name, gib in report["gpus_gib"].items())
@@ -139,15 +139,15 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
     """One shape in this process: the plan, then the measured peak of two real training steps."""
     import torch
 
-    from dflash_train.batch import pack_row, stack_rows
     from dflash_train.config import debug
-    from dflash_train.distributed import DistEnv
-    from dflash_train.drafter_config import DrafterConfig
-    from dflash_train.memory_plan import plan_for_run
-    from dflash_train.optim import autocast, build_optimizer, clip_gradients, target_dtype
-    from dflash_train.step import dflash_step
-    from dflash_train.target import FrozenTarget
+    from dflash_train.data.batch import pack_row, stack_rows
+    from dflash_train.drafter.config import DrafterConfig
+    from dflash_train.parallel.distributed import DistEnv
+    from dflash_train.target_model.frozen import FrozenTarget
     from dflash_train.trainer import build_drafter
+    from dflash_train.training.memory_plan import plan_for_run
+    from dflash_train.training.optim import autocast, build_optimizer, clip_gradients, target_dtype
+    from dflash_train.training.step import dflash_step
 
     spec = SHAPES[name]
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 def decode_all(drafter: Any, target: Any, prompts: list[list[int]], references: list[Any], stops: Any,
                policy: Any, verifier: Any = None) -> Any:
     from dflash_shared.lossless import Comparing
-    from dflash_train.speculate import speculative_generate
+    from dflash_train.evaluate.speculate import speculative_generate
 
     comparing = Comparing(policy)
     for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
@@ -49,7 +49,7 @@ def main() -> None:
     import torch
 
     from dflash_shared.lossless import DEFAULT_MAX_PARTED_FRACTION, DEFAULT_TIE_MARGIN, NumericsPolicy
-    from dflash_train.speculate import HookedTarget, greedy_with_logprobs
+    from dflash_train.evaluate.speculate import HookedTarget, greedy_with_logprobs
     from tests.evaluate import eval_fixtures as ef
     from tests.support.lossy_verifiers import LossyVerifier, NearTieRule, RandomRule
     from tests.support.tiny_target import build_tiny_qwen3, build_tiny_qwen3_6

@@ -156,8 +156,8 @@ def offline_tau(target_dir: Path, export_dir: Path, prompts: list[list[int]], ma
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.export import load_export_dir
-    from dflash_train.speculate import HookedTarget, speculative_generate
+    from dflash_train.evaluate.speculate import HookedTarget, speculative_generate
+    from dflash_train.export.files import load_export_dir
 
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch_dtype).to(device).eval()
@@ -180,9 +180,9 @@ def trained_drafter(target_dir: Path, train_questions: list[str], max_new_tokens
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from dflash_train.drafter_config import DrafterConfig
-    from dflash_train.export import write_export_dir
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.drafter.config import DrafterConfig
+    from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.export.files import write_export_dir
     from tests.evaluate import eval_fixtures as ef
 
     prompts = ef.chat_prompts(target_dir, train_questions)
@@ -206,7 +206,7 @@ def untrained_twin(export_dir: Path, target_dir: Path, work: Path) -> Path:
     """A random re-initialisation of an exported drafter (same config), exported the same way."""
     from transformers import AutoConfig
 
-    from dflash_train.export import load_export_dir, write_export_dir
+    from dflash_train.export.files import load_export_dir, write_export_dir
     from tests.evaluate import eval_fixtures as ef
 
     drafter = load_export_dir(str(export_dir))
@@ -265,7 +265,7 @@ def main() -> None:
 
     from dflash_generate.engine import EngineConfig, engine_flavour
     from dflash_generate.target import read_target
-    from dflash_train.export import config_from_export
+    from dflash_train.export.format import config_from_export
 
     if args.device == "cpu":
         torch.set_num_threads(1)  # two shared cores: thread spinning costs more than the second thread gains

@@ -26,8 +26,8 @@ except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(ROOT / "jobs" / "train" / "src"))
 sys.path.insert(0, str(ROOT))
 
-from dflash_train.batch import pack_row, stack_rows  # noqa: E402
-from dflash_train.target import FrozenTarget  # noqa: E402
+from dflash_train.data.batch import pack_row, stack_rows  # noqa: E402
+from dflash_train.target_model.frozen import FrozenTarget  # noqa: E402
 from tests.support.tiny_target import build_tiny_target  # noqa: E402
 
 LAYER_IDS = {"qwen3": [1, 2], "qwen3_6": [1, 3, 5]}

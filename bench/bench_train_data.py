@@ -67,7 +67,7 @@ def make_shards(work: Path, docs: int, max_length: int, shards: int, seed: int =
 
 def loader_rate(work: Path, shards: list, digest: str, max_length: int, rows_per_step: int, steps: int) -> float:
     from dflash_shared.storage import ObjectStore
-    from dflash_train.data import ShardCache, StepLoader, build_plan
+    from dflash_train.data.loader import ShardCache, StepLoader, build_plan
 
     store = ObjectStore()
     cache = ShardCache(store, str(work / "cache"), 2**34)
@@ -88,11 +88,11 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     import torch
 
     from dflash_shared.storage import ObjectStore
-    from dflash_train.data import ShardCache, StepLoader, build_plan
-    from dflash_train.drafter_config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
-    from dflash_train.step import dflash_step
-    from dflash_train.target import FrozenTarget
+    from dflash_train.data.loader import ShardCache, StepLoader, build_plan
+    from dflash_train.drafter.config import DrafterConfig
+    from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.target_model.frozen import FrozenTarget
+    from dflash_train.training.step import dflash_step
     from tests.support.tiny_target import build_tiny_qwen3
 
     store = ObjectStore()

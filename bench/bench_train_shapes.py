@@ -36,13 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import MASK_TOKEN  # noqa: E402  (also puts dflash_train on the path)
 
-from dflash_train.anchors import anchor_count_buckets, sample_anchors  # noqa: E402
-from dflash_train.attention import build_drafter_mask, compiled_flex_on_cpu  # noqa: E402
-from dflash_train.batch import PackedBatch, pack_row, stack_rows  # noqa: E402
-from dflash_train.data import best_fit_rows  # noqa: E402
-from dflash_train.drafter_config import DrafterConfig  # noqa: E402
-from dflash_train.model import DFlashDrafter  # noqa: E402
-from dflash_train.step import block_inputs  # noqa: E402
+from dflash_train.data.batch import PackedBatch, pack_row, stack_rows  # noqa: E402
+from dflash_train.data.loader import best_fit_rows  # noqa: E402
+from dflash_train.drafter.attention import build_drafter_mask, compiled_flex_on_cpu  # noqa: E402
+from dflash_train.drafter.config import DrafterConfig  # noqa: E402
+from dflash_train.drafter.model import DFlashDrafter  # noqa: E402
+from dflash_train.training.anchors import anchor_count_buckets, sample_anchors  # noqa: E402
+from dflash_train.training.step import block_inputs  # noqa: E402
 
 UNFUSED_FALLBACK = "flex_attention called without torch.compile"
 

@@ -34,13 +34,13 @@ try:
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs" / "train" / "src"))
 
-from dflash_train.anchors import anchor_count_buckets, sample_anchors
-from dflash_train.attention import compile_drafter_layers
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import dflash_step
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.attention import compile_drafter_layers
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
+from dflash_train.training.step import dflash_step
 
 QWEN3_VOCAB = 151936
 MASK_TOKEN = 151669

@@ -83,7 +83,7 @@ RESERVE_S = {
     "cpu": {"flex_vs_sdpa": 30.0, "packed_features": 30.0, "shapes": 150.0},
 }
 # The lent machine gives one command 600 s: the budget leaves room for the wheel install, start-up and
-# the last write (the README's command also wraps the run in `timeout -s TERM 590`).
+# the last write (the command in docs/benchmarks.md also wraps the run in `timeout -s TERM 590`).
 DEFAULT_BUDGET_S = {"cuda": 520.0, "cpu": 900.0}
 FAILING = ("failed", "skipped", "running")
 

@@ -69,7 +69,7 @@ def clock(device: torch.device) -> float:
 def allowed_pairs(mask: Any, rows: int, q_len: int, kv_len: int, chunk: int = 1024) -> tuple[int, int]:
     """(allowed (query, key) pairs, query tokens with at least one key) of one layer's drafter mask.
 
-    Works for both backends of dflash_train.attention: an SDPA mask is read as built; a flex BlockMask is
+    Works for both backends of dflash_train.drafter.attention: an SDPA mask is read as built; a flex BlockMask is
     evaluated through its own mask_mod, a chunk of queries at a time (the dense mask of a 4k-token row of
     512 blocks would be ~0.7 GB of booleans per layer type).
     """
@@ -77,7 +77,7 @@ def allowed_pairs(mask: Any, rows: int, q_len: int, kv_len: int, chunk: int = 10
     if bias is not None:
         allowed = (bias == 0) & mask.row_has_key
         return int(allowed.sum()), int(mask.row_has_key.sum())
-    block_mask = getattr(mask, "block_mask", mask)  # dflash_train.attention.FlexMask wraps the BlockMask
+    block_mask = getattr(mask, "block_mask", mask)  # dflash_train.drafter.attention.FlexMask wraps the BlockMask
     mod = block_mask.mask_mod
     device = block_mask.kv_num_blocks.device
     b = torch.arange(rows, device=device).view(rows, 1, 1, 1)

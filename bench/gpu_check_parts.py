@@ -18,13 +18,19 @@ import gpu_check_flops as flops
 import gpu_check_phases as phases
 import torch
 
-from dflash_train.anchors import anchor_count_buckets, sample_anchors
-from dflash_train.attention import DrafterMask, attend, build_drafter_mask, compile_drafter_layers, compiled_flex_on_cpu
-from dflash_train.batch import PackedBatch, pack_row, stack_rows
-from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, DrafterConfig, default_target_layer_ids
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import dflash_step
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import PackedBatch, pack_row, stack_rows
+from dflash_train.drafter.attention import (
+    DrafterMask,
+    attend,
+    build_drafter_mask,
+    compile_drafter_layers,
+    compiled_flex_on_cpu,
+)
+from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, DrafterConfig, default_target_layer_ids
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
+from dflash_train.training.step import dflash_step
 
 # Qwen3.6-27B's text model (hub config): only the layer count is cut (FULL_DEPTH is the real one).
 FULL_DEPTH = 64
@@ -343,7 +349,7 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     problems: list[str] = []
     if device.type == "cuda" and result.get("memory_plan_peak_gib", float("inf")) < result["peak_memory_gib"]:
         problems.append(f"measured peak {result['peak_memory_gib']} GiB above the memory plan's prediction"
-                        f" {result['memory_plan_peak_gib']} GiB (dflash_train.memory_plan)")
+                        f" {result['memory_plan_peak_gib']} GiB (dflash_train.training.memory_plan)")
     if not all(torch.isfinite(torch.tensor(losses))):
         problems.append("a loss is not finite")
     if compiles["timed_steps"]["graphs"] or compiles["timed_steps"]["aot_autograd"]:
@@ -366,10 +372,10 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
 
 
 def predicted_peak(b: Built, rows: int, seq: int, device: torch.device) -> dict[str, Any]:
-    """What dflash_train.memory_plan predicts for this very step (one rank, no sharding), to set beside
+    """What dflash_train.training.memory_plan predicts for this very step (one rank, no sharding), to set beside
     the measured peak: the GPU is where the plan's activation coefficients meet compiled kernels."""
-    from dflash_train import memory_plan
-    from dflash_train.attention import resolve_backend
+    from dflash_train.drafter.attention import resolve_backend
+    from dflash_train.training import memory_plan
 
     target, cfg = b.target, b.cfg
     decoder = target.model.get_decoder()

@@ -1,12 +1,12 @@
 """The `shapes` part of bench/gpu_check.py: the step while the anchor count N cycles over three ladder rungs.
 
 Training varies N from step to step (packed documents of varied length leave each row a different number of
-valid anchors, put on the ladder of `dflash_train.anchors`); the train-step part keeps N on one rung so its
+valid anchors, put on the ladder of `dflash_train.training.anchors`); the train-step part keeps N on one rung so its
 timed steps compile nothing. Here the same drafter and target run the project's step (`dflash_step` +
 backward under bf16 autocast; no optimizer step, which no shape changes) on batches built so that N lands
 on each of three rungs (`chosen_rungs`), visited in turn, then again: rows of fixed length
 (so the key length is S + N * B), documents whose trained tails hold 3/4 of a rung's anchors each row, more
-than the rung below holds. With the drafter layers compiled for static shapes (dflash_train.attention) the
+than the rung below holds. With the drafter layers compiled for static shapes (dflash_train.drafter.attention) the
 first visit of a rung compiles it (none for the rung the train step already compiled) and a later visit
 compiles nothing. Reported per rung: compiles (dynamo graphs, AOT-autograd graphs) on the first and on later
 visits, the first visit's seconds (compilation included) and the later visits' median step time.
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from dflash_train.anchors import anchor_count_buckets
-from dflash_train.attention import compile_drafter_layers
-from dflash_train.batch import PackedBatch, pack_row, stack_rows
-from dflash_train.step import dflash_step
+from dflash_train.data.batch import PackedBatch, pack_row, stack_rows
+from dflash_train.drafter.attention import compile_drafter_layers
+from dflash_train.training.anchors import anchor_count_buckets
+from dflash_train.training.step import dflash_step
 
 # Visits of each rung: the first compiles, the later ones are timed (the part stops early at its deadline).
 VISITS = 3

@@ -2,7 +2,7 @@
 # Wheels that bench/gpu_check.py needs on a GPU machine whose image lacks them, downloaded into .whl/.
 #
 # The lent H200 machine has Python 3.12, torch 2.11 (CUDA 13), transformers 5.17 and triton 3.6 but no
-# pydantic (dflash_train.drafter_config is a pydantic model) and no flash-linear-attention (the fast Gated
+# pydantic (dflash_train.drafter.config is a pydantic model) and no flash-linear-attention (the fast Gated
 # DeltaNet kernels of the hybrid target), and it reaches no package index. These wheels travel with the
 # working tree instead (a few MiB; the tree that travels is capped at 64 MiB) and install there with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -26,7 +26,7 @@ from dflash_shared.storage import ObjectStore, join
 
 def loss_curve(store: ObjectStore, drafter_prefix: str, points: int = 8) -> str:
     """A few (step, loss) points from the TensorBoard scalars the trainer writes beside its manifest."""
-    from dflash_train.metrics import read_scalars  # the trainer's environment runs this summary
+    from dflash_train.training.metrics import read_scalars  # the trainer's environment runs this summary
 
     losses = read_scalars(store, drafter_prefix, "train/loss")
     if not losses:

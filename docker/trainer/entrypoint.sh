@@ -13,7 +13,7 @@
 # would give them 30 s and then SIGKILL, where the stage needs the pod's whole grace period to finish the
 # step and write its checkpoint. The ranks of every pod agree at the next step boundary to stop, write the
 # checkpoint and exit PREEMPTED (75); a rank whose collective failed because a peer vanished exits 75 too,
-# and a rank whose own work failed keeps its code (dflash_train.gang). torchrun exits 1 for any failed
+# and a rank whose own work failed keeps its code (dflash_train.parallel.gang). torchrun exits 1 for any failed
 # worker, so each rank also leaves its code in a folder of this pod ($DFLASH_RANK_EXITS), and this script
 # exits with what the ranks say, not with torchrun's status:
 #   a rank's bad config or input (64, 65)      -> that code: the Job's podFailurePolicy fails the Job;
@@ -77,7 +77,7 @@ forward() {
   fi
 }
 
-# Each rank writes rank-<RANK> here: "<exit code> <reason>" (dflash_train.gang.write_rank_exit).
+# Each rank writes rank-<RANK> here: "<exit code> <reason>" (dflash_train.parallel.gang.write_rank_exit).
 DFLASH_RANK_EXITS="$(mktemp -d "${TMPDIR:-/tmp}/rank-exits.XXXXXX")"
 export DFLASH_RANK_EXITS
 

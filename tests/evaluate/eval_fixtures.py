@@ -44,7 +44,7 @@ from tests.support.qwen_assets import cache_root, qwen_special_ids
 from tests.support.tiny_target import TargetArch
 
 if TYPE_CHECKING:
-    from dflash_train.drafter_config import DrafterConfig
+    from dflash_train.drafter.config import DrafterConfig
 
 _VERSION = "1"
 TRAIN_TOPICS = ["prime numbers", "binary search", "rivers", "photosynthesis", "chess openings", "compilers",
@@ -106,8 +106,8 @@ def _sources_digest(*extra: str) -> str:
 
     h = hashlib.sha256(_VERSION.encode())
     root = Path(dflash_train.__file__).parent
-    for name in ("model.py", "step.py", "loss.py", "attention.py", "anchors.py", "batch.py", "target.py",
-                 "drafter_config.py"):
+    for name in ("drafter/model.py", "training/step.py", "training/loss.py", "drafter/attention.py",
+                 "training/anchors.py", "data/batch.py", "target_model/frozen.py", "drafter/config.py"):
         h.update((root / name).read_bytes())
     h.update(Path(__file__).read_bytes())
     for item in extra:
@@ -173,11 +173,11 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
     import torch
     from safetensors.torch import save_file
 
-    from dflash_train.batch import PackedBatch, pack_documents
-    from dflash_train.loss import per_position_accuracy
-    from dflash_train.model import DFlashDrafter
-    from dflash_train.step import dflash_step
-    from dflash_train.target import FrozenTarget
+    from dflash_train.data.batch import PackedBatch, pack_documents
+    from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.target_model.frozen import FrozenTarget
+    from dflash_train.training.loss import per_position_accuracy
+    from dflash_train.training.step import dflash_step
 
     cfg = drafter_config(block_size, arch_of(target_dir), num_anchors)
     target = FrozenTarget.from_pretrained(target_dir, cfg.target_layer_ids, dtype=torch.float32)
@@ -240,8 +240,8 @@ def load_checkpoint_drafter(checkpoint: Path) -> Any:
     """The drafter of a checkpoint-like folder (drafter_config.json + model.safetensors), frozen."""
     from safetensors.torch import load_file
 
-    from dflash_train.drafter_config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.drafter.config import DrafterConfig
+    from dflash_train.drafter.model import DFlashDrafter
 
     cfg = DrafterConfig.model_validate_json((checkpoint / "drafter_config.json").read_text())
     drafter = DFlashDrafter(cfg)
@@ -253,7 +253,7 @@ def untrained_like(drafter: Any) -> Any:
     """A randomly initialised (seeded) drafter of the same shape: the baseline."""
     import torch
 
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.drafter.model import DFlashDrafter
 
     torch.manual_seed(1234)
     return DFlashDrafter(drafter.config).eval().requires_grad_(False)
@@ -262,7 +262,7 @@ def untrained_like(drafter: Any) -> Any:
 def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3", num_anchors: int = 2) -> DrafterConfig:
     """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer Qwen3 target, or
     over layers 1, 3 and 5 (linear, full, linear attention) of the 8-layer Qwen3.6-architecture target."""
-    from dflash_train.drafter_config import DrafterConfig
+    from dflash_train.drafter.config import DrafterConfig
 
     if arch == "qwen3_6":
         return DrafterConfig.debug(block_size=block_size, num_anchors=num_anchors, num_target_layers=8,
@@ -303,7 +303,7 @@ def write_prompts(store: ObjectStore, prefix: str, texts: list[str]) -> str:
 
 def write_trained(store: ObjectStore, prefix: str, checkpoint: Path, target_dir: Path) -> str:
     """A drafter prefix as training leaves it: a checkpoint folder and the drafter manifest naming it."""
-    from dflash_train.drafter_config import DrafterConfig
+    from dflash_train.drafter.config import DrafterConfig
 
     cfg = DrafterConfig.model_validate_json((checkpoint / "drafter_config.json").read_text())
     ckpt = join(prefix, "checkpoints", "step-00000200")

@@ -10,8 +10,8 @@ import pytest
 
 from dflash_shared.records import Message, record_id
 from dflash_shared.storage import ObjectStore
-from dflash_train.eval_prompts import BAD_LINE, ChatRenderer, PromptSetSource, conversation, pick_prompts
-from dflash_train.evaluate_config import EvaluateConfig
+from dflash_train.evaluate.config import EvaluateConfig
+from dflash_train.evaluate.prompts import BAD_LINE, ChatRenderer, PromptSetSource, conversation, pick_prompts
 from tests.evaluate import eval_fixtures as ef
 
 USER = [Message(role="user", content="What is 2 + 2?")]

@@ -13,7 +13,7 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.__main__ import main as train_main
-from dflash_train.evaluate import OfflineReport, training_accuracies
+from dflash_train.evaluate.stage import OfflineReport, training_accuracies
 
 
 def _report(run: Any) -> OfflineReport:
@@ -81,8 +81,8 @@ def test_training_accuracies_are_reported_beside(offline_run: Any) -> None:
 
 
 def test_rerun_is_a_no_op(offline_run: Any) -> None:
-    from dflash_train.evaluate import run
-    from dflash_train.evaluate_config import EvaluateConfig
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.stage import run
 
     before = offline_run.store.read_bytes(join(offline_run.evaluation, "manifest.json"))
     # Nothing is loaded or decoded: the committed manifest short-circuits the run.
@@ -112,8 +112,8 @@ def test_prompts_of_another_template_are_refused(offline_run: Any, tiny_target_d
     """Held-out data rendered with another chat template is refused before any model loads."""
     from dflash_shared.manifest_io import ManifestError
     from dflash_shared.manifests import Accounting, CompletionsSection, Manifest, Producer
-    from dflash_train.evaluate import run
-    from dflash_train.evaluate_config import EvaluateConfig
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.stage import run
     from tests.evaluate.eval_fixtures import target_identity
 
     store = ObjectStore()
@@ -146,8 +146,8 @@ def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_tar
         TokenizedSection,
     )
     from dflash_shared.records import CompletionRecord, Message
-    from dflash_train.eval_prompts import ChatRenderer, PromptSource, pick_prompts, prompt_split
-    from dflash_train.evaluate_config import EvaluateConfig
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.prompts import ChatRenderer, PromptSource, pick_prompts, prompt_split
     from tests.evaluate.eval_fixtures import target_identity
 
     store = ObjectStore()
@@ -212,7 +212,7 @@ def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_tar
 def test_tau_by_context_position_buckets_each_step_where_it_drafted() -> None:
     from types import SimpleNamespace
 
-    from dflash_train.evaluate import bucket_name, by_position
+    from dflash_train.evaluate.stage import bucket_name, by_position
 
     # Prompt of 4090 tokens: the prefill commits token 4091; steps draft at 4091 (accepts 3), 4095 (accepts 1),
     # then 4097 (accepts 0), which is past 4096.

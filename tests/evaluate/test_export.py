@@ -16,22 +16,24 @@ from dflash_shared.errors import BadInputError
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore
-from dflash_train.drafter_config import QWEN3_MASK_TOKEN_ID, DrafterConfig
-from dflash_train.export import (
+from dflash_train.drafter.config import QWEN3_MASK_TOKEN_ID, DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.evaluate.speculate import speculative_generate
+from dflash_train.export.files import (
+    load_export,
+    load_export_dir,
+    read_target_config,
+    write_export_dir,
+    write_speculators_dir,
+)
+from dflash_train.export.format import (
     ExportError,
     LayerAttention,
     config_from_export,
     drafter_hf_config,
     export_speculators_config,
-    load_export,
-    load_export_dir,
-    read_target_config,
     trained_layer_attention,
-    write_export_dir,
-    write_speculators_dir,
 )
-from dflash_train.model import DFlashDrafter
-from dflash_train.speculate import speculative_generate
 from tests.evaluate import eval_fixtures as ef
 
 QWEN3_8B = SimpleNamespace(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -41,7 +43,7 @@ QWEN3_8B = SimpleNamespace(num_hidden_layers=36, hidden_size=4096, num_attention
 
 
 def _drafter_inputs(cfg: DrafterConfig, seq: int = 12) -> tuple[torch.Tensor, ...]:
-    from dflash_train.attention import build_drafter_mask
+    from dflash_train.drafter.attention import build_drafter_mask
 
     gen = torch.Generator().manual_seed(7)
     block = cfg.block_size
@@ -195,7 +197,7 @@ def test_native_layer_ids_are_what_vllm_captures_plus_one(tmp_path: Path, traine
     # ...and our features are HF hidden_states[L + 1] of the same target.
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.speculate import HookedTarget
+    from dflash_train.evaluate.speculate import HookedTarget
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32)
     hooked = HookedTarget(model, [1, 2])
@@ -206,7 +208,7 @@ def test_native_layer_ids_are_what_vllm_captures_plus_one(tmp_path: Path, traine
 
 
 def test_export_refuses_foreign_weights(trained_drafter: Any) -> None:
-    from dflash_train.export import export_state_dict
+    from dflash_train.export.files import export_state_dict
 
     drafter = DFlashDrafter(trained_drafter.config)
     drafter.embed_tokens = torch.nn.Embedding(4, drafter.config.hidden_size)
@@ -243,8 +245,8 @@ def test_export_stage_writes_a_drafter_manifest_naming_the_export(offline_run: A
 
 
 def test_export_refuses_a_checkpoint_that_does_not_fit_the_target(tmp_path: Path, offline_run: Any) -> None:
-    from dflash_train.evaluate_config import ExportConfig
-    from dflash_train.export import run_export
+    from dflash_train.export.config import ExportConfig
+    from dflash_train.export.stage import run_export
     from tests.support.tiny_target import build_tiny_qwen3
 
     other = build_tiny_qwen3(num_layers=6)  # a different target: 6 layers, the drafter was built for 4
@@ -257,7 +259,8 @@ def test_export_refuses_a_checkpoint_that_does_not_fit_the_target(tmp_path: Path
 # --------------------------------------------- attention per layer: training vs what vLLM serves from the export
 #
 # Training masks a sliding-window layer causally inside the block and a full-attention layer bidirectionally
-# (dflash_train.attention). vLLM's DFlash model asks `_resolve_layer_attention(config, i)` (models/qwen3_dflash.py)
+# (dflash_train.drafter.attention). vLLM's DFlash model asks `_resolve_layer_attention(config, i)`
+# (models/qwen3_dflash.py)
 # for each layer's (sliding_window, causal); these tests feed it the config vLLM builds from each export.
 
 FORMATS = ("native", "speculators")
@@ -290,7 +293,7 @@ def _trained_from_masks(cfg: DrafterConfig) -> list[LayerAttention]:
     One block anchored past the window: slot 0's visible context keys plus itself give the window (None when
     it sees all the context before the anchor); whether slot 0 sees slot 1 tells causal from bidirectional.
     """
-    from dflash_train.attention import build_drafter_mask
+    from dflash_train.drafter.attention import build_drafter_mask
 
     block = cfg.block_size
     seq = (cfg.sliding_window or 0) + block + 8
@@ -448,8 +451,8 @@ def test_export_stage_refuses_speculators_for_a_mixed_drafter_before_writing(tmp
                                                                           hybrid_target_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    from dflash_train.evaluate_config import ExportConfig
-    from dflash_train.export import run_export
+    from dflash_train.export.config import ExportConfig
+    from dflash_train.export.stage import run_export
 
     cfg = _preset(hybrid_target_dir)
     checkpoint = tmp_path / "checkpoint"

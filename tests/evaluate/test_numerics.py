@@ -19,8 +19,8 @@ from dflash_shared.lossless import DEFAULT_TIE_MARGIN
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import join
-from dflash_train import speculate
-from dflash_train.evaluate import OfflineReport
+from dflash_train.evaluate import speculate
+from dflash_train.evaluate.stage import OfflineReport
 from tests.support.lossy_verifiers import LossyVerifier, NearTieRule, RandomRule
 
 pytestmark = pytest.mark.slow
@@ -53,8 +53,8 @@ def test_trained_and_untrained_drafters_pass_in_bfloat16(chain: str, checked: in
 def test_a_lossy_verifier_fails_the_evaluate_stage(rule: Any, baseline_prompts: int, bf16_run: Any,
                                                    tiny_target_dir: Path,
                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dflash_train.evaluate import run
-    from dflash_train.evaluate_config import EvaluateConfig
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.stage import run
     from tests.evaluate.conftest import BF16_EVALUATE
 
     monkeypatch.setattr(speculate, "greedy_verifier", LossyVerifier(rule))

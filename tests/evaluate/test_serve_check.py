@@ -38,7 +38,7 @@ from dflash_shared.lossless import DEFAULT_TIE_MARGIN, Equivalence, NumericsPoli
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
 from dflash_shared.storage import join  # noqa: E402
-from dflash_train.evaluate import OfflineReport  # noqa: E402
+from dflash_train.evaluate.stage import OfflineReport  # noqa: E402
 from tests.evaluate.conftest import vllm_test_env  # noqa: E402
 
 pytestmark = pytest.mark.slow

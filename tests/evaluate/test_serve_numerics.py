@@ -117,8 +117,8 @@ def untrained_passes(setting: Any, plain: list[Any], bf16_run: Any, tiny_target_
 
     from safetensors.torch import save_file
 
-    from dflash_train.evaluate_config import ExportConfig
-    from dflash_train.export import run_export
+    from dflash_train.export.config import ExportConfig
+    from dflash_train.export.stage import run_export
     from tests.evaluate import eval_fixtures as ef
 
     folder = tmp_path_factory.mktemp("untrained-checkpoint")

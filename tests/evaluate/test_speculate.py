@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_train.evaluate import summarize
-from dflash_train.speculate import greedy_reference, propose, speculative_generate
+from dflash_train.evaluate.speculate import greedy_reference, propose, speculative_generate
+from dflash_train.evaluate.stage import summarize
 from tests.evaluate import eval_fixtures as ef
 
 NEW_TOKENS = 32
@@ -97,7 +97,7 @@ def test_acceptance_recounted_from_the_output(trained_drafter: Any, hooked_targe
 
 
 def test_refuses_a_drafter_for_other_layers(trained_drafter: Any, target_model: Any) -> None:
-    from dflash_train.speculate import HookedTarget
+    from dflash_train.evaluate.speculate import HookedTarget
 
     other = HookedTarget(target_model, [0, 1])
     try:
@@ -115,7 +115,7 @@ def test_compared_with_a_reference_the_loop_is_teacher_forced_past_a_near_tie(
     the loop records one near-tie there, commits the reference's token, and then decodes exactly the
     reference's continuation, every later position compared."""
     from dflash_shared.lossless import NumericsPolicy
-    from dflash_train.speculate import Reference, greedy_with_logprobs
+    from dflash_train.evaluate.speculate import Reference, greedy_with_logprobs
 
     prompt = heldout_prompts[0]
     plain = greedy_with_logprobs(target_model, prompt, NEW_TOKENS, ef.STOP_IDS)

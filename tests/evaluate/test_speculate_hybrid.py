@@ -16,9 +16,9 @@ import pytest
 
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
-from dflash_train import speculate
-from dflash_train.evaluate import OfflineReport
-from dflash_train.speculate import HookedTarget, greedy_reference, speculative_generate
+from dflash_train.evaluate import speculate
+from dflash_train.evaluate.speculate import HookedTarget, greedy_reference, speculative_generate
+from dflash_train.evaluate.stage import OfflineReport
 from tests.evaluate import eval_fixtures as ef
 
 NEW_TOKENS = 32
@@ -100,7 +100,7 @@ def _states_after_rejection(target: HookedTarget, prompt: list[int], reference: 
     prefilled with the same committed tokens)."""
     import torch
 
-    from dflash_train.speculate import _Context, commit_verified
+    from dflash_train.evaluate.speculate import _Context, commit_verified
 
     cache = target.new_cache()
     target.forward(torch.tensor(prompt), cache, logits_to_keep=1)
@@ -156,8 +156,8 @@ def test_a_lossless_mismatch_fails_the_evaluation(hybrid_offline_run: Any, tmp_p
     from dflash_shared.errors import BadInputError, exit_code_for
     from dflash_shared.lossless import Parting
     from dflash_shared.storage import ObjectStore
-    from dflash_train.evaluate import commit
-    from dflash_train.evaluate_config import EvaluateConfig
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.stage import commit
 
     store = hybrid_offline_run.store
     loaded = load_manifest(store, hybrid_offline_run.evaluation, Kind.evaluation)

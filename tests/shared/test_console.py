@@ -30,7 +30,8 @@ OWN = "2026-12-01T12:25:05Z {level} [tokenize shard=0] {logger}: {message}"
          "log"),
         (OWN.format(level="INFO", logger="dflash.progress", message="progress tokenize: 10/80 rec (12.5%), ETA 0:01"),
          "progress"),
-        (OWN.format(level="INFO", logger="dflash_train.metrics", message="step 3/48 (6%) loss 10.3 ETA 0:02:00"),
+        (OWN.format(level="INFO", logger="dflash_train.training.metrics",
+                    message="step 3/48 (6%) loss 10.3 ETA 0:02:00"),
          "progress"),
         ("(MainProcess pid=26127) INFO 12-01 12:25:00 [core_client.py:774] MPClient: engine manager stopped", "log"),
         ("Loading weights: 100%|██████████| 46/46 [00:00<00:00, 1605.82it/s]", "log"),
@@ -57,7 +58,8 @@ def test_progress_lines_are_thinned_out_elsewhere_and_verbose_passes_everything(
     out = io.StringIO()
     console = Console(out, is_tty=False)
     for step in range(1, 49):  # a training run logging a step a moment: one line now, the next after 10 s
-        console.feed(OWN.format(level="INFO", logger="dflash_train.metrics", message=f"step {step}/48 loss 9.1"))
+        console.feed(OWN.format(level="INFO", logger="dflash_train.training.metrics",
+                                message=f"step {step}/48 loss 9.1"))
     console.feed("(MainProcess pid=1) INFO engine noise")
     assert out.getvalue().count("\n") == 1 and "step 1/48" in out.getvalue() and "\r" not in out.getvalue()
     verbose = io.StringIO()

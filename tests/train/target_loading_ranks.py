@@ -20,9 +20,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from dflash_train.distributed import init_distributed, shutdown
-from dflash_train.target import FrozenTarget
-from dflash_train.target_loading import load_target
+from dflash_train.parallel.distributed import init_distributed, shutdown
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.target_model.loading import load_target
 
 LAYER_IDS = [1, 5]  # keeps 6 of the 7 layers
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dflash_train.anchors import sample_anchors, valid_anchor_mask
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import draft_blocks
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.anchors import sample_anchors, valid_anchor_mask
+from dflash_train.training.step import draft_blocks
 
 
 def _anchors_per_document(batch, anchor_pos, keep, row: int = 0) -> dict[int, int]:

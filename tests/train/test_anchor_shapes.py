@@ -7,14 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.anchors import anchor_count_buckets, anchor_count_multiple, bucket_anchor_count, sample_anchors
-from dflash_train.attention import build_drafter_mask
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.loss import block_targets, dflash_loss
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import block_inputs, draft_blocks
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.attention import build_drafter_mask
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.anchors import (
+    anchor_count_buckets,
+    anchor_count_multiple,
+    bucket_anchor_count,
+    sample_anchors,
+)
+from dflash_train.training.loss import block_targets, dflash_loss
+from dflash_train.training.step import block_inputs, draft_blocks
 
 
 def random_packed_batch(gen: torch.Generator, rows: int, seq: int, max_doc: int):

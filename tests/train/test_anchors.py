@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.anchors import anchor_count_multiple, sample_anchors, valid_anchor_mask
-from dflash_train.batch import pack_row, stack_rows
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.training.anchors import anchor_count_multiple, sample_anchors, valid_anchor_mask
 
 
 def _row(docs, length):

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash_train.anchors import sample_anchors
-from dflash_train.attention import build_drafter_mask, drafter_mask_mod, materialize
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import block_inputs
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.attention import build_drafter_mask, drafter_mask_mod, materialize
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.anchors import sample_anchors
+from dflash_train.training.step import block_inputs
 
 BLOCK = 4
 WINDOW = 6
@@ -189,7 +189,7 @@ def test_fully_masked_rows_are_zero_not_nan():
     anchor_pos = torch.zeros(1, 1, dtype=torch.long)
     keep = torch.zeros(1, 1, dtype=torch.bool)
     doc = torch.zeros(1, 2, dtype=torch.int32)
-    from dflash_train.attention import attend
+    from dflash_train.drafter.attention import attend
 
     for backend in ("sdpa", "flex"):
         m = build_drafter_mask(anchor_pos, keep, doc, 4, ["full_attention"], None, backend)

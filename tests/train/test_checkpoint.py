@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.checkpoint import (
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.parallel.distributed import DistEnv
+from dflash_train.training.checkpoint import (
     COMPLETE,
     MODEL,
     TrainState,
@@ -20,9 +23,6 @@ from dflash_train.checkpoint import (
     publish,
     save_checkpoint,
 )
-from dflash_train.distributed import DistEnv
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -4,7 +4,7 @@ The trainer compiles each drafter layer (`TrainConfig.compile`, through `build_d
 drafter (two sliding-window layers and one full-attention layer, flex attention captured into the layer's
 graph) runs its forward on CPU (flex has no CPU backward) while the anchor count N cycles over three ladder
 rungs twice, with anchors drawn by `sample_anchors` from documents whose loss masks put N on each rung.
-Dynamo's counters then give the graphs compiled per step. The design (dflash_train.attention): without
+Dynamo's counters then give the graphs compiled per step. The design (dflash_train.drafter.attention): without
 gradients a new N compiles exactly one graph for all three layers, a known N none; in training (SDPA, the
 CPU backend, with backward) a new N compiles two, the first layer's (its input, the frozen embeddings,
 needs no gradient) and one shared by the other two. The control test shows the count can tell: torch's
@@ -18,19 +18,19 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from dflash_train.anchors import anchor_count_buckets, sample_anchors
-from dflash_train.attention import (
+from dflash_train.config import TrainConfig
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.attention import (
     GRAPHS_PER_SHAPE,
     build_drafter_mask,
     compile_drafter_layers,
     raise_recompile_limit,
 )
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.config import TrainConfig
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import block_inputs
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.trainer import build_drafter
+from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
+from dflash_train.training.step import block_inputs
 
 # The start of flex's warning when it runs uncompiled (a layer that fell out of its compiled graph).
 UNFUSED_FALLBACK = "flex_attention called without torch.compile"

@@ -15,8 +15,8 @@ from dflash_shared.errors import BadInputError
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.batch import PAD_DOCUMENT, pack_row
-from dflash_train.data import (
+from dflash_train.data.batch import PAD_DOCUMENT, pack_row
+from dflash_train.data.loader import (
     DataPlan,
     ShardCache,
     StepLoader,

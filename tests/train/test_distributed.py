@@ -14,10 +14,10 @@ import torch
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, Kind
 from dflash_shared.storage import ObjectStore
-from dflash_train.checkpoint import complete_checkpoints
-from dflash_train.distributed import DistEnv, choose_parallelism, init_distributed
-from dflash_train.metrics import read_scalars
+from dflash_train.parallel.distributed import DistEnv, choose_parallelism, init_distributed
 from dflash_train.stage import run
+from dflash_train.training.checkpoint import complete_checkpoints
+from dflash_train.training.metrics import read_scalars
 from tests.train.train_fixtures import RESUME_STEPS, resume_args, resume_config, resume_reference
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifests import SpecialTokens, TargetIdentity, TokenizedSection
 from dflash_train.config import DRAFTER_OVERRIDE_KEYS, TrainConfig
-from dflash_train.drafter_config import (
+from dflash_train.drafter.config import (
     QWEN3_6_DRAFTER,
     DrafterConfig,
     captures_last_layer,
@@ -246,7 +246,7 @@ def _tiny_model(config: Any) -> Any:
 def test_hooked_target_captures_the_last_layer_before_the_final_norm() -> None:
     """What vLLM captures as aux layer N (hidden_states + residual) is the last layer's output, not HF's
     normed `hidden_states[N]`; the hook captures the same."""
-    from dflash_train.speculate import HookedTarget
+    from dflash_train.evaluate.speculate import HookedTarget
 
     model = _tiny_model(dense_config(VOCAB))
     target = HookedTarget(model, [1, 7])
@@ -260,7 +260,7 @@ def test_hooked_target_captures_the_last_layer_before_the_final_norm() -> None:
 
 
 def test_hooked_target_accepts_the_last_layer_of_a_hybrid_target() -> None:
-    from dflash_train.speculate import HookedTarget
+    from dflash_train.evaluate.speculate import HookedTarget
 
     model = _tiny_model(text_of(hybrid_config(VOCAB)))
     target = HookedTarget(model, [1, 7])
@@ -270,7 +270,7 @@ def test_hooked_target_accepts_the_last_layer_of_a_hybrid_target() -> None:
 
 
 def test_hooked_target_refuses_the_last_layer_elsewhere() -> None:
-    from dflash_train.speculate import HookedTarget
+    from dflash_train.evaluate.speculate import HookedTarget
 
     with pytest.raises(ValueError, match="target layer id 3 is the last decoder layer"):
         HookedTarget(_tiny_model(_llama_config()), [1, 3])

@@ -13,11 +13,11 @@ import torch._dynamo
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
-from dflash_train.anchors import anchor_count_buckets, sample_anchors
-from dflash_train.attention import build_drafter_mask, compiled_flex_attention, compiled_flex_on_cpu
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.attention import build_drafter_mask, compiled_flex_attention, compiled_flex_on_cpu
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
 
 # The start of flex's warning when it runs without torch.compile (torch/nn/attention/flex_attention.py).
 UNFUSED_FALLBACK = "flex_attention called without torch.compile"

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_train.anchors import sample_anchors
-from dflash_train.attention import build_drafter_mask, drafter_mask_mod, materialize
-from dflash_train.batch import pack_row, stack_rows
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.drafter.attention import build_drafter_mask, drafter_mask_mod, materialize
+from dflash_train.training.anchors import sample_anchors
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -143,7 +143,7 @@ def test_the_shapes_part_compiles_each_rung_once(tiny_run: dict[str, Any]):
     for n, row in shapes["per_rung"].items():
         assert row["n"] == int(n) and row["q_len"] == int(n) * 16 and row["kv_len"] == 256 + int(n) * 16
         # A new shape compiled the layers' two training graphs (the first layer, whose input needs no
-        # gradient, and one shared by the other four; dflash_train.attention), a known one nothing.
+        # gradient, and one shared by the other four; dflash_train.drafter.attention), a known one nothing.
         assert row["first_visit_compiles"] == {"graphs": 2, "aot_autograd": 2}, row
         assert row["later_visits"] >= 1 and row["later_visits_compiles"] == {"graphs": 0, "aot_autograd": 0}, row
         assert row["step_s_median"] > 0
@@ -210,8 +210,8 @@ def test_pair_count_reads_both_backends_alike():
 
 
 def test_drafter_flops_are_six_p_t_for_the_matmuls():
-    from dflash_train.drafter_config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.drafter.config import DrafterConfig
+    from dflash_train.drafter.model import DFlashDrafter
 
     cfg = DrafterConfig.debug()
     drafter = DFlashDrafter(cfg)

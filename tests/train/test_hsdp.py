@@ -20,9 +20,9 @@ from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.distributed import mesh_shape
-from dflash_train.metrics import read_scalars
+from dflash_train.parallel.distributed import mesh_shape
 from dflash_train.stage import run
+from dflash_train.training.metrics import read_scalars
 from tests.train.train_fixtures import resume_args, resume_config, small_vocab_target
 
 # 4 rows of 64 tokens per step: one micro-batch per rank at world size 4, four on one rank.

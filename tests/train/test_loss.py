@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from dflash_train.batch import pack_row, stack_rows
-from dflash_train.loss import (
+from dflash_train.data.batch import pack_row, stack_rows
+from dflash_train.training.loss import (
     block_targets,
     dflash_loss,
     expected_acceptance_length,
@@ -121,7 +121,7 @@ def test_expected_acceptance_length():
 
 
 def test_feature_noise_is_uniform_with_the_requested_std():
-    from dflash_train.step import uniform_noise_like
+    from dflash_train.training.step import uniform_noise_like
 
     x = torch.zeros(200_000)
     noise = uniform_noise_like(x, 0.05, torch.Generator().manual_seed(0))

@@ -24,12 +24,12 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_train.batch import pack_documents
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.loss import block_targets, dflash_loss
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import dflash_step, draft_blocks
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import pack_documents
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.loss import block_targets, dflash_loss
+from dflash_train.training.step import dflash_step, draft_blocks
 from tests.support.qwen_assets import qwen_embedding_rows
 
 BLOCK = 4

@@ -17,8 +17,10 @@ from dflash_shared.errors import ConfigError, exit_code_for
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.storage import ObjectStore
 from dflash_train.config import debug
-from dflash_train.drafter_config import QWEN3_6_DRAFTER, DrafterConfig
-from dflash_train.memory_plan import (
+from dflash_train.drafter.config import QWEN3_6_DRAFTER, DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.stage import run
+from dflash_train.training.memory_plan import (
     GIB,
     PlanInputs,
     TargetShape,
@@ -30,8 +32,6 @@ from dflash_train.memory_plan import (
     window_fits,
     window_table,
 )
-from dflash_train.model import DFlashDrafter
-from dflash_train.stage import run
 from tests.support.tiny_target import build_tiny_target
 from tests.train.train_fixtures import identity_of, synthetic_docs, tiny_target, write_tokenized
 
@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import bench_memory_plan  # noqa: E402
 
-# Stated tolerance of the prediction against the measured peak of a real CPU step (measured ratios are in the
-# README: 0.93-1.09); the plan takes the worst-case anchor count and adds a 10% margin.
+# Stated tolerance of the prediction against the measured peak of a real CPU step (measured ratios are in
+# docs/benchmarks.md: 0.93-1.09); the plan takes the worst-case anchor count and adds a 10% margin.
 FACTOR = (0.75, 1.5)
 
 # A Qwen3.6-27B-shaped target as TargetShape (64 layers, hidden 5120, 248,320 rows, untied): the reference

@@ -10,9 +10,9 @@ from pydantic import ValidationError
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from dflash_train.attention import DrafterMask, SdpaMask, additive_mask, build_drafter_mask
-from dflash_train.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash_train.model import DFlashDrafter
+from dflash_train.drafter.attention import DrafterMask, SdpaMask, additive_mask, build_drafter_mask
+from dflash_train.drafter.config import DrafterConfig, default_target_layer_ids
+from dflash_train.drafter.model import DFlashDrafter
 
 H, HEADS, KV_HEADS, HEAD_DIM = 128, 2, 1, 64
 
@@ -190,7 +190,7 @@ def test_config_presets_and_validation():
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_bf16_autocast_runs_both_backends_close_to_float32(backend, monkeypatch):
-    import dflash_train.model as model_module
+    import dflash_train.drafter.model as model_module
 
     seen: list[tuple[torch.dtype, ...]] = []
     real_attend = model_module.attend
@@ -234,7 +234,7 @@ def _qwen3_6_27b_text_config() -> Any:
 
 def test_qwen3_6_27b_target_gets_the_reference_drafter():
     """Not a copy of the target's 24/4 heads of 256: the published 1.7B-class drafter shape."""
-    from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID
+    from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID
 
     target = _qwen3_6_27b_text_config()
     assert target.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]

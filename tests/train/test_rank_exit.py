@@ -1,4 +1,5 @@
-"""How a rank's failure is classified for its gang (dflash_train.gang) and the exit status it leaves its pod."""
+"""How a rank's failure is classified for its gang (dflash_train.parallel.gang) and the exit status it leaves
+its pod."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 from dflash_shared.errors import BadInputError, Preempted, exit_code_for
 from dflash_shared.exit_codes import ExitCode
-from dflash_train.gang import RANK_EXITS_ENV, PeerLost, classify, rank_exit
+from dflash_train.parallel.gang import RANK_EXITS_ENV, PeerLost, classify, rank_exit
 
 GLOO_PEER_GONE = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                               "[127.0.0.1]:28897. This is typically caused by a remote worker crashing.")

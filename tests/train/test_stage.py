@@ -98,7 +98,7 @@ class _RecordingStore(ObjectStore):
 
 
 def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
-    from dflash_train.data import ShardCache, StepLoader
+    from dflash_train.data.loader import ShardCache, StepLoader
     from dflash_train.stage import plan_data, resolve, trained_tokens
 
     store = _RecordingStore()

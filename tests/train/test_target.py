@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_train.batch import pack_documents, pack_row, stack_rows
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.linear_kernels import REFERENCE, kernel_status, use_fla_conv
-from dflash_train.model import DFlashDrafter
-from dflash_train.step import dflash_step
-from dflash_train.target import FrozenTarget, varlen_segments
+from dflash_train.data.batch import pack_documents, pack_row, stack_rows
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget, varlen_segments
+from dflash_train.target_model.linear_kernels import REFERENCE, kernel_status, use_fla_conv
+from dflash_train.training.step import dflash_step
 from tests.support.qwen_assets import qwen_embedding_rows, qwen_special_ids
 
 ALL_IDS = [0, 1, 2]  # every id a 4-layer target allows (the last layer is excluded)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_train.target_loading import parameters_on_meta, skeleton
+from dflash_train.target_model.loading import parameters_on_meta, skeleton
 from tests.support.qwen_assets import cache_root, cached_directory
 from tests.support.tiny_target import build_tiny_target
 

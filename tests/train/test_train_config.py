@@ -8,8 +8,8 @@ import torch
 from dflash_shared.errors import ConfigError
 from dflash_shared.settings import parse_settings
 from dflash_train.config import TrainConfig
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.optim import build_optimizer
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.training.optim import build_optimizer
 
 ARGS = ["--input", "in", "--output", "out", "--target", "t"]
 

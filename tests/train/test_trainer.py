@@ -16,16 +16,16 @@ from safetensors.torch import load_file
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, Kind
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.batch import pack_documents
-from dflash_train.checkpoint import MODEL, complete_checkpoints
 from dflash_train.config import debug
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.metrics import read_scalars
-from dflash_train.model import DFlashDrafter
-from dflash_train.optim import warmup_cosine
+from dflash_train.data.batch import pack_documents
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.stage import run
-from dflash_train.step import dflash_step
-from dflash_train.target import FrozenTarget
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.checkpoint import MODEL, complete_checkpoints
+from dflash_train.training.metrics import read_scalars
+from dflash_train.training.optim import warmup_cosine
+from dflash_train.training.step import dflash_step
 from tests.train.train_fixtures import (
     RESUME_STEPS,
     generated_answers,

@@ -45,8 +45,8 @@ from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import run as run_tokenize
 from dflash_train.config import TrainConfig
-from dflash_train.metrics import read_scalars
 from dflash_train.stage import run as run_train
+from dflash_train.training.metrics import read_scalars
 from tests.support.qwen_assets import cache_root, cached_directory, qwen_special_ids
 from tests.support.tiny_target import build_tiny_qwen3
 from tests.tokenize.stage_fixtures import write_completions

@@ -20,8 +20,8 @@ The policy, in bfloat16/float16, at every position where the two outputs part:
 * after a near-tie the comparison goes on teacher-forced: the speculative side continues from the plain run's token
   (the offline loop commits it, the engine is asked again with the plain prefix), so every later position is still
   compared, not just the first parting of a prompt;
-* over the run at most `max_parted_fraction` of the compared positions may part at near-ties (measured: see the
-  README's numerics section; rounding flips are rare, a verifier or drafter bug that nudges logits is not).
+* over the run at most `max_parted_fraction` of the compared positions may part at near-ties (measured: see
+  docs/numerics.md; rounding flips are rare, a verifier or drafter bug that nudges logits is not).
 
 A parting that is not a near-tie fails the run, naming prompt, position, both tokens and both margins; forcing stops
 for that prompt there (the run has failed already). In float32 no allowance applies: the first parting fails.
@@ -42,7 +42,7 @@ REDUCED_PRECISION = ("bfloat16", "float16")
 # Log-probabilities kept per position on each side (vLLM: SamplingParams(logprobs=TOP_LOGPROBS)): a rounding flip
 # swaps the top two; a token further down is a real difference.
 TOP_LOGPROBS = 2
-# Defaults (figures from `make bench-numerics` and the serving checks in the README's numerics section). Margin:
+# Defaults (figures from `make bench-numerics` and the serving checks in docs/numerics.md). Margin:
 # two bfloat16 steps at logits of 16-32 (a logit of a large model's head rounds to a step of 0.125-0.25 nats, and
 # a reduction in another order moves it by a step or two); the near-ties measured here had margins of 0.0039 and
 # 0.0078 nats. Bound: the partings measured here were 1 in ~1,400 and 1 in 720 compared positions (0.07-0.14%);

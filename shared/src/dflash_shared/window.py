@@ -16,7 +16,7 @@ from __future__ import annotations
 
 # The default training window (TokenizeConfig.max_length, GenerateConfig.training_window). SpecForge's DFlash
 # recipes train at 2,048; 4,096 holds a prompt of ~700 tokens and a completion of ~3,400. A longer window is
-# a choice with a memory cost (`dflash_train.memory_plan`, bench/bench_memory_plan.py --windows).
+# a choice with a memory cost (`dflash_train.training.memory_plan`, bench/bench_memory_plan.py --windows).
 DEFAULT_TRAINING_WINDOW = 4096
 # The share of generated tokens a run may pay for that no training window reads, before the plan warns.
 MAX_UNREAD_FRACTION = 0.10

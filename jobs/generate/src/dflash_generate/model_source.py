@@ -1,10 +1,10 @@
 """Where the target model comes from: a local directory, an S3 prefix, or a model hub.
 
 The engine reads weights from local disk only. An S3 prefix is copied there first, many files at once
-(and each large file in parallel ranged parts); a hub model is downloaded with `huggingface_hub`, which
-reads its token from the HF_TOKEN environment variable itself, so the token never passes through this
-code, a log line or a manifest. The tokenizer files are fetched on their own first: the target identity
-(tokenizer and template hashes) is needed by every worker, the weights only by one that generates.
+(and each large file in parallel ranged parts) by dflash_shared.model_copy; a hub model is downloaded with
+`huggingface_hub`, which reads its token from the HF_TOKEN environment variable itself, so the token never
+passes through this code, a log line or a manifest. The tokenizer files are fetched on their own first: the
+target identity (tokenizer and template hashes) is needed by every worker, the weights only by one that generates.
 """
 
 from __future__ import annotations
@@ -13,26 +13,19 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from dflash_shared.errors import ConfigError
+from dflash_shared.model_copy import IDENTITY_FILES, copy_objects, s3_model_bytes, s3_objects
 from dflash_shared.progress import human_rate
 from dflash_shared.storage import ObjectStore, is_s3, join
 
 log = logging.getLogger(__name__)
 
 # The small files that identify the target and let the engine build its tokenizer.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "config.json",
-)
+TOKENIZER_FILES = IDENTITY_FILES
 # What a hub download fetches: configs, tokenizer and safetensors weights (no duplicate .bin/.pth copies).
 HUB_PATTERNS = ("*.json", "*.jinja", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.py")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -64,35 +57,6 @@ class ModelSource:
         """A local directory for this model under `root` (one per location, so two models never mix)."""
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", self.location.removeprefix("s3://")).strip("_")
         return os.path.join(root, safe + (f"@{self.revision}" if self.revision else ""))
-
-
-def _s3_objects(store: ObjectStore, prefix: str) -> list[tuple[str, str]]:
-    """(uri, relative path) of every object under the model prefix."""
-    objects = [(uri, uri[len(prefix) + 1 :]) for uri in store.list(prefix)]
-    if not objects:
-        raise ConfigError(f"model prefix {prefix} holds no objects")
-    return objects
-
-
-def _copy_s3(store: ObjectStore, objects: list[tuple[str, str]], dest: str, workers: int) -> int:
-    """Copy objects into `dest` in parallel, skipping files already there with the right size."""
-    uris = [uri for uri, _ in objects]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        sizes = dict(zip(uris, pool.map(store.size, uris), strict=True))
-
-    def copy(item: tuple[str, str]) -> int:
-        uri, rel = item
-        local = os.path.join(dest, rel)
-        if os.path.isfile(local) and os.path.getsize(local) == sizes[uri]:
-            return 0  # a previous attempt in this pod already copied it
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        store.download_to(uri, local)
-        if os.path.getsize(local) != sizes[uri]:
-            raise OSError(f"copy of {uri} to {local} has {os.path.getsize(local)} bytes, expected {sizes[uri]}")
-        return sizes[uri]
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return sum(pool.map(copy, objects))
 
 
 def _hub_download(source: ModelSource, dest: str, patterns: tuple[str, ...], workers: int) -> str:
@@ -133,8 +97,8 @@ class ModelFiles:
         dest = self.local_dir
         os.makedirs(dest, exist_ok=True)
         if self.source.kind == "s3":
-            wanted = [(u, r) for u, r in _s3_objects(self.store, self.source.location) if r in TOKENIZER_FILES]
-            _copy_s3(self.store, wanted, dest, self.workers)
+            wanted = [(u, r) for u, r in s3_objects(self.store, self.source.location) if r in TOKENIZER_FILES]
+            copy_objects(self.store, wanted, dest, self.workers)
         else:
             self._resolved_revision = _hub_download(self.source, dest, TOKENIZER_FILES, self.workers)
         return dest
@@ -147,7 +111,7 @@ class ModelFiles:
         os.makedirs(dest, exist_ok=True)
         started = time.monotonic()
         if self.source.kind == "s3":
-            copied = _copy_s3(self.store, _s3_objects(self.store, self.source.location), dest, self.workers)
+            copied = copy_objects(self.store, s3_objects(self.store, self.source.location), dest, self.workers)
         else:
             self._resolved_revision = _hub_download(self.source, dest, HUB_PATTERNS, self.workers)
             copied = sum(p.stat().st_size for p in Path(dest).rglob("*") if p.is_file())
@@ -157,12 +121,8 @@ class ModelFiles:
         return dest
 
 
-def s3_model_bytes(store: ObjectStore, prefix: str) -> int:
-    """Total size of a model prefix (for the disk preflight)."""
-    objects = _s3_objects(store, prefix)
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        return sum(pool.map(store.size, [u for u, _ in objects]))
-
-
 def s3_has(store: ObjectStore, prefix: str, name: str) -> bool:
     return store.exists(join(prefix, name))
+
+
+__all__ = ["TOKENIZER_FILES", "ModelFiles", "ModelSource", "s3_has", "s3_model_bytes"]

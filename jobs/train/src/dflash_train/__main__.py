@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     def run_() -> None:
         from dflash_train.config import TrainConfig
-        from dflash_train.gang import rank_exit
+        from dflash_train.parallel.gang import rank_exit
         from dflash_train.stage import run
 
         # Under torchrun: a peer's failure exits 75, and the pod's entrypoint learns each rank's code.
@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
             run(parse_settings(TrainConfig, rest, prog="dflash-train run"))
 
     def export() -> None:
-        from dflash_train.export import export_command
+        from dflash_train.export.stage import export_command
 
         export_command(rest)
 
     def evaluate() -> None:
-        from dflash_train.evaluate import evaluate_command
+        from dflash_train.evaluate.stage import evaluate_command
 
         evaluate_command(rest)
 

@@ -19,10 +19,11 @@ from typing import Any
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
 from dflash_shared.manifests import TokenizedSection
+from dflash_shared.model_copy import fetch_model
 from dflash_shared.preflight import CheckError, CheckWarning, Preflight
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
-from dflash_train.stage import STAGE, fetch_target, open_input
+from dflash_train.stage import STAGE, TARGET_SMALL_FILES, open_input
 
 REQUIRED = ["dflash_train", "dflash_shared", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
 
@@ -49,7 +50,7 @@ def _on_gpu(config: TrainConfig) -> bool:
 
 def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
     """Which fast kernels are active; warns when a hybrid target would run on the reference ones on a GPU."""
-    from dflash_train.linear_kernels import CAUSAL_CONV1D, FLA, modeling_module, use_fla_conv
+    from dflash_train.target_model.linear_kernels import CAUSAL_CONV1D, FLA, modeling_module, use_fla_conv
 
     installed = {FLA: importlib.util.find_spec("fla") is not None,
                  CAUSAL_CONV1D: importlib.util.find_spec("causal_conv1d") is not None}
@@ -99,7 +100,7 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
         os.makedirs(base, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=base) as scratch:
             try:
-                target_dir = fetch_target(store, config.target, scratch, small_only=True)
+                target_dir = fetch_model(store, config.target, scratch, only=TARGET_SMALL_FILES)
             except Exception as err:  # noqa: BLE001 - reported as this check's failure
                 raise CheckError(f"target {config.target} cannot be read: {err}") from err
             try:

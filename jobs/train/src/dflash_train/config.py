@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.settings import StageSettings
-from dflash_train.drafter_config import DrafterConfig
+from dflash_train.drafter.config import DrafterConfig
 
 Preset = Literal["none", "debug"]
 # Keys `drafter_overrides` may hold: DrafterConfig's fields plus from_target's one extra argument; the mask
@@ -184,7 +184,7 @@ class TrainConfig(StageSettings):
         if unknown:
             raise ValueError(
                 f"drafter_overrides has unknown key(s) {unknown}; allowed: DrafterConfig fields"
-                " (see dflash_train.drafter_config) and num_target_features"
+                " (see dflash_train.drafter.config) and num_target_features"
             )
         if self.drafter_preset == "debug" and "num_target_features" in keys:
             raise ValueError(

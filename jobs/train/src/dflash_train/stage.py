@@ -20,7 +20,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,48 +37,22 @@ from dflash_shared.manifests import (
     TokenizedSection,
     TrainedTokens,
 )
+from dflash_shared.model_copy import IDENTITY_FILES, fetch_model
 from dflash_shared.provenance import producer
 from dflash_shared.settings import public_dict
-from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_shared.storage import ObjectStore, join
 from dflash_shared.window import window_fraction
 from dflash_train.config import TrainConfig
-from dflash_train.drafter_config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig, is_hybrid_family
+from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig, is_hybrid_family
 
 log = logging.getLogger(__name__)
 STAGE = "train"
 PACKAGES = ["dflash-train", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
 # What identity checks, the drafter config and a target skeleton need: preflight and the nodes without
 # rank 0 copy only these.
-TARGET_SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                      "special_tokens_map.json", "generation_config.json")
-_DONE = ".dflash-complete"
+TARGET_SMALL_FILES = IDENTITY_FILES
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 T = TypeVar("T")
-
-
-def fetch_target(store: ObjectStore, location: str, scratch: str, workers: int = 8, small_only: bool = False) -> str:
-    """A local directory with the target (copied from S3 in parallel, once: a marker says it is whole)."""
-    if not is_s3(location):
-        if not os.path.isdir(location):
-            raise ConfigError(f"target {location} is not a directory")
-        return location
-    name = hashlib.sha256(location.encode()).hexdigest()[:16] + ("-small" if small_only else "")
-    local = os.path.join(scratch, f"target-{name}")
-    if os.path.isfile(os.path.join(local, _DONE)):
-        return local
-    base = location.rstrip("/")
-    uris = [u for u in store.list(base) if not small_only or u.rsplit("/", 1)[-1] in TARGET_SMALL_FILES]
-    if not uris:
-        raise ConfigError(f"target {location} holds no files")
-
-    def copy(uri: str) -> None:
-        store.download_to(uri, os.path.join(local, uri[len(base) + 1:]))
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(copy, uris))
-    Path(local, _DONE).write_text(location + "\n", encoding="utf-8")
-    log.info("copied target %s (%d files) to %s", location, len(uris), local)
-    return local
 
 
 def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> LoadedManifest:
@@ -274,7 +247,7 @@ def on_rank0(env: Any, read: Callable[[], T]) -> T:
 
 def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
     """Train (or resume); returns the drafter manifest URI on rank 0 once written, None elsewhere."""
-    from dflash_train import distributed
+    from dflash_train.parallel import distributed
 
     store = store or ObjectStore()
     env = distributed.init_distributed(config.device)
@@ -286,12 +259,13 @@ def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
             return done if env.is_main else None
         root = scratch_root(config)
         os.makedirs(root, exist_ok=True)
-        # Only rank 0 reads the weights (target_loading); a node without it needs the small files only.
+        # Only rank 0 reads the weights (target_model.loading); a node without it needs the small files only.
         small = not holds_rank0(env)
+        only = TARGET_SMALL_FILES if small else None
         if env.local_rank == 0:
-            fetch_target(store, config.target, root, config.copy_workers, small_only=small)
+            fetch_model(store, config.target, root, config.copy_workers, only)
         env.barrier()
-        target_dir = fetch_target(store, config.target, root, config.copy_workers, small_only=small)
+        target_dir = fetch_model(store, config.target, root, config.copy_workers, only)
         resolved = resolve(config, store, target_dir)
         return _train(resolved, store, env, root)
     finally:
@@ -300,7 +274,7 @@ def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
 
 def plan_data(resolved: Resolved, store: ObjectStore, cache: Any, env: Any) -> Any:
     """The run's data plan over the train split (counted by the ranks together, or read back on a resume)."""
-    from dflash_train import data
+    from dflash_train.data import loader as data
 
     return data.build_plan(store, join(resolved.config.output, "train", "plan.json"), resolved.train_shards,
                            resolved.source.sha256, cache, resolved.max_length, resolved.config.seed, env.rank,
@@ -310,12 +284,14 @@ def plan_data(resolved: Resolved, store: ObjectStore, cache: Any, env: Any) -> A
 def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str | None:
     import torch
 
-    from dflash_train import checkpoint as ckpt
-    from dflash_train import data, distributed, memory_plan, optim
-    from dflash_train.metrics import MetricsSink
-    from dflash_train.model import DFlashDrafter
-    from dflash_train.target_loading import load_target
+    from dflash_train.data import loader as data
+    from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.parallel import distributed
+    from dflash_train.target_model.loading import load_target
     from dflash_train.trainer import Trainer
+    from dflash_train.training import checkpoint as ckpt
+    from dflash_train.training import memory_plan, optim
+    from dflash_train.training.metrics import MetricsSink
 
     config, cfg = resolved.config, resolved.drafter
     scratch = os.path.join(root, f"rank-{env.rank}")

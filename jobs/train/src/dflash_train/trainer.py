@@ -28,18 +28,18 @@ from torch import nn
 
 from dflash_shared.errors import ConfigError, Preempted
 from dflash_shared.storage import ObjectStore
-from dflash_train import checkpoint as ckpt
-from dflash_train.anchors import anchor_count_buckets
-from dflash_train.attention import compile_drafter_layers
 from dflash_train.config import TrainConfig
-from dflash_train.data import DataPlan, ShardCache, StepLoader
-from dflash_train.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.metrics import MetricsSink, MetricWindow
-from dflash_train.model import DFlashDrafter
-from dflash_train.optim import autocast, build_optimizer, build_scheduler, clip_gradients
-from dflash_train.step import dflash_step
-from dflash_train.target import FrozenTarget
+from dflash_train.data.loader import DataPlan, ShardCache, StepLoader
+from dflash_train.drafter.attention import compile_drafter_layers
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.parallel.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training import checkpoint as ckpt
+from dflash_train.training.anchors import anchor_count_buckets
+from dflash_train.training.metrics import MetricsSink, MetricWindow
+from dflash_train.training.optim import autocast, build_optimizer, build_scheduler, clip_gradients
+from dflash_train.training.step import dflash_step
 
 log = logging.getLogger(__name__)
 FINAL_METRIC_PREFIXES = ("loss", "tau", "accuracy", "acc_")
@@ -90,7 +90,7 @@ def build_drafter(cfg: DrafterConfig, config: TrainConfig, device: torch.device)
         drafter.set_gradient_checkpointing(True)
     if config.compile:
         # Static shapes: per ladder rung two training graphs (the first layer, the rest) and one for
-        # no_grad evaluation; the recompile limit is raised before the first compile (dflash_train.attention).
+        # no_grad evaluation; the recompile limit is raised before the first compile (dflash_train.drafter.attention).
         compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
     return drafter
 

@@ -1,4 +1,4 @@
-"""Export a trained drafter in the formats serving engines load, and load an export back.
+"""The export format: what serving engines load, described without torch (files.py writes and reads it).
 
 z-lab native format (what vLLM's and SGLang's `dflash` method load): a directory with
 - `config.json`: a Qwen3 config of the DRAFTER (its own layer count, heads, widths, RoPE) plus
@@ -19,35 +19,30 @@ alone (vLLM and SGLang derive causality from each layer's type). The speculators
 every layer, `sliding_window_non_causal`, so it can only carry a drafter whose layers are all of one kind;
 a mixed drafter is refused (serve its native export). docs/serving-formats.md has the engines' code paths.
 
-Weights are written in a chosen dtype (bf16 by default, like the reference drafters). `load_export`
-rebuilds a `DFlashDrafter` from the directory; with a float32 export it reproduces the trained drafter
-bit for bit.
+Everything here is plain data: config dicts, weight names and the per-layer attention; no torch import.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from dflash_shared.errors import BadInputError
-from dflash_shared.storage import ObjectStore, is_s3, join
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.model import DFlashDrafter
+from dflash_train.drafter.config import DrafterConfig
 
-log = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
+
+
 # The drafter rotates every dimension of each head (see model.RotaryEmbedding).
 FULL_ROTARY = 1.0
+
+
 WEIGHTS_NAME = "model.safetensors"
+
+
 ARCHITECTURE = "DFlashDraftModel"
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
 # Per-layer weight names of the export, in the order the engines' loaders list them.
 LAYER_WEIGHTS = (
     "self_attn.q_proj.weight",
@@ -62,7 +57,11 @@ LAYER_WEIGHTS = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 )
+
+
 TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+
 # Only read back by `load_export`: the loss decay is a training setting the export does not carry.
 _INFERENCE_GAMMA = 7.0
 
@@ -153,55 +152,6 @@ def drafter_hf_config(
     return config
 
 
-def export_state_dict(drafter: DFlashDrafter, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
-    """The drafter's weights under their export names, contiguous CPU tensors in `dtype`.
-
-    Refuses a drafter whose parameters are not exactly the expected set: an embedding or LM head that
-    slipped in, or a renamed module, would be silently ignored or rejected by the engines.
-    """
-    if dtype not in DTYPES:
-        raise ExportError(f"unsupported export dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    state = drafter.state_dict()
-    want = expected_weight_names(drafter.config.num_layers)
-    have = sorted(state)
-    if have != want:
-        extra = sorted(set(have) - set(want))
-        missing = sorted(set(want) - set(have))
-        raise ExportError(f"drafter weights do not match the export format: unexpected {extra}, missing {missing}")
-    return {name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in state.items()}
-
-
-def write_export_dir(drafter: DFlashDrafter, target_config: Any, directory: str, dtype: str = "bfloat16") -> None:
-    """Write config.json and model.safetensors into a local directory (created if needed)."""
-    os.makedirs(directory, exist_ok=True)
-    tensors = export_state_dict(drafter, dtype)
-    config = drafter_hf_config(drafter.config, target_config, dtype)
-    save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-
-
-def export_drafter(
-    drafter: DFlashDrafter, target_config: Any, uri: str, store: ObjectStore, dtype: str = "bfloat16"
-) -> list[str]:
-    """Export to a local directory or an s3:// prefix; returns the URIs of the written files.
-
-    The weights go first and config.json last, so a reader that finds the config finds the weights.
-    """
-    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
-        write_export_dir(drafter, target_config, tmp, dtype)
-        written = []
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
-            dest = join(uri, name)
-            store.upload_from(os.path.join(tmp, name), dest)
-            written.append(dest)
-    return written
-
-
-# ------------------------------------------------------------------------------------------- reading
-
-
 def config_from_export(config: Mapping[str, Any], where: str = "config.json") -> DrafterConfig:
     """The DrafterConfig an export's config.json describes; errors name the missing or odd field."""
     if list(config.get("architectures") or []) != [ARCHITECTURE]:
@@ -247,48 +197,6 @@ def config_from_export(config: Mapping[str, Any], where: str = "config.json") ->
         loss_decay_gamma=_INFERENCE_GAMMA,
     )
 
-
-def load_export_dir(directory: str, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Rebuild the drafter of a local export directory (strict: every tensor present, none extra).
-
-    `dtype` None keeps the stored dtype of the weights.
-    """
-    config_path = os.path.join(directory, CONFIG_NAME)
-    weights_path = os.path.join(directory, WEIGHTS_NAME)
-    for path in (config_path, weights_path):
-        if not os.path.isfile(path):
-            raise ExportError(f"export {directory} has no {os.path.basename(path)}")
-    with open(config_path, encoding="utf-8") as fh:
-        cfg = config_from_export(json.load(fh), config_path)
-    tensors = load_file(weights_path)
-    want = expected_weight_names(cfg.num_layers)
-    if sorted(tensors) != want:
-        extra = sorted(set(tensors) - set(want))
-        missing = sorted(set(want) - set(tensors))
-        raise ExportError(f"{weights_path}: unexpected tensors {extra}, missing {missing}")
-    stored = {t.dtype for t in tensors.values()}
-    if dtype is None:
-        if len(stored) != 1:
-            raise ExportError(f"{weights_path}: mixed dtypes {sorted(map(str, stored))}; pass a dtype")
-        dtype = stored.pop()
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(tensors, strict=True)
-    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def load_export(uri: str, store: ObjectStore, device: str | torch.device = "cpu",
-                dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """`load_export_dir` for a local directory or an s3:// prefix (downloaded to a temp dir first)."""
-    if not is_s3(uri):
-        return load_export_dir(uri, device, dtype)
-    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
-            store.download_to(join(uri, name), os.path.join(tmp, name))
-        return load_export_dir(tmp, device, dtype)
-
-
-# ---------------------------------------------------------------------------------- speculators
 
 # The speculators format's only causality field. vLLM's converter (update_dflash in
 # vllm/transformers_utils/configs/speculators/algos.py) turns it into
@@ -354,131 +262,3 @@ def export_speculators_config(cfg: DrafterConfig, target_config: Any, verifier: 
                                                                                   None) or [])},
         },
     }
-
-
-def write_speculators_dir(drafter: DFlashDrafter, target_config: Any, directory: str, verifier: str,
-                          dtype: str = "bfloat16") -> None:
-    """A speculators-format export: its config.json and the same model.safetensors as the native one.
-
-    The config is built first, so a drafter the format cannot carry is refused before any file is written.
-    """
-    config = export_speculators_config(drafter.config, target_config, verifier, dtype)
-    os.makedirs(directory, exist_ok=True)
-    save_file(export_state_dict(drafter, dtype), os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-
-
-# ------------------------------------------------------------------------------------------- stage
-
-
-def read_target_config(store: ObjectStore, target: str) -> Any:
-    """The target's config.json as an attribute namespace (a multimodal config's text part when present)."""
-    from types import SimpleNamespace
-
-    uri = join(target, CONFIG_NAME)
-    try:
-        data = json.loads(store.read_bytes(uri))
-    except (OSError, ValueError) as err:
-        raise BadInputError(f"target config {uri} cannot be read: {err}") from err
-    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
-    merged = {**data, **{k: v for k, v in text.items() if k not in ("architectures",)}}
-    missing = [key for key in ("vocab_size", "num_hidden_layers", "hidden_size") if key not in merged]
-    if missing:
-        raise BadInputError(f"target config {uri} lacks {missing}")
-    return SimpleNamespace(**merged)
-
-
-def load_checkpoint_drafter(store: ObjectStore, checkpoint: str) -> DFlashDrafter:
-    """The drafter of a training checkpoint folder (its drafter_config.json and fp32 model.safetensors)."""
-    from dflash_train.checkpoint import DRAFTER_CONFIG, MODEL
-
-    with tempfile.TemporaryDirectory(prefix="dflash-checkpoint-") as tmp:
-        paths = {}
-        for name in (DRAFTER_CONFIG, MODEL):
-            paths[name] = os.path.join(tmp, name)
-            store.download_to(join(checkpoint, name), paths[name])
-        with open(paths[DRAFTER_CONFIG], encoding="utf-8") as fh:
-            cfg = DrafterConfig.model_validate_json(fh.read())
-        drafter = DFlashDrafter(cfg)
-        tensors = load_file(paths[MODEL])
-    unexpected = sorted(set(tensors) - set(expected_weight_names(cfg.num_layers)))
-    if unexpected:
-        raise BadInputError(f"checkpoint {checkpoint} holds tensors outside the drafter: {unexpected}")
-    drafter.load_state_dict(tensors, strict=True)
-    return drafter.eval()
-
-
-def check_against_target(cfg: DrafterConfig, target_config: Any, where: str) -> None:
-    """Refuse an export the target could not serve (layer count, widths, mask token row)."""
-    problems = []
-    if int(target_config.num_hidden_layers) != cfg.num_target_layers:
-        problems.append(f"num_target_layers {cfg.num_target_layers} != target's {target_config.num_hidden_layers}")
-    if int(target_config.hidden_size) != cfg.target_hidden_size:
-        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target's {target_config.hidden_size}")
-    if not 0 <= cfg.mask_token_id < int(target_config.vocab_size):
-        problems.append(f"mask_token_id {cfg.mask_token_id} is not a row of the {target_config.vocab_size}-row"
-                        " target embedding")
-    if problems:
-        raise BadInputError(f"{where} does not fit the target: " + "; ".join(problems))
-
-
-def run_export(config: Any, store: ObjectStore | None = None) -> str:
-    """`dflash-train export`: checkpoint -> export directory + a drafter manifest naming it (written last)."""
-    from dflash_shared.manifest_io import load_manifest, write_manifest
-    from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
-    from dflash_shared.provenance import producer
-    from dflash_shared.settings import public_dict
-
-    store = store or ObjectStore()
-    done = join(config.output, MANIFEST_NAME)
-    if store.exists(done):
-        log.info("%s exists: export already committed", done)
-        return done
-    loaded = load_manifest(store, config.drafter, Kind.drafter, verify=False)
-    section = loaded.manifest.section
-    checkpoint = config.checkpoint or section.checkpoint_uri  # type: ignore[union-attr]
-    drafter = load_checkpoint_drafter(store, checkpoint)
-    cfg = drafter.config
-    recorded = (section.target_layer_ids, section.block_size, section.mask_token_id)  # type: ignore[union-attr]
-    have = (list(cfg.target_layer_ids), cfg.block_size, cfg.mask_token_id)
-    if recorded != have:
-        raise BadInputError(f"checkpoint {checkpoint} has (target_layer_ids, block_size, mask_token_id) {have}, "
-                            f"its manifest {loaded.uri} says {recorded}")
-    target_config = read_target_config(store, config.target)
-    check_against_target(cfg, target_config, f"checkpoint {checkpoint}")
-    if config.speculators:
-        speculators_causality(cfg)  # refuse before anything is written, not after the native export
-    written = export_drafter(drafter, target_config, config.output, store, config.dtype)
-    if config.speculators:
-        with tempfile.TemporaryDirectory(prefix="dflash-speculators-") as tmp:
-            verifier = config.verifier or section.target.model_id  # type: ignore[union-attr]
-            write_speculators_dir(drafter, target_config, tmp, verifier, config.dtype)
-            for name in (WEIGHTS_NAME, CONFIG_NAME):
-                store.upload_from(os.path.join(tmp, name), join(config.output, "speculators", name))
-                written.append(join(config.output, "speculators", name))
-    manifest = Manifest(
-        kind=Kind.drafter,
-        run_id=loaded.manifest.run_id,
-        producer=producer("export", public_dict(config), ["dflash-train", "torch", "safetensors"]),
-        inputs=[loaded.as_input()],
-        shards=[Shard(uri=uri, bytes=store.size(uri), sha256=store.sha256(uri), records=0) for uri in written],
-        accounting=Accounting(input_records=1, succeeded=1, failed=0, skipped=0),
-        section=section.model_copy(update={"export_uri": config.output, "checkpoint_uri": checkpoint}),
-    )
-    write_manifest(store, config.output, manifest)
-    log.info("exported %s (%s, %d layers, block %d) to %s", checkpoint, config.dtype, cfg.num_layers,
-             cfg.block_size, config.output)
-    return done
-
-
-def export_command(argv: list[str]) -> None:
-    """Entry of `dflash-train export` (the caller wraps it in run_stage_main)."""
-    from dflash_shared.logs import setup_logging
-    from dflash_shared.settings import parse_settings
-    from dflash_train.evaluate_config import ExportConfig
-
-    config = parse_settings(ExportConfig, argv, prog="dflash-train export")
-    setup_logging("export")
-    run_export(config)

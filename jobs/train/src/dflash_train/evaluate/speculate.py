@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from dflash_shared.lossless import TOP_LOGPROBS, NumericsPolicy, Parting, Step, judge
-from dflash_train.attention import build_drafter_mask
-from dflash_train.model import DFlashDrafter
+from dflash_train.drafter.attention import build_drafter_mask
+from dflash_train.drafter.model import DFlashDrafter
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class HookedTarget:
         layers = model.get_decoder().layers
         self.layer_ids = [int(i) for i in layer_ids]
         # Ids 0..N-1 where the serving engine captures the last layer's output, else 0..N-2.
-        from dflash_train.drafter_config import check_target_layer_ids
+        from dflash_train.drafter.config import check_target_layer_ids
 
         check_target_layer_ids(self.config, self.layer_ids, len(layers))
         self._captured: dict[int, torch.Tensor] = {}

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.distributed import DistEnv
+from dflash_train.parallel.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

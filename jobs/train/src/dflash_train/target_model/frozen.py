@@ -16,7 +16,7 @@ Packed rows (several documents per row) must not attend across documents in the 
   row of variable-length sequences: the linear-attention layers get the boundaries as transformers'
   `cu_seq_lens_q` / `seq_idx` kwargs, the attention layers the block-diagonal mask over that row (or the
   flash-attention varlen kwargs). One forward per batch, but only right on the fast kernels: transformers'
-  PyTorch reference kernels drop those boundaries (see `dflash_train.linear_kernels`).
+  PyTorch reference kernels drop those boundaries (see `dflash_train.target_model.linear_kernels`).
 - "per_document": each document runs alone (slower, but right for any architecture and kernel).
 `packing="auto"` picks "mask" when the layer types allow it, else "varlen" when the target has
 linear-attention layers and the fast kernels are active, else "per_document".
@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 
-from dflash_train.attention import additive_mask, document_causal_mask_mod, materialize
-from dflash_train.batch import PAD_DOCUMENT
-from dflash_train.drafter_config import check_target_layer_ids
-from dflash_train.linear_kernels import KernelStatus, use_fla_conv
+from dflash_train.data.batch import PAD_DOCUMENT
+from dflash_train.drafter.attention import additive_mask, document_causal_mask_mod, materialize
+from dflash_train.drafter.config import check_target_layer_ids
+from dflash_train.target_model.linear_kernels import KernelStatus, use_fla_conv
 
 Packing = Literal["auto", "mask", "varlen", "per_document"]
 FLA_PACKAGES = "flash-linear-attention (and causal-conv1d, or flash-linear-attention's Triton conv)"

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_train.distributed import DistEnv, move_to_device, shard_target
-from dflash_train.target import FrozenTarget, Packing
+from dflash_train.parallel.distributed import DistEnv, move_to_device, shard_target
+from dflash_train.target_model.frozen import FrozenTarget, Packing
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch
 
 from dflash_shared.progress import human_count, human_duration
 from dflash_shared.storage import ObjectStore, join
-from dflash_train.distributed import DistEnv, peak_memory_bytes
-from dflash_train.loss import expected_acceptance_length, per_position_accuracy
-from dflash_train.step import StepOutput
+from dflash_train.parallel.distributed import DistEnv, peak_memory_bytes
+from dflash_train.training.loss import expected_acceptance_length, per_position_accuracy
+from dflash_train.training.step import StepOutput
 
 log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"

@@ -13,11 +13,34 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from dflash_train.config import TrainConfig
+
+class OptimizerSettings(Protocol):
+    """The settings read here; the stage's TrainConfig has them (typed structurally, so this floor does not
+    import the stage's config above it)."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def adam_beta1(self) -> float: ...
+    @property
+    def adam_beta2(self) -> float: ...
+    @property
+    def adam_eps(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def warmup_ratio(self) -> float: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def target_dtype(self) -> str: ...
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -29,11 +52,12 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def warmup_steps_for(config: TrainConfig, total_steps: int) -> int:
+def warmup_steps_for(config: OptimizerSettings, total_steps: int) -> int:
     return int(round(config.warmup_ratio * total_steps))
 
 
-def build_optimizer(params: Iterable[nn.Parameter], config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerSettings,
+                    device: torch.device) -> torch.optim.AdamW:
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the drafter has no trainable parameters")
@@ -50,7 +74,7 @@ def build_optimizer(params: Iterable[nn.Parameter], config: TrainConfig, device:
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int,
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerSettings, total_steps: int,
                     ) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = warmup_steps_for(config, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
@@ -68,14 +92,14 @@ def clip_gradients(params: Iterable[nn.Parameter], max_norm: float) -> float:
     return float(full() if full is not None else norm)
 
 
-def autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager[None]:
+def autocast(config: OptimizerSettings, device: torch.device) -> contextlib.AbstractContextManager[None]:
     """bf16 autocast for the forward pass, or nothing for fp32 training."""
     if config.precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def target_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+def target_dtype(config: OptimizerSettings, device: torch.device) -> torch.dtype:
     if config.target_dtype == "bf16" or (config.target_dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32

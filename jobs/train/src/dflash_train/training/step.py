@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.anchors import sample_anchors
-from dflash_train.attention import build_drafter_mask, resolve_backend
-from dflash_train.batch import PackedBatch
-from dflash_train.drafter_config import DrafterConfig
-from dflash_train.loss import block_targets, dflash_loss
-from dflash_train.model import DFlashDrafter
-from dflash_train.target import FrozenTarget
+from dflash_train.data.batch import PackedBatch
+from dflash_train.drafter.attention import build_drafter_mask, resolve_backend
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.anchors import sample_anchors
+from dflash_train.training.loss import block_targets, dflash_loss
 
 
 @dataclass(frozen=True)

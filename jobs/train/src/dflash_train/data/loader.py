@@ -40,7 +40,7 @@ import pyarrow as pa
 from dflash_shared.errors import BadInputError
 from dflash_shared.manifests import Shard
 from dflash_shared.storage import ObjectStore
-from dflash_train.batch import PackedBatch, pack_row, stack_rows
+from dflash_train.data.batch import PackedBatch, pack_row, stack_rows
 
 log = logging.getLogger(__name__)
 # Part of the plan fingerprint: a change to packing or ordering must not resume an old run's position.

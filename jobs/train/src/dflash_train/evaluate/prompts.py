@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -34,11 +33,10 @@ from dflash_shared.records import CompletionRecord, Message, PromptRecord, recor
 from dflash_shared.storage import ObjectStore
 
 if TYPE_CHECKING:
-    from dflash_train.evaluate_config import EvaluateConfig
+    from dflash_train.evaluate.config import EvaluateConfig
 
 # Field -> the style it marks, in the order they are tried.
 TEXT_FIELDS = {"question": "gsm8k", "problem": "math500", "prompt": "humaneval"}
-SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BAD_LINE = "bad_prompt_line"
 
 Tools = tuple[dict[str, Any], ...] | None
@@ -186,13 +184,6 @@ class PromptSetSource:
                 self.bad.append(f"{self.where}:{number}: {err}")
                 continue
             yield record_id(messages, tools), self.render(messages, tools)
-
-
-def check_names(sets: dict[str, str]) -> None:
-    """Set names become metric keys (tau_<name>): letters, digits, '_', '.', '-'."""
-    for name in sets:
-        if not SET_NAME.match(name):
-            raise ValueError(f"prompt set name {name!r}: use letters, digits, '_', '.' or '-' (e.g. gsm8k)")
 
 
 # ---------------------------------------------------------------------------------------- picking

@@ -18,7 +18,7 @@ The anchors of a row are sorted ascending; rows with fewer anchors than N are pa
 
 Stable shapes. The drafter's attention is compiled for fixed shapes (`torch.compile(flex_attention,
 dynamic=False)`), so every new query length recompiles it, and past dynamo's recompile limit (torch's default
-is 8 per code object; `dflash_train.attention.raise_recompile_limit` raises it before compiling) flex falls
+is 8 per code object; `dflash_train.drafter.attention.raise_recompile_limit` raises it before compiling) flex falls
 back to an unfused kernel that materialises the whole score matrix. N is therefore not the exact per-row count
 but the smallest rung of a fixed ladder that holds it (`anchor_count_buckets`): m, 2m, 4m, ... (m =
 `anchor_count_multiple(block_size)`, which makes N x B a whole number of 128-token query tiles), topped by the
@@ -26,7 +26,7 @@ cap rounded up to m. With rows of a fixed length S (the packer pads every row to
 number of rows per micro-batch, the drafter's attention sees at most len(ladder) distinct (query, key) lengths
 over a whole run: query N x B, key S + N x B, one pair per rung. For block 16 and the 512 cap that is 7 (N in
 8, 16, 32, 64, 128, 256, 512); for block 8, 6 (16 ... 512). Full and sliding-window layers share one compiled
-kernel per shape (see `dflash_train.attention`). The price is padding: the rounding can add nearly N/2 padding
+kernel per shape (see `dflash_train.drafter.attention`). The price is padding: the rounding can add nearly N/2 padding
 blocks (a count of 257 becomes 512); they cost projection and MLP work only, as flex skips their empty
 attention blocks and the loss reads only weighted slots. """
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.batch import PAD_DOCUMENT
+from dflash_train.data.batch import PAD_DOCUMENT
 
 # Query tiles of flex attention are 128 tokens; N * block_size is rounded up to a multiple of this so the
 # number of query tokens is tile-aligned.

@@ -23,8 +23,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_train.attention import DrafterMask, LayerMask, attend
-from dflash_train.drafter_config import DrafterConfig
+from dflash_train.drafter.attention import DrafterMask, LayerMask, attend
+from dflash_train.drafter.config import DrafterConfig
 
 # transformers' Qwen3 initialiser: normal(0, initializer_range) for linear weights.
 INITIALIZER_RANGE = 0.02

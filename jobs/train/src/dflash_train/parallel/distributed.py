@@ -186,7 +186,7 @@ class DrafterDDP(DistributedDataParallel):
 
 def move_to_device(module: nn.Module, device: torch.device) -> None:
     """`module.to(device)` for what is materialised; parameters still on the meta device stay there (the
-    rank-0 broadcast of `target_loading` fills them in on the device)."""
+    rank-0 broadcast of `target_model.loading` fills them in on the device)."""
     for param in module.parameters():
         if not param.is_meta and param.device != device:
             param.data = param.data.to(device)  # the same Parameter object: tied weights stay tied

@@ -20,7 +20,7 @@ use `dynamic=False`: flex attention on its own (`compiled_flex_attention`, what 
 CUDA) and the drafter layers when the trainer compiles them (`compile_drafter_layers`, where dynamo captures
 the flex call into the layer's graph). Each distinct (query length N*B, key length S + N*B) compiles once
 and is then found again by dynamo's guards; fresh anchors and masks of a known shape reuse it. Static,
-not dynamic, because the ladder of `dflash_train.anchors` already bounds the shapes of a run (7 for block
+not dynamic, because the ladder of `dflash_train.training.anchors` already bounds the shapes of a run (7 for block
 16 and the 512-anchor cap), and a static graph gets flex kernels and tile counts specialised to its
 length. Left to torch's default ("automatic dynamic"), the second distinct N would recompile the layer
 with a symbolic query length and later N would reuse that one dynamic graph: a different kernel from the

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_shared.errors import ConfigError
-from dflash_train.drafter_config import DrafterConfig
+from dflash_train.drafter.config import DrafterConfig
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def drafter_parameter_count(cfg: DrafterConfig) -> tuple[int, int]:
 def planned_anchor_count(cfg: DrafterConfig, max_length: int) -> int:
     """The largest N a step can use: one anchor per valid position (at most S - 1), at most the per-row cap,
     on the anchor-count ladder of `anchors` (the plan must hold for the widest step of the run)."""
-    from dflash_train.anchors import bucket_anchor_count
+    from dflash_train.training.anchors import bucket_anchor_count
 
     cap = cfg.max_anchors_per_row
     return bucket_anchor_count(min(max_length - 1, cap), cfg.block_size, cap)
@@ -244,7 +244,7 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     else:
         target_w = (sum(kept) + tgt.whole_params) * i.target_bytes
         target_note = f"{len(kept)} of {len(tgt.layer_params)} layers kept, whole on this rank"
-        # `target_loading` drops the unused layers before placing the model on a GPU; on CPU the host is the
+        # `target_model.loading` drops the unused layers before placing the model on a GPU; on CPU the host is the
         # device, and transformers reads the whole checkpoint into it first.
         target_load = target_w
         if i.device_type == "cpu":
@@ -377,7 +377,7 @@ def plan_for_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max
     `target`: the checkpoint directory (its headers are read here), or its shape as rank 0 read it (the
     ranks of the other nodes hold no weight files).
     """
-    from dflash_train.attention import resolve_backend
+    from dflash_train.drafter.attention import resolve_backend
 
     mesh = env.mesh_shape  # (ranks,) on one node; (nodes, ranks per node) under HSDP: shards span a node
     inputs = PlanInputs(

@@ -3,7 +3,7 @@
 The prompts are by default the held-out split of the run's tokenized data: records of the training
 distribution that training never read (`--split train` measures on trained records instead, an optimistic
 figure; a prompts or completions manifest is used whole). User prompt sets (`--prompt-sets`, JSONL files of
-GSM8K/MATH500/HumanEval/MT-Bench-style questions, see `eval_prompts`) are rendered with the target's chat
+GSM8K/MATH500/HumanEval/MT-Bench-style questions, see `evaluate.prompts`) are rendered with the target's chat
 template and reported beside them, one tau per set.
 
 The drafter is loaded FROM ITS EXPORT (what the engines will load), the target from its directory, and
@@ -46,7 +46,8 @@ from dflash_shared.provenance import producer
 from dflash_shared.runner import merge_accounting
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
-from dflash_train.eval_prompts import (
+from dflash_train.evaluate.config import EvaluateConfig
+from dflash_train.evaluate.prompts import (
     ChatRenderer,
     PickedSet,
     PromptSetSource,
@@ -55,7 +56,6 @@ from dflash_train.eval_prompts import (
     pick_prompts,
     prompt_split,
 )
-from dflash_train.evaluate_config import EvaluateConfig
 
 log = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -253,10 +253,10 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.export import load_export_dir
-    from dflash_train.loss import expected_acceptance_length
-    from dflash_train.model import DFlashDrafter
-    from dflash_train.speculate import HookedTarget, greedy_with_logprobs, speculative_generate
+    from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.evaluate.speculate import HookedTarget, greedy_with_logprobs, speculative_generate
+    from dflash_train.export.files import load_export_dir
+    from dflash_train.training.loss import expected_acceptance_length
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -357,9 +357,9 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
         log.warning("--split %s ignored: %s is a %s manifest, used whole (only tokenized data is split)",
                     config.split, prompts_loaded.uri, prompts_loaded.manifest.kind.value)
     with tempfile.TemporaryDirectory(prefix="dflash-evaluate-", dir=config.scratch_dir) as scratch:
-        from dflash_train.stage import fetch_target
+        from dflash_shared.model_copy import fetch_model
 
-        target_dir = fetch_target(store, config.target, scratch)
+        target_dir = fetch_model(store, config.target, scratch)
         check_target_files(target_dir, drafter)
         render = ChatRenderer(target_dir, identity.enable_thinking)
         picked, accounting = pick_prompts(PromptSource(store, prompts_loaded, render, split), config)

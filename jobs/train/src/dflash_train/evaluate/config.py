@@ -1,10 +1,11 @@
-"""Typed configs of `dflash-train export` and `dflash-train evaluate` (flags, DFLASH_* variables, presets).
+"""Typed config of `dflash-train evaluate` (flags, DFLASH_EVALUATE_* variables, the debug preset).
 
 No torch import here: `--help` and config errors are answered before the heavy libraries load.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -12,33 +13,16 @@ from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.lossless import NumericsSettings
 from dflash_shared.settings import StageSettings
-from dflash_train.eval_prompts import check_names
 
-ExportDtype = Literal["bfloat16", "float32"]
+# Set names become metric keys (tau_<name>).
+SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
-class ExportConfig(StageSettings):
-    """Turn a trained drafter (drafter manifest + checkpoint) into the directory serving engines load."""
-
-    model_config = SettingsConfigDict(env_prefix="DFLASH_EXPORT_")
-
-    drafter: str = Field(description="Drafter prefix written by training (or its manifest.json URI).")
-    output: str = Field(
-        description="Export prefix: config.json, model.safetensors and a drafter manifest naming the export."
-    )
-    target: str = Field(description="Target model directory or s3:// prefix; only its config.json is read.")
-    checkpoint: str | None = Field(
-        default=None, description="Checkpoint to export instead of the manifest's final checkpoint_uri."
-    )
-    dtype: ExportDtype = Field(default="bfloat16", description="Dtype of the exported weights.")
-    speculators: bool = Field(
-        default=False,
-        description="Also write the speculators format (aux_hidden_state_layer_ids = layer id + 1) under "
-        "<output>/speculators.",
-    )
-    verifier: str | None = Field(
-        default=None, description="Target name recorded in the speculators config; defaults to the model id."
-    )
+def check_names(sets: dict[str, str]) -> None:
+    """Set names become metric keys (tau_<name>): letters, digits, '_', '.', '-'."""
+    for name in sets:
+        if not SET_NAME.match(name):
+            raise ValueError(f"prompt set name {name!r}: use letters, digits, '_', '.' or '-' (e.g. gsm8k)")
 
 
 class EvaluateConfig(StageSettings, NumericsSettings):

@@ -1,0 +1,1 @@
+"""`dflash-train export`: its config, the export format engines load, its files and the stage."""

@@ -1,0 +1,1 @@
+"""The frozen target: hidden-state features, embedding and LM head, loading and sharding, linear kernels."""
