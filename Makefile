@@ -95,7 +95,7 @@ lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library and the 
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
-docs: $(VENV_STAMP) ## Regenerate the README's configuration reference from the config models
+docs: $(VENV_STAMP) ## Regenerate the generated parts of README.md and docs/: configuration reference, demo figures
 	$(PY) scripts/update_readme.py
 
 schemas: $(VENV_STAMP) ## Export the JSON Schema of every manifest kind to schemas/
@@ -111,6 +111,9 @@ build-images: ## Build every image under docker/ (docker or podman)
 
 build-image: ## Build one image: make build-image IMAGE=tokenizer
 	bash docker/build-images.sh $(IMAGE)
+
+dockerfiles: ## Copy the parts every image shares (docker/common) into each docker/<image>/Dockerfile
+	$(PYTHON) scripts/render_dockerfiles.py
 
 base-image: ## Build the local debootstrap base image (used where no registry is reachable)
 	bash docker/base/make-local-base.sh
@@ -138,4 +141,4 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help tools demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
-	build-image base-image lock bench-tokenize bench-train bench-eval bench-numerics bench-quality
+	build-image dockerfiles base-image lock bench-tokenize bench-train bench-eval bench-numerics bench-quality
