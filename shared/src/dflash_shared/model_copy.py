@@ -84,6 +84,7 @@ def fetch_model(store: ObjectStore, location: str, scratch: str, workers: int = 
         if not os.path.isdir(location):
             raise ConfigError(f"target {location} is not a directory")
         return location
+    location = location.rstrip("/")  # one folder for "s3://b/m" and "s3://b/m/"
     name = hashlib.sha256(location.encode()).hexdigest()[:16]
     if only is not None:
         name += "-" + hashlib.sha256("\n".join(sorted(only)).encode()).hexdigest()[:8]
