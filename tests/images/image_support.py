@@ -55,8 +55,10 @@ def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
     return pins
 
 
-def unlocked_dependencies(lock: Path, pyprojects: Sequence[Path]) -> list[str]:
-    """What the lock misses of the projects' dependencies (other dflash packages aside), one line each.
+def unlocked_dependencies(lock: Path, pyprojects: Sequence[Path], *, extras: Sequence[str]) -> list[str]:
+    """What the lock misses of the projects' dependencies and of their optional groups `extras` (the stage
+    images need a stage package's `stage` extra; the pipeline image, which reads their configs only, does not),
+    other dflash packages aside, one line each.
 
     The images install the project packages with --no-deps: a dependency missing from the lock would only
     show up as an ImportError inside a running job.
@@ -64,7 +66,9 @@ def unlocked_dependencies(lock: Path, pyprojects: Sequence[Path]) -> list[str]:
     pins = lock_pins(lock)
     problems = []
     for pyproject in pyprojects:
-        for spec in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        project = tomllib.loads(pyproject.read_text())["project"]
+        optional = project.get("optional-dependencies", {})
+        for spec in [*project["dependencies"], *(s for extra in extras for s in optional.get(extra, []))]:
             req = Requirement(spec)
             name = canonicalize_name(req.name)
             if name.startswith("dflash-"):

@@ -2,8 +2,9 @@
 
 Building it takes about 3 minutes here (its lock installs boto3, pyarrow and the kubernetes client from
 scratch), over the budget for an image test, so these checks read the Dockerfile and the locks instead: the
-lock covers every dependency of what the image installs, it stays torch-free, the image runs as the
-non-root user, and no stage image carries the cluster client or the orchestration package.
+lock covers every dependency of what the image installs (the stage packages without their `stage` extra: the
+orchestration reads their config models only), it stays torch-free, the image runs as the non-root user, and
+no stage image carries the cluster client or the orchestration package.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from image_support import REPO_ROOT, lock_pins, unlocked_dependencies
 
 DOCKERFILE = REPO_ROOT / "docker" / "pipeline" / "Dockerfile"
 LOCK = REPO_ROOT / "jobs" / "pipeline" / "requirements.lock"
-PYPROJECTS = (REPO_ROOT / "shared" / "pyproject.toml", REPO_ROOT / "jobs" / "pipeline" / "pyproject.toml")
+STAGE_PACKAGES = ("tokenize", "generate", "train")
+PYPROJECTS = (REPO_ROOT / "shared" / "pyproject.toml", REPO_ROOT / "jobs" / "pipeline" / "pyproject.toml",
+              *(REPO_ROOT / "jobs" / name / "pyproject.toml" for name in STAGE_PACKAGES))
 
 
 def test_lock_covers_every_dependency_and_stays_torch_free() -> None:
-    assert unlocked_dependencies(LOCK, PYPROJECTS) == []
+    assert unlocked_dependencies(LOCK, PYPROJECTS, extras=[]) == []
     pins = lock_pins(LOCK)
     assert "kubernetes" in pins
     assert all(hashes >= 1 for _, hashes in pins.values()), "every pin needs its hashes (--require-hashes)"
@@ -26,10 +29,11 @@ def test_lock_covers_every_dependency_and_stays_torch_free() -> None:
     assert forbidden == []
 
 
-def test_dockerfile_installs_the_lock_and_only_the_orchestration_as_the_non_root_user() -> None:
+def test_dockerfile_installs_the_lock_the_orchestration_and_the_stage_configs_as_the_non_root_user() -> None:
     text = DOCKERFILE.read_text()
     copies = re.findall(r"^COPY (\S+) ", text, re.MULTILINE)
-    assert copies == ["jobs/pipeline/requirements.lock", "shared", "jobs/pipeline"]
+    assert copies == ["jobs/pipeline/requirements.lock", "shared", "jobs/pipeline",
+                      *(f"jobs/{name}" for name in STAGE_PACKAGES)]
     assert "--require-hashes --no-deps -r /opt/dflash/requirements.lock" in text
     assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}$", text, re.MULTILINE)

@@ -37,7 +37,7 @@ from tests.images.image_support import (
     make_runner,
     unlocked_dependencies,
 )
-from tests.k8s.train_inputs import tiny_target_dir, tokenized_for, upload_dir
+from tests.pipeline.train_inputs import tiny_target_dir, tokenized_for, upload_dir
 
 DOCKERFILE = REPO_ROOT / "docker" / "trainer" / "Dockerfile"
 ENTRYPOINT = REPO_ROOT / "docker" / "trainer" / "entrypoint.sh"
@@ -83,7 +83,7 @@ def test_lock_pins_cuda_torch_and_every_project_dependency() -> None:
     assert pins["torch"][0] == TORCH and "triton" in pins
     # The CUDA build: its runtime libraries are locked with it (the driver comes from the node).
     assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13"} <= set(pins)
-    assert unlocked_dependencies(LOCK, PYPROJECTS) == []
+    assert unlocked_dependencies(LOCK, PYPROJECTS, extras=["stage"]) == []
     # The preflight imports tensorboard (on by default) and the source layer builds with setuptools.
     assert {"tensorboard", "setuptools"} <= set(pins)
 

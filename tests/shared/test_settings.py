@@ -7,7 +7,13 @@ from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.errors import ConfigError
-from dflash_shared.settings import StageSettings, parse_settings, settings_reference_markdown
+from dflash_shared.settings import (
+    SECRET_NAME,
+    StageSettings,
+    parse_settings,
+    public_dict,
+    settings_reference_markdown,
+)
 
 
 class Optimizer(BaseModel):
@@ -80,3 +86,26 @@ def test_reference_shows_the_boolean_forms() -> None:
     table = settings_reference_markdown(BoolConfig)
     assert r"`--enable-thinking`, `--no-enable-thinking`, `--enable-thinking true\|false`" in table
     assert "`--workers`, `--no-workers`" not in table
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("secret", True), ("AWS_SECRET_ACCESS_KEY", True), ("db_password", True), ("passwd", True),
+        ("credentials", True), ("credential", True), ("hub_token", True), ("HF_TOKEN", True), ("api_key", True),
+        ("OPENAI_APIKEY", True), ("access_key", True), ("accesskey", True), ("ssh_private_key", True),
+        ("max_new_tokens", False), ("token_budget", False), ("secretary", False), ("keyword", False),
+        ("tokenizer", False), ("num_prompts", False),
+    ],
+)
+def test_one_secret_name_pattern_for_manifests_and_run_files(name: str, secret: bool) -> None:
+    assert bool(SECRET_NAME.search(name)) is secret
+
+
+def test_a_secret_looking_field_is_masked_in_the_recorded_config() -> None:
+    class WithKey(StageSettings):
+        model_config = SettingsConfigDict(env_prefix="DFLASH_KEYED_")
+        private_key: str = Field(default="-----BEGIN-----", description="A key.")
+        tokenizer: str = Field(default="qwen", description="Not a secret.")
+
+    assert public_dict(WithKey()) == {"private_key": "***", "tokenizer": "qwen"}

@@ -35,8 +35,11 @@ from dflash_shared.logs import REDACTED, redact
 
 S = TypeVar("S", bound="StageSettings")
 
-# Field names that look like they hold a secret; their values never reach a manifest.
-_SECRET_NAME = re.compile(r"(^|_)(secret|password|passwd|credentials?|api_key|access_key|token)$", re.IGNORECASE)
+# Names that look like they hold a secret (a config field, an environment variable): their values never reach a
+# manifest, and a run file may not set them (the pipeline sends them to the Secret instead).
+SECRET_NAME = re.compile(
+    r"(^|_)(secret|password|passwd|credentials?|token|api_?key|access_?key|private_key)$", re.IGNORECASE
+)
 
 
 class StageSettings(BaseSettings):
@@ -246,7 +249,7 @@ def _scrub(value: Any, key: str = "") -> Any:
     if isinstance(value, list):
         return [_scrub(v, key) for v in value]
     if isinstance(value, str):
-        if value and _SECRET_NAME.search(key):
+        if value and SECRET_NAME.search(key):
             return REDACTED
         return redact(value)
     return value

@@ -185,7 +185,9 @@ class GenerateConfig(StageSettings):
         """The target-dependent settings: what this config sets explicitly, the rest from the target."""
         target = target or TargetInfo()
         explicit: dict[str, Any] = {k: getattr(self, k) for k in SAMPLING_OVERRIDES if getattr(self, k) is not None}
-        max_new_tokens, max_model_len = self._limits(target.family)
+        max_new_tokens, max_model_len = generation_limits(
+            target.family, self.cap_to_training_window, self.training_window, self.max_new_tokens, self.max_model_len
+        )
         try:
             _check_limits(max_new_tokens, max_model_len)
         except ValueError as err:
@@ -194,17 +196,6 @@ class GenerateConfig(StageSettings):
                                  max_tokens=max_new_tokens, seed=self.seed)
         return GenerationSettings(target.family, choice, max_new_tokens, max_model_len, self.training_window,
                                   self.cap_to_training_window)
-
-    def _limits(self, family: Family) -> tuple[int, int]:
-        """(max_new_tokens, max_model_len): explicit values, else the window's (capped) or the family's."""
-        default_new, default_len = DEFAULT_LIMITS[family]
-        if self.cap_to_training_window:
-            # The window is the context: vLLM then stops every completion at training_window - prompt tokens.
-            max_model_len = self.max_model_len or self.training_window
-            return self.max_new_tokens or min(default_new, max_model_len - 1), max_model_len
-        max_new_tokens = self.max_new_tokens or default_new
-        # An explicit budget keeps the default room for prompts beside it.
-        return max_new_tokens, self.max_model_len or max(default_len, max_new_tokens + default_len - default_new)
 
     def sampling(self, target: TargetInfo | None = None) -> SamplingConfig:
         """The sampling for the thinking mode on `target` (default: a Qwen3 without generation_config)."""
@@ -229,6 +220,21 @@ class GenerateConfig(StageSettings):
             keep_truncated_by_budget=self.keep_truncated_by_budget,
             reject_repetitive=self.reject_repetitive,
         )
+
+
+def generation_limits(
+    family: Family, capped: bool, training_window: int, max_new_tokens: int | None, max_model_len: int | None
+) -> tuple[int, int]:
+    """(max_new_tokens, max_model_len): explicit values, else the window's (`capped`: cap_to_training_window) or
+    the family's. `pipeline plan` sizes generation with this rule too."""
+    default_new, default_len = DEFAULT_LIMITS[family]
+    if capped:
+        # The window is the context: vLLM then stops every completion at training_window - prompt tokens.
+        max_model_len = max_model_len or training_window
+        return max_new_tokens or min(default_new, max_model_len - 1), max_model_len
+    max_new_tokens = max_new_tokens or default_new
+    # An explicit budget keeps the default room for prompts beside it.
+    return max_new_tokens, max_model_len or max(default_len, max_new_tokens + default_len - default_new)
 
 
 def _check_limits(max_new_tokens: int, max_model_len: int) -> None:

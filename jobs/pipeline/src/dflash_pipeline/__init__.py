@@ -2,8 +2,10 @@
 
 - `config`: `RunConfig`, one TOML/JSON file per run.
 - `layout`: the prefixes of a run, <root>/<run_id>/<kind>.
-- `stages`: what each stage is (image, command, config prefix) and how it is wired to the layout.
-- `jobs`: the one Job builder every stage goes through; `jobset`: a multi-node gang as a JobSet.
+- `stages`: what each stage is (image, command, its package's config model) and how it is wired to the layout.
+- `pods`: the pod every workload of a run is built from (security contexts, home, storage and credentials).
+- `jobs`: the one Job builder every stage goes through; `jobset`: a multi-node gang as a JobSet, from the same
+  pod template.
 - `namespace_setup`: the namespace's one-time setup (Namespace, the stages' ServiceAccount), in no run.
 - `driver_objects`, `run_objects`: the stage Jobs as templates, the run object, the run driver's objects, all
   a run applies.

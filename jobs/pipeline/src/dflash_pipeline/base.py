@@ -16,8 +16,8 @@ from typing import Any
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.driver_objects import driver_objects
-from dflash_pipeline.jobs import PART_OF
 from dflash_pipeline.namespace_setup import setup_documents
+from dflash_pipeline.pods import PART_OF
 from dflash_pipeline.run_objects import stage_documents
 from dflash_pipeline.stages import plan
 from dflash_pipeline.yaml_out import dump_all

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_pipeline.driver_objects import DRIVER_ROLE, ROLE_LABEL
-from dflash_pipeline.jobs import RUN_LABEL
 from dflash_pipeline.kube import JOBSET_GROUP, JOBSET_VERSION, Cluster, ClusterUnavailableError
+from dflash_pipeline.pods import RUN_LABEL
 
 logger = logging.getLogger("dflash.pipeline.cancel")
 BACKGROUND = "Background"

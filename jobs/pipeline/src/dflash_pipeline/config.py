@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from dflash_pipeline.k8s_names import AnnotationMap, ExtraResources, LabelMap, LabelValue
 from dflash_pipeline.plan_inputs import PlanInputs
 from dflash_shared.errors import ConfigError
+from dflash_shared.settings import SECRET_NAME
 
 # Kubernetes quantities as written in manifests ("500m", "4", "16Gi", "1.5G"); the schema validator
 # does not check them, so a typo like "16GB" would otherwise only fail at `kubectl apply`.
@@ -32,10 +33,6 @@ _SUFFIX = {
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _CONFIG_KEY = re.compile(r"^[a-z][a-z0-9_]*(__[a-z][a-z0-9_]*)*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Names that carry credentials: they belong in the Secret (envFrom), never in a rendered manifest.
-SECRET_NAME = re.compile(
-    r"(^|_)(secret|password|passwd|credentials?|token|api_?key|access_?key|private_key)$", re.IGNORECASE
-)
 # Leaves room for "dflash-" + run id + "-" + the longest stage name and the pod index suffix in 63 chars.
 MAX_RUN_ID = 36
 

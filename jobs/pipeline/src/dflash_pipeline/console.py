@@ -22,7 +22,7 @@ from typing import TextIO
 # The stage format: "2026-11-30T05:10:00Z INFO [tokenize shard=3] dflash_tokenize.stage: message".
 _OWN_LINE = re.compile(r"^\d{4}-\d\d-\d\dT[\d:]+Z (?P<level>[A-Z]+) \[[^\]]*\] (?P<logger>[\w.]+): (?P<message>.*)$")
 # Loggers whose lines report progress: one live line on a terminal.
-_PROGRESS_LOGGERS = frozenset({"dflash.progress", "dflash_train.metrics"})
+_PROGRESS_LOGGERS = frozenset({"dflash.progress", "dflash_train.training.metrics"})
 _PROGRESS_MESSAGE = re.compile(r"^(progress |step \d+/\d+)")
 # Informational lines of the project that a person watching wants (the rest stay in the log file).
 _WANTED_INFO = re.compile(

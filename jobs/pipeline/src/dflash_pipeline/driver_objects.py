@@ -32,7 +32,16 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.jobs import CONTAINER_SECURITY, HOME_DIR, PART_OF, POD_SECURITY, RUN_LABEL, storage_env
+from dflash_pipeline.pods import (
+    HOME_DIR,
+    PART_OF,
+    RUN_LABEL,
+    container,
+    pod_spec,
+    pull_secrets,
+    small_dirs,
+    storage_env,
+)
 from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL
 from dflash_shared.exit_codes import ExitCode
 
@@ -182,45 +191,26 @@ def driver_role_binding(run: RunConfig) -> dict[str, Any]:
 
 def driver_job(run: RunConfig) -> dict[str, Any]:
     """The run driver: one small CPU pod that lives as long as the run."""
-    container: dict[str, Any] = {
-        "name": "driver",
-        "image": run.images.ref(DRIVER_IMAGE),
-        "imagePullPolicy": run.images.pull_policy,
-        "command": ["dflash-pipeline", "drive", "--run-id", run.run_id, "--root", run.root],
-        "env": [
-            # From the pod itself, so an overlay that moves the run to another namespace moves the driver too.
-            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            # The run object's name: renamed with it by a namePrefix overlay (the base's kustomizeconfig.yaml).
-            {"name": RUN_OBJECT_ENV, "value": run_object_name(run.run_id)},
-            {"name": "HOME", "value": HOME_DIR},
-            {"name": "TMPDIR", "value": "/tmp"},
-            *storage_env(run),
-        ],
-        "resources": DRIVER_RESOURCES,
-        "securityContext": CONTAINER_SECURITY,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}],
-    }
-    if run.storage.secret:
-        container["envFrom"] = [{"secretRef": {"name": run.storage.secret}}]
-    pod: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "serviceAccountName": driver_name(run.run_id),
-        # The one pod of a run that talks to the API server.
-        "automountServiceAccountToken": True,
-        "enableServiceLinks": False,
-        "securityContext": POD_SECURITY,
-        "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": DRIVER_VOLUME_SIZE}},
-                    {"name": "home", "emptyDir": {"sizeLimit": DRIVER_VOLUME_SIZE}}],
-    }
+    volumes, mounts = small_dirs(DRIVER_VOLUME_SIZE)
+    env: list[dict[str, Any]] = [
+        # From the pod itself, so an overlay that moves the run to another namespace moves the driver too.
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        # The run object's name: renamed with it by a namePrefix overlay (the base's kustomizeconfig.yaml).
+        {"name": RUN_OBJECT_ENV, "value": run_object_name(run.run_id)},
+        {"name": "HOME", "value": HOME_DIR},
+        {"name": "TMPDIR", "value": "/tmp"},
+        *storage_env(run),
+    ]
+    command = ["dflash-pipeline", "drive", "--run-id", run.run_id, "--root", run.root]
+    driver = container(run, "driver", run.images.ref(DRIVER_IMAGE), command, env, DRIVER_RESOURCES, mounts)
+    # The one pod of a run that talks to the API server.
+    pod = pod_spec(run, [driver], volumes, service_account=driver_name(run.run_id), api_token=True)
     # The run-wide class, as the stages have unless they set their own: at a lower priority the driver is
     # the first pod kube-scheduler preempts for the very stage pods it created, and its replacement then
     # waits behind them while no downstream Job can be created.
     if run.scheduling.priority_class_name:
         pod["priorityClassName"] = run.scheduling.priority_class_name
-    if run.images.pull_secrets:
-        pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
+    pod.update(pull_secrets(run))
     fail_now = [int(ExitCode.USAGE), int(ExitCode.ENVIRONMENT), int(STAGE_FAILED)]
     metadata: dict[str, Any] = {"name": driver_name(run.run_id), "namespace": run.namespace,
                                 "labels": _driver_job_labels(run)}

@@ -6,7 +6,7 @@ replacement finds no node): the pod is never replaced, and the others can only g
 
 1. The surviving ranks notice: their collective with the lost rank times out (the process group's timeout,
    `COLLECTIVE_TIMEOUT_S`; sooner when the lost pod hosted the rendezvous store).
-2. They exit 75 (a peer is gone, `dflash_train.gang`): the Job ignores it and replaces each pod at once.
+2. They exit 75 (a peer is gone, `dflash_train.parallel.gang`): the Job ignores it and replaces each pod at once.
 3. Each replacement starts (`POD_START_S`) and waits at the c10d rendezvous for `join_timeout`, which cannot
    complete: torchrun gives up and the pod exits 1, counted against its index's `backoffLimitPerIndex`. The
    Job controller recreates it after its backoff delay (10 s, doubling, at most 6 min).
@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# dflash_train.distributed.init_distributed's process-group timeout: a collective waits this long for a peer.
+# dflash_train.parallel.distributed.init_distributed's process-group timeout: a collective waits this long for a peer.
 COLLECTIVE_TIMEOUT_S = 1800.0
 # A replacement pod's way to its rendezvous: scheduling, container start with the image cached, the preflight.
 POD_START_S = 60.0

@@ -14,16 +14,30 @@ The train stage is one process group rather than shards: a pod with several GPUs
 (`--standalone`), and a Job of several nodes is an Indexed Job with one pod per node (completions =
 parallelism = nodes) whose torchruns meet at a c10d rendezvous hosted by pod 0. Pod i of an Indexed Job
 is named <job>-i; with `subdomain` set to a headless Service of the Job's pods, <job>-0.<service> resolves
-to pod 0 as soon as it has an address.
+to pod 0 as soon as it has an address. Where the ranks meet is a `Rendezvous` the caller may choose: the JobSet
+(`jobset`) builds its gang's pod from the same template with the address JobSet gives pod 0.
+
+The pod itself (security contexts, home, credentials) is `pods`, shared with the JobSet and the run driver.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from dflash_pipeline.config import JobSettings, RunConfig
 from dflash_pipeline.layout import layout
+from dflash_pipeline.pods import (
+    HOME_DIR,
+    PART_OF,
+    RUN_LABEL,
+    SCRATCH_DIR,
+    container,
+    pod_spec,
+    pull_secrets,
+    storage_env,
+)
 from dflash_pipeline.scheduling import (
     active_deadline_seconds,
     device_resources,
@@ -42,45 +56,30 @@ from dflash_pipeline.stages import (
     TRAIN,
     StageDef,
     plan,
+    selected_stages,
     stage_config,
 )
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.runner import COUNT_ENV
 
-PART_OF = "dflash-pipeline"
 ACCELERATOR_LABEL = "dflash-pipeline/accelerator"
-# Every object of a run carries this label, and the run driver, `cancel` and `status` select by it. Not
-# app.kubernetes.io/instance: Argo CD writes that label for its own tracking (its default before v3), so
-# under Argo CD it would name the Argo application, not the run.
-RUN_LABEL = "dflash-pipeline/run"
 # Kueue partial admission: the least parallelism it may admit a Job with when the quota for all is not free.
 MIN_PARALLELISM_ANNOTATION = "kueue.x-k8s.io/job-min-parallelism"
-# The image contract (docker/*/Dockerfile): user 10001, TMPDIR and HOME at these paths.
-RUN_AS = 10001
-SCRATCH_DIR = "/work/scratch"
-HOME_DIR = "/home/dflash"
 TMP_SIZE = "1Gi"
-
-POD_SECURITY = {
-    "runAsNonRoot": True,
-    "runAsUser": RUN_AS,
-    "runAsGroup": RUN_AS,
-    "fsGroup": RUN_AS,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-CONTAINER_SECURITY = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "runAsNonRoot": True,
-    "runAsUser": RUN_AS,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
 RENDEZVOUS_PORT = 29500
 # The headless Service's name, as the container sees it: a literal that kustomize renames with the Service (the
 # base's kustomizeconfig.yaml), so a namePrefix or nameSuffix overlay keeps the rendezvous endpoint resolvable.
 RENDEZVOUS_SERVICE_ENV = "RENDEZVOUS_SERVICE"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the torchruns of a multi-node stage meet, and what a pod needs to resolve that address."""
+
+    endpoint: str  # pod 0's host:port for --rdzv-endpoint; the kubelet expands its $(VAR) from `env`
+    env: dict[str, Any]  # the container variable the endpoint names
+    subdomain: str | None  # the pods' subdomain (a headless Service of our own); None where a controller sets it
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -106,7 +105,8 @@ def pods(stage: StageDef, settings: JobSettings) -> int:
     return settings.shards if stage.sharded else settings.nodes
 
 
-def _check_shape(stage: StageDef, settings: JobSettings) -> None:
+def check_shape(stage: StageDef, settings: JobSettings) -> None:
+    """Refuse shards, nodes and gang settings that the stage's kind of Job cannot have."""
     where = f"stages.{stage.name}"
     if settings.nodes > 1 and stage.rank_command is None:
         raise ConfigError(f"{where}.nodes = {settings.nodes}: only a torchrun stage (train) spans nodes; "
@@ -124,32 +124,39 @@ def _check_shape(stage: StageDef, settings: JobSettings) -> None:
         raise ConfigError(f"{where}.exclusive_topology needs gang = \"jobset\" (JobSet places the gang)")
 
 
-def launch_args(run: RunConfig, stage: StageDef, settings: JobSettings) -> list[str]:
+def service_rendezvous(run: RunConfig, stage: StageDef) -> Rendezvous:
+    """Pod 0 of the Job under the Job's own headless Service (`rendezvous_service`).
+
+    Pod 0's hostname is the Job's name (the driver creates it under that name, whatever an overlay calls the
+    template) and its index; the kubelet expands the Service's name from the container's environment.
+    """
+    name = job_name(run, stage)
+    return Rendezvous(endpoint=f"{name}-0.$({RENDEZVOUS_SERVICE_ENV}):{RENDEZVOUS_PORT}",
+                      env={"name": RENDEZVOUS_SERVICE_ENV, "value": name}, subdomain=name)
+
+
+def launch_args(run: RunConfig, stage: StageDef, settings: JobSettings, rendezvous: Rendezvous | None) -> list[str]:
     """Arguments of the image entrypoint: none (one process), or torchrun over the pod's GPUs and the Job's nodes.
 
     The entrypoint runs the preflight once per pod before torchrun. `$(JOB_COMPLETION_INDEX)` is expanded by
-    the kubelet from the variable the Job controller gives each pod of an Indexed Job.
+    the kubelet from the variable the Job controller gives each pod of an Indexed Job. `rendezvous` is where the
+    torchruns of several nodes meet; None for a stage in one pod.
     """
     if stage.rank_command is None or (settings.gpus <= 1 and settings.nodes == 1):
         return []
     per_node = f"--nproc-per-node={max(settings.gpus, 1)}"
-    if settings.nodes == 1:
+    if rendezvous is None:
         return ["torchrun", "--standalone", per_node, *stage.rank_command]
-    name = job_name(run, stage)
     return [
         "torchrun", f"--nnodes={settings.nodes}", per_node, "--node-rank=$(JOB_COMPLETION_INDEX)",
-        # Pod 0's hostname is the Job's name (the driver creates it under that name, whatever an overlay calls
-        # the template) and its index; the kubelet expands the Service's name from the container's environment.
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={name}-0.$({RENDEZVOUS_SERVICE_ENV}):{RENDEZVOUS_PORT}",
-        f"--rdzv-id={run.run_id}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={run.run_id}",
         f"--rdzv-conf=join_timeout={settings.rendezvous_timeout_seconds}", *stage.rank_command,
     ]
 
 
-def rendezvous_service(run: RunConfig, stage: StageDef) -> dict[str, Any]:
+def rendezvous_service(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
     """Headless Service giving each pod of a multi-node Job a DNS name (<job>-<index>.<service>)."""
     name = job_name(run, stage)
-    settings = run.stages.for_stage(stage.name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -183,25 +190,6 @@ def env_value(value: Any) -> str:
     if isinstance(value, list | dict):
         return json.dumps(value, separators=(",", ":"), sort_keys=True)
     return str(value)
-
-
-def storage_env(run: RunConfig) -> list[dict[str, str]]:
-    env = []
-    if run.storage.endpoint_url:
-        env.append({"name": "AWS_ENDPOINT_URL", "value": run.storage.endpoint_url})
-    if run.storage.region:
-        env.append({"name": "AWS_REGION", "value": run.storage.region})
-    if run.storage.checksum_when_required:
-        env += [{"name": "AWS_REQUEST_CHECKSUM_CALCULATION", "value": "when_required"},
-                {"name": "AWS_RESPONSE_CHECKSUM_VALIDATION", "value": "when_required"}]
-    return env
-
-
-def _with_credentials(run: RunConfig, container: dict[str, Any]) -> dict[str, Any]:
-    """The container with the credentials Secret's keys as environment variables (secret mode only)."""
-    if run.storage.secret:
-        container["envFrom"] = [{"secretRef": {"name": run.storage.secret}}]
-    return container
 
 
 def _resources(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
@@ -258,10 +246,13 @@ def _placement(run: RunConfig, settings: JobSettings) -> dict[str, Any]:
     return spec
 
 
-def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
-    """The Indexed Job of one stage; every stage goes through here."""
-    settings = run.stages.for_stage(stage.name)
-    _check_shape(stage, settings)
+def stage_pod(
+    run: RunConfig, stage: StageDef, settings: JobSettings, rendezvous: Rendezvous | None
+) -> dict[str, Any]:
+    """The pod template of the stage: its config as DFLASH_<STAGE>_* variables, resources, volumes, placement.
+
+    `rendezvous` is where the pods of a multi-node stage meet (None: the stage runs in one pod).
+    """
     image = run.images.ref(stage.image)
     config = stage_config(stage, run, settings)
     env = [{"name": COUNT_ENV, "value": str(settings.shards)}] if stage.sharded else []
@@ -269,52 +260,43 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     env += [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR}]
     env += storage_env(run)
     env += [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
-    if settings.nodes > 1:
-        env.append({"name": RENDEZVOUS_SERVICE_ENV, "value": job_name(run, stage)})
+    if rendezvous is not None:
+        env.append(rendezvous.env)
     volumes, mounts = _volumes(run, stage, settings)
-    container = _with_credentials(run, {
-        "name": stage.name,
-        "image": image,
-        "imagePullPolicy": run.images.pull_policy,
-        "command": list(stage.command),
-        **({"args": args} if (args := launch_args(run, stage, settings)) else {}),
-        "env": env,
-        "resources": _resources(run, stage, settings),
-        "securityContext": CONTAINER_SECURITY,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": mounts,
-    })
-    pod: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "serviceAccountName": run.storage.service_account,
-        # The stages never call the Kubernetes API; workload identity webhooks mount their own token.
-        "automountServiceAccountToken": False,
-        # Service links inject *_SERVICE_HOST variables, and the stage configs refuse unknown DFLASH_* ones.
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
-        "securityContext": POD_SECURITY,
-    }
-    if settings.nodes > 1:
-        pod["subdomain"] = job_name(run, stage)
-    pod["containers"] = [container]
-    pod["volumes"] = volumes
-    pod.update(_placement(run, settings))
-    if run.images.pull_secrets:
-        pod["imagePullSecrets"] = [{"name": name} for name in run.images.pull_secrets]
+    resources = _resources(run, stage, settings)
+    args = launch_args(run, stage, settings, rendezvous)
+    main = container(run, stage.name, image, list(stage.command), env, resources, mounts, args=args)
+    spec = pod_spec(run, [main], volumes, grace_seconds=settings.termination_grace_seconds,
+                    subdomain=rendezvous.subdomain if rendezvous is not None else None)
+    spec.update(_placement(run, settings))
+    spec.update(pull_secrets(run))
+    pod_labels, pod_annotations = pod_metadata(run, settings)
+    meta: dict[str, Any] = {"labels": {**labels(run, stage, settings), **pod_labels}}
+    if pod_annotations:
+        meta["annotations"] = pod_annotations
+    return {"metadata": meta, "spec": spec}
+
+
+def stage_metadata(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
+    """The metadata of the stage's workload (its Job, or its JobSet): name, labels, and the prefixes it reads
+    and writes as annotations."""
     lay = layout(run.root, run.run_id)
     annotations = {"dflash-pipeline/output": stage.output_prefix(lay)}
     if (upstream := stage.input_manifest(lay)) is not None:
         annotations["dflash-pipeline/input"] = upstream
-    own_labels = labels(run, stage, settings)
     extra_labels, extra_annotations = job_metadata(run, stage, settings)
-    job_labels = {**own_labels, **extra_labels}
     annotations.update(extra_annotations)
     if settings.min_parallelism is not None and settings.min_parallelism < settings.shards:
         annotations[MIN_PARALLELISM_ANNOTATION] = str(settings.min_parallelism)
-    pod_labels, pod_annotations = pod_metadata(run, settings)
-    pod_meta: dict[str, Any] = {"labels": {**own_labels, **pod_labels}}
-    if pod_annotations:
-        pod_meta["annotations"] = pod_annotations
+    return {"name": job_name(run, stage), "namespace": run.namespace,
+            "labels": {**labels(run, stage, settings), **extra_labels}, "annotations": annotations}
+
+
+def build_job(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
+    """The Indexed Job of one stage; every stage goes through here."""
+    check_shape(stage, settings)
+    template = stage_pod(run, stage, settings, service_rendezvous(run, stage) if settings.nodes > 1 else None)
+    metadata = stage_metadata(run, stage, settings)
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": pods(stage, settings),
@@ -336,73 +318,49 @@ def build_job(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     spec["ttlSecondsAfterFinished"] = settings.ttl_seconds_after_finished
     if deadline := active_deadline_seconds(settings):
         spec["activeDeadlineSeconds"] = deadline
-    spec["template"] = {"metadata": pod_meta, "spec": pod}
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": job_name(run, stage), "namespace": run.namespace, "labels": job_labels,
-                     "annotations": annotations},
-        "spec": spec,
-    }
+    spec["template"] = template
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def _job_of(run: RunConfig, stage: StageDef) -> dict[str, Any]:
+    return build_job(run, stage, run.stages.for_stage(stage.name))
 
 
 def import_job(run: RunConfig) -> dict[str, Any]:
     """Import of the source conversations into the run's prompts or completions prefix."""
-    return build_job(run, plan(run)[0])
+    return _job_of(run, plan(run)[0])
 
 
 def generate_job(run: RunConfig) -> dict[str, Any]:
     """Generation of completions with the target model (GPU)."""
-    return build_job(run, GENERATE)
+    return _job_of(run, GENERATE)
 
 
 def tokenize_job(run: RunConfig) -> dict[str, Any]:
     """Tokenization of the completions into loss-masked shards (CPU)."""
-    return build_job(run, TOKENIZE)
+    return _job_of(run, TOKENIZE)
 
 
 def train_job(run: RunConfig) -> dict[str, Any]:
     """Drafter training on the tokenized shards (GPU; torchrun over several GPUs or nodes)."""
-    return build_job(run, TRAIN)
+    return _job_of(run, TRAIN)
 
 
 def export_job(run: RunConfig) -> dict[str, Any]:
     """The trained drafter's serving files (CPU)."""
-    return build_job(run, EXPORT)
+    return _job_of(run, EXPORT)
 
 
 def evaluate_job(run: RunConfig) -> dict[str, Any]:
     """Offline acceptance of the exported drafter (GPU)."""
-    return build_job(run, EVALUATE)
+    return _job_of(run, EVALUATE)
 
 
 def serve_check_job(run: RunConfig) -> dict[str, Any]:
     """The exported drafter in vLLM, engine tau against offline tau (GPU)."""
-    return build_job(run, SERVE_CHECK)
-
-
-def stage_objects(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:
-    """The stage's Job, preceded by its headless Service when it spans several nodes; or its JobSet."""
-    if run.stages.for_stage(stage.name).gang == "jobset":
-        from dflash_pipeline.jobset import build_jobset  # jobset builds on this module
-
-        return [build_jobset(run, stage)]
-    job = build_job(run, stage)
-    if run.stages.for_stage(stage.name).nodes > 1:
-        return [rendezvous_service(run, stage), job]
-    return [job]
-
-
-def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[StageDef]:
-    """The stages of the run, upstream first; `only` restricts them to the named stages."""
-    stages = plan(run)
-    names = [s.name for s in stages]
-    unknown = sorted(set(only or []) - set(names))
-    if unknown:
-        raise ConfigError(f"unknown stage(s) {', '.join(unknown)}; this run has {', '.join(names)}")
-    return [s for s in stages if not only or s.name in only]
+    return _job_of(run, SERVE_CHECK)
 
 
 def stage_jobs(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:
     """The Jobs of the run, upstream first; `only` restricts them to the named stages."""
-    return [build_job(run, s) for s in selected_stages(run, only)]
+    return [_job_of(run, s) for s in selected_stages(run, only)]

@@ -5,9 +5,10 @@ The plain Indexed Job (`jobs.build_job`) replaces a failed pod on its own and th
 rendezvous; a JobSet instead treats the N pods as one unit:
 
 - replicatedJob `node`: one Indexed Job of N pods (one torchrun agent per node), built from the same pod
-  template as the plain Job. `backoffLimit: 0` and a podFailurePolicy that fails the child Job on ANY failure
-  (64/65 bad config or input, 75 preempted, a DisruptionTarget condition, anything else through the backoff
-  limit) hand every decision to the JobSet's failurePolicy, which reads the Job's failure reason and message:
+  template as the plain Job (`jobs.stage_pod`), with JobSet's address of pod 0 as its rendezvous.
+  `backoffLimit: 0` and a podFailurePolicy that fails the child Job on ANY failure (64/65 bad config or
+  input, 75 preempted, a DisruptionTarget condition, anything else through the backoff limit) hand every
+  decision to the JobSet's failurePolicy, which reads the Job's failure reason and message:
     exit 64/65 on any pod        -> FailJobSet: no rerun can heal bad config or input;
     the Job's deadline passed    -> FailJobSet;
     exit 75, or a disruption     -> RestartJobSetAndIgnoreMaxRestarts: a preemption costs no restart;
@@ -27,22 +28,20 @@ rendezvous; a JobSet instead treats the N pods as one unit:
 
 from __future__ import annotations
 
-import copy
-import re
 from typing import Any
 
-from dflash_pipeline.config import RunConfig
+from dflash_pipeline.config import JobSettings, RunConfig
 from dflash_pipeline.jobs import (
-    CONTAINER_SECURITY,
-    HOME_DIR,
-    POD_SECURITY,
     RENDEZVOUS_PORT,
-    RENDEZVOUS_SERVICE_ENV,
-    _with_credentials,
-    build_job,
-    storage_env,
+    Rendezvous,
+    check_shape,
+    pods,
+    stage_metadata,
+    stage_pod,
 )
 from dflash_pipeline.layout import layout
+from dflash_pipeline.pods import HOME_DIR, container, pod_spec, small_dirs, storage_env
+from dflash_pipeline.scheduling import active_deadline_seconds
 from dflash_pipeline.stages import StageDef
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
@@ -57,6 +56,7 @@ WAIT_FOR_INPUT_S = 14 * 86400
 # The orchestration image (dflash_pipeline, its `wait` command); no stage image carries it.
 WAIT_IMAGE = "pipeline"
 WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+WAIT_VOLUME_SIZE = "64Mi"
 DETERMINISTIC_CODES = (int(ExitCode.USAGE), int(ExitCode.BAD_INPUT))
 # The Job controller's message for a pod that matched a FailJob rule (stable since Kubernetes 1.26; JobSet's
 # onJobFailureMessagePatterns exists to read it): "Container <c> for pod <ns>/<pod> failed with exit code
@@ -79,6 +79,17 @@ def node_pod_name() -> str:
     return f"$({JOBSET_NAME_ENV})-{NODE_JOB}-0-0"
 
 
+def gang_rendezvous() -> Rendezvous:
+    """Pod 0 of the node Job under the Service JobSet makes, named after the JobSet (network.subdomain left to
+    its default); JobSet sets the pods' subdomain itself."""
+    return Rendezvous(
+        endpoint=f"{node_pod_name()}.$({JOBSET_NAME_ENV}):{RENDEZVOUS_PORT}",
+        env={"name": JOBSET_NAME_ENV,
+             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_NAME_LABEL}']"}}},
+        subdomain=None,
+    )
+
+
 def _gang_failure_policy() -> dict[str, Any]:
     """The child Job's podFailurePolicy: every failure fails the Job, for the JobSet's rules to judge."""
     return {"rules": [
@@ -88,83 +99,56 @@ def _gang_failure_policy() -> dict[str, Any]:
     ]}
 
 
-def _with_rendezvous(args: list[str], endpoint: str) -> list[str]:
-    out = [re.sub(r"^--rdzv-endpoint=.*$", f"--rdzv-endpoint={endpoint}", a) for a in args]
-    if out == args:
-        raise AssertionError("the train container's torchrun has no --rdzv-endpoint to point at pod 0")
-    return out
-
-
-def _node_job(run: RunConfig, stage: StageDef) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the plain Job's metadata, the child Job template of the node replicatedJob)."""
-    job = build_job(run, stage)
-    spec = copy.deepcopy(job["spec"])
-    pod = spec["template"]["spec"]
-    pod.pop("subdomain", None)  # JobSet sets the pods' subdomain to its own headless Service
-    main = pod["containers"][0]
-    main["env"] = [e for e in main["env"] if e["name"] != RENDEZVOUS_SERVICE_ENV] + [
-        {"name": JOBSET_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_NAME_LABEL}']"}}}]
-    # The Service JobSet makes is named after the JobSet (network.subdomain left to its default).
-    main["args"] = _with_rendezvous(main["args"], f"{node_pod_name()}.$({JOBSET_NAME_ENV}):{RENDEZVOUS_PORT}")
+def _node_job(
+    stage: StageDef, settings: JobSettings, template: dict[str, Any], labels: dict[str, str]
+) -> dict[str, Any]:
+    """The child Job template of the node replicatedJob: `nodes` pods of the stage's pod `template`."""
     child: dict[str, Any] = {
         "completionMode": "Indexed",
-        "completions": spec["completions"],
-        "parallelism": spec["parallelism"],
+        "completions": pods(stage, settings),
+        "parallelism": pods(stage, settings),
         # A failed pod fails its Job at once; the JobSet restarts the whole gang (or fails) by its rules.
         "backoffLimit": 0,
         "podFailurePolicy": _gang_failure_policy(),
-        "template": spec["template"],
+        "template": template,
     }
-    if "activeDeadlineSeconds" in spec:
-        child["activeDeadlineSeconds"] = spec["activeDeadlineSeconds"]
-    own = {k: v for k, v in job["metadata"]["labels"].items() if not k.startswith(KUEUE_PREFIX)}
-    return job["metadata"], {"metadata": {"labels": own}, "spec": child}
+    if deadline := active_deadline_seconds(settings):
+        child["activeDeadlineSeconds"] = deadline
+    return {"metadata": {"labels": labels}, "spec": child}
 
 
 def _wait_job(run: RunConfig, stage: StageDef, labels: dict[str, str]) -> dict[str, Any]:
     manifest = stage.input_manifest(layout(run.root, run.run_id))
     assert manifest is not None, f"{stage.name} reads no upstream manifest"
-    container = _with_credentials(run, {
-        "name": WAIT_JOB,
-        "image": run.images.ref(WAIT_IMAGE),
-        "imagePullPolicy": run.images.pull_policy,
-        "command": ["dflash-pipeline", "wait", "--manifest", manifest, "--timeout-seconds", str(WAIT_FOR_INPUT_S)],
-        "env": [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}, *storage_env(run)],
-        "resources": WAIT_RESOURCES,
-        "securityContext": CONTAINER_SECURITY,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}],
-    })
-    pod = {
-        "restartPolicy": "Never",
-        "serviceAccountName": run.storage.service_account,
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": POD_SECURITY,
-        "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-                    {"name": "home", "emptyDir": {"sizeLimit": "64Mi"}}],
-    }
-    return {"metadata": {"labels": {**labels, "app.kubernetes.io/component": f"{stage.name}-{WAIT_JOB}"}},
+    volumes, mounts = small_dirs(WAIT_VOLUME_SIZE)
+    command = ["dflash-pipeline", "wait", "--manifest", manifest, "--timeout-seconds", str(WAIT_FOR_INPUT_S)]
+    env = [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}, *storage_env(run)]
+    wait = container(run, WAIT_JOB, run.images.ref(WAIT_IMAGE), command, env, WAIT_RESOURCES, mounts)
+    pod = pod_spec(run, [wait], volumes)
+    own = {**labels, "app.kubernetes.io/component": f"{stage.name}-{WAIT_JOB}"}
+    return {"metadata": {"labels": own},
             "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 2, "podFailurePolicy": {"rules": [
                 # Timed out (65) or storage refused (69): fail now; other failures are retried twice.
                 {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [
                     int(ExitCode.BAD_INPUT), int(ExitCode.ENVIRONMENT)]}}]}, "template": {
-                "metadata": {"labels": {**labels, "app.kubernetes.io/component": f"{stage.name}-{WAIT_JOB}"}},
-                "spec": pod}}}
+                "metadata": {"labels": own}, "spec": pod}}}
 
 
-def build_jobset(run: RunConfig, stage: StageDef) -> dict[str, Any]:
+def build_jobset(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
     """The stage's JobSet: the wait pod, then the gang of `nodes` pods (see the module docstring)."""
-    settings = run.stages.for_stage(stage.name)
     if stage.rank_command is None:
         raise ConfigError(f"stages.{stage.name}.gang = \"jobset\": only a torchrun stage (train) runs as a gang; "
                           "set gang = \"indexed-job\" (the default)")
     if settings.nodes < 2:
         raise ConfigError(f"stages.{stage.name}.gang = \"jobset\" with nodes = {settings.nodes}: a JobSet is for "
                           "several nodes; on one node the Indexed Job already restarts the one pod")
-    meta, node = _node_job(run, stage)
-    wait = _wait_job(run, stage, node["metadata"]["labels"])
+    check_shape(stage, settings)
+    template = stage_pod(run, stage, settings, gang_rendezvous())
+    metadata = stage_metadata(run, stage, settings)
+    # Kueue admits the JobSet as one workload: its queue and priority labels stay on the JobSet alone.
+    labels = {k: v for k, v in metadata["labels"].items() if not k.startswith(KUEUE_PREFIX)}
+    node = _node_job(stage, settings, template, labels)
+    wait = _wait_job(run, stage, labels)
     rules = [
         {"name": "input-never-came", "action": "FailJobSet", "targetReplicatedJobs": [WAIT_JOB]},
         {"name": "bad-config-or-input", "action": "FailJobSet", "targetReplicatedJobs": [NODE_JOB],
@@ -186,9 +170,8 @@ def build_jobset(run: RunConfig, stage: StageDef) -> dict[str, Any]:
         ],
         "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
     }
-    metadata = copy.deepcopy(meta)
     if settings.exclusive_topology:
         # One gang per topology domain: JobSet pins all pods of the node Job to nodes sharing this label's value
         # and keeps other JobSets' gangs out of it.
-        metadata.setdefault("annotations", {})[EXCLUSIVE_TOPOLOGY_ANNOTATION] = settings.exclusive_topology
+        metadata["annotations"][EXCLUSIVE_TOPOLOGY_ANNOTATION] = settings.exclusive_topology
     return {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata, "spec": spec}

@@ -36,7 +36,7 @@ from dflash_pipeline.driver_objects import (
     TEMPLATE_ROLE,
     run_object_name,
 )
-from dflash_pipeline.jobs import RUN_LABEL
+from dflash_pipeline.pods import RUN_LABEL
 from dflash_pipeline.scheduling import QUEUE_LABEL
 from dflash_shared.errors import ConfigError, PreflightError
 from dflash_shared.exit_codes import describe

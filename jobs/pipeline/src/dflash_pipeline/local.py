@@ -21,10 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_pipeline.config import RunConfig
+from dflash_pipeline.config import JobSettings, RunConfig
 from dflash_pipeline.console import Console, run_logged
-from dflash_pipeline.jobs import env_value, storage_env
+from dflash_pipeline.jobs import env_value
 from dflash_pipeline.layout import layout
+from dflash_pipeline.pods import storage_env
 from dflash_pipeline.stages import IMAGE_ENTRYPOINT, StageDef, plan, stage_config
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import describe
@@ -60,9 +61,8 @@ def local_commands(stage: StageDef, python: str) -> list[list[str]]:
     return [[python, "-m", module, *stage.command[1:]]]
 
 
-def stage_environment(run: RunConfig, stage: StageDef) -> dict[str, str]:
+def stage_environment(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, str]:
     """The environment variables the stage's Job sets (config, shard count, storage), minus pod plumbing."""
-    settings = run.stages.for_stage(stage.name)
     env = {stage.env_name(key): env_value(value) for key, value in stage_config(stage, run, settings).items()}
     if stage.sharded:
         env[COUNT_ENV] = str(settings.shards)
@@ -100,8 +100,9 @@ def run_local(
         python = str(repo / envs[stage.image] / "bin" / "python")
         if not os.path.exists(python):
             raise ConfigError(f"stage {stage.name} needs the environment {envs[stage.image]} (make venv-*)")
-        env = {**os.environ, **stage_environment(run, stage), **(extra_env or {})}
-        shards = run.stages.for_stage(stage.name).shards if stage.sharded else 1
+        settings = run.stages.for_stage(stage.name)
+        env = {**os.environ, **stage_environment(run, stage, settings), **(extra_env or {})}
+        shards = settings.shards if stage.sharded else 1
         start = time.monotonic()
         for index in range(shards):
             env[INDEX_ENV] = str(index)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.jobs import PART_OF
+from dflash_pipeline.pods import PART_OF
 
 SETUP_ROLE = "namespace-setup"
 

@@ -30,22 +30,20 @@ from dflash_pipeline.config import RunConfig, quantity_value
 from dflash_pipeline.gang_hold import GangHold, dead_rank_hold
 from dflash_pipeline.layout import layout
 from dflash_pipeline.plan_tokens import RecordTokens, answer_mean_for
+from dflash_pipeline.run_objects import stage_objects
 from dflash_pipeline.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
+from dflash_pipeline.stages import EVALUATE, GENERATE, TOKENIZE, TRAIN, stage_values, training_window
 from dflash_pipeline.stages import plan as run_stages
-from dflash_pipeline.stages import stage_value, training_window
 from dflash_shared.manifest_io import ManifestError, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, CompletionsSection, Kind, Manifest, TokenizedSection
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
-from dflash_shared.window import DEFAULT_TRAINING_WINDOW, MAX_UNREAD_FRACTION
+from dflash_shared.window import MAX_UNREAD_FRACTION
 
 # Default estimates, used only where neither a manifest nor the run file says; each is printed as `estimate`.
 # Mean prompt length of chat SFT data (ShareGPT/UltraChat-like histories).
 DEFAULT_PROMPT_TOKENS = 600.0
 # Thinking-mode answers stop well before their family's budget on most prompts; half of it is a round middle.
 DEFAULT_COMPLETION_FRACTION = 0.5
-GENERATE_CONFIG = "dflash_generate.config:GenerateConfig"
-TOKENIZE_CONFIG = "dflash_tokenize.config:TokenizeConfig"
-TRAIN_CONFIG = "dflash_train.config:TrainConfig"
 # vLLM, a ~30B bf16 target on one H100/H200-class GPU at a few hundred sequences in flight.
 DEFAULT_GENERATE_TOKENS_PER_S_PER_GPU = 1500.0
 # bench/bench_tokenize.py's order of magnitude: ~0.5 Mtok/s per pod of 4 CPU.
@@ -225,29 +223,27 @@ class Limits:
 
 
 def _limits(run: RunConfig) -> Limits:
-    """The run's limits, settled as GenerateConfig._limits and the train stage settle them (kept in step with
-    them: the stage packages are not importable in every environment the plan runs in)."""
-    hybrid = re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) is not None
-    family_new, family_len = (32768, 40960) if hybrid else (8192, 16384)
-    tokenize_window = int(stage_value(run, "tokenize", "max_length", TOKENIZE_CONFIG, DEFAULT_TRAINING_WINDOW))
-    window = min(int(stage_value(run, "train", "max_length", TRAIN_CONFIG, None) or tokenize_window), tokenize_window)
-    capped = bool(stage_value(run, "generate", "cap_to_training_window", GENERATE_CONFIG, True))
-    given_new = stage_value(run, "generate", "max_new_tokens", GENERATE_CONFIG, None)
-    given_len = stage_value(run, "generate", "max_model_len", GENERATE_CONFIG, None)
+    """The run's limits, settled as the stages settle them: the generation budget by the generate stage's own
+    rule (`generation_limits`), the windows from tokenize's and train's max_length (train's default: the
+    tokenized data's)."""
+    # The generate config's module is importable once stage_values has read its model.
+    generate = stage_values(run, GENERATE)
+    from dflash_generate.config import DEFAULT_LIMITS, generation_limits
+
+    # The family from the model id alone (the plan reads no target files): Qwen3.5 and later are hybrids.
+    family = "qwen3_5" if re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) else "qwen3"
+    tokenize_window = int(stage_values(run, TOKENIZE)["max_length"])
+    window = min(int(stage_values(run, TRAIN)["max_length"] or tokenize_window), tokenize_window)
+    capped = bool(generate["cap_to_training_window"])
+    generate_window = int(generate["training_window"])
+    max_new, context = generation_limits(family, capped, generate_window, generate["max_new_tokens"],
+                                         generate["max_model_len"])
     refusal = None
-    if capped:
-        generate_window = int(stage_value(run, "generate", "training_window", GENERATE_CONFIG,
-                                          DEFAULT_TRAINING_WINDOW))
-        context = int(given_len or generate_window)
-        max_new = int(given_new or min(family_new, context - 1))
-        if context > generate_window or max_new >= generate_window:
-            refusal = (f"max_new_tokens {max_new:,} / max_model_len {context:,} do not fit inside its training_window "
-                       f"{generate_window:,} (cap_to_training_window): the stage refuses them at its start; leave "
-                       "them unset, or set cap_to_training_window = false to generate past the window")
-    else:
-        max_new = int(given_new or family_new)
-        context = int(given_len or max(family_len, max_new + family_len - family_new))
-    return Limits(max_new, context, family_new, capped, tokenize_window, window, refusal)
+    if capped and (context > generate_window or max_new >= generate_window):
+        refusal = (f"max_new_tokens {max_new:,} / max_model_len {context:,} do not fit inside its training_window "
+                   f"{generate_window:,} (cap_to_training_window): the stage refuses them at its start; leave "
+                   "them unset, or set cap_to_training_window = false to generate past the window")
+    return Limits(int(max_new), int(context), DEFAULT_LIMITS[family][0], capped, tokenize_window, window, refusal)
 
 
 def _measured_budget(section: CompletionsSection, limits: Limits, prompt_tokens: float) -> float:
@@ -383,12 +379,12 @@ def _tokenize(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: 
 def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
     rate = figures.rate("train tokens/s/GPU", run.plan.train_tokens_per_s_per_gpu, None,
                         DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU)
-    config = "dflash_train.config:TrainConfig"
-    epochs = int(stage_value(run, "train", "epochs", config, 6))
-    max_steps = stage_value(run, "train", "max_steps", config, None)
-    batch = int(stage_value(run, "train", "batch_tokens", config, 65536))
-    keep = int(stage_value(run, "train", "keep_checkpoints", config, 2))
-    cache = float(stage_value(run, "train", "cache_gib", config, 20.0)) * 2**30
+    train = stage_values(run, TRAIN)
+    epochs = int(train["epochs"])
+    max_steps = train["max_steps"]
+    batch = int(train["batch_tokens"])
+    keep = int(train["keep_checkpoints"])
+    cache = float(train["cache_gib"]) * 2**30
     # Rows are packed: every token inside the window is a training token, once per epoch (or max_steps x batch).
     work = max_steps * batch if max_steps else None if w.trained_tokens is None else w.trained_tokens * epochs
     steps = None if work is None else math.ceil(work / batch)
@@ -405,10 +401,10 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
 
 def _decode(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int, stage: str) -> StagePlan:
     rate = figures.rate("evaluate tokens/s", run.plan.evaluate_tokens_per_s, None, DEFAULT_EVALUATE_TOKENS_PER_S)
-    config = ("dflash_train.evaluate_config:EvaluateConfig" if stage == "evaluate"
-              else "dflash_generate.serve_check:ServeCheckConfig")
-    prompts = int(stage_value(run, stage, "num_prompts", config, 256))
-    new = int(stage_value(run, stage, "max_new_tokens", config, 256))
+    # The serving check replays the offline evaluation's prompts at its budget (evaluation.json).
+    evaluate = stage_values(run, EVALUATE)
+    prompts = int(evaluate["num_prompts"])
+    new = int(evaluate["max_new_tokens"])
     # serve-check decodes twice (with and without speculation) in a batched engine, ~10x the offline loop's rate.
     work = prompts * new * (1.0 if stage == "evaluate" else 0.2)
     return StagePlan(stage, pods, gpus, _wall(work, rate, 1, w.target_start), w.target_bytes, 1e6, pods,
@@ -450,10 +446,8 @@ def build_plan(run: RunConfig, store: ObjectStore | None = None) -> RunPlan:
 def _gang_hold(run: RunConfig) -> GangHold | None:
     if run.stages.train.nodes < 2:
         return None
-    from dflash_pipeline.jobs import stage_objects  # the rendered objects: the figures are theirs
-    from dflash_pipeline.stages import TRAIN
-
-    (gang,) = [d for d in stage_objects(run, TRAIN) if d["kind"] in ("Job", "JobSet")]
+    # The rendered objects: the figures are theirs.
+    (gang,) = [d for d in stage_objects(run, TRAIN, run.stages.train) if d["kind"] in ("Job", "JobSet")]
     return dead_rank_hold(gang)
 
 

@@ -1,6 +1,7 @@
 """Everything a run applies, in one list: `render`, `submit` and the kustomize base all write this.
 
-    per stage: its Job as a template (a suspended CronJob) and, for a multi-node Job, its headless Service,
+    per stage: its Job as a template (a suspended CronJob) and, for a multi-node Job, its headless Service
+        (or, with gang = "jobset", its JobSet, applied as it is),
     the run object (a ConfigMap that owns the stage Jobs the driver creates),
     the run driver: ServiceAccount, Role, RoleBinding, Job.
 
@@ -13,17 +14,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_pipeline.config import RunConfig
+from dflash_pipeline.config import JobSettings, RunConfig
 from dflash_pipeline.driver_objects import driver_objects, stage_template
-from dflash_pipeline.jobs import selected_stages, stage_objects
-from dflash_pipeline.stages import StageDef, plan
+from dflash_pipeline.jobs import build_job, rendezvous_service
+from dflash_pipeline.jobset import build_jobset
+from dflash_pipeline.stages import StageDef, plan, selected_stages
 from dflash_shared.errors import ConfigError
+
+
+def stage_objects(run: RunConfig, stage: StageDef, settings: JobSettings) -> list[dict[str, Any]]:
+    """The stage's Job, preceded by its headless Service when it spans several nodes; or its JobSet."""
+    if settings.gang == "jobset":
+        return [build_jobset(run, stage, settings)]
+    job = build_job(run, stage, settings)
+    if settings.nodes > 1:
+        return [rendezvous_service(run, stage, settings), job]
+    return [job]
 
 
 def stage_documents(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:
     """The stage's objects as applied: its Job wrapped as a template, its Service (if any) as it is."""
     order = [s.name for s in plan(run)].index(stage.name)
-    return [stage_template(doc, order) if doc["kind"] == "Job" else doc for doc in stage_objects(run, stage)]
+    objects = stage_objects(run, stage, run.stages.for_stage(stage.name))
+    return [stage_template(doc, order) if doc["kind"] == "Job" else doc for doc in objects]
 
 
 def render_documents(run: RunConfig, only: list[str] | None = None) -> list[dict[str, Any]]:

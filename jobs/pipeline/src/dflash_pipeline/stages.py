@@ -1,39 +1,37 @@
-"""The stages a run is made of: image, command, config prefix, and how each is wired to the layout.
+"""The stages a run is made of: image, command, config model, and how each is wired to the layout.
 
 A `StageDef` says everything the Job builder needs to know about one stage; adding a stage is one more
 `StageDef` (and a `JobSettings` field in `StagesSettings`). `wiring` returns the stage config fields the
 pipeline sets itself (input and output prefixes, target model, run id); run files cannot override those,
 so two stages can never disagree about where data is.
 
-Stage configs are checked at render time where their module can be imported: from the installed package,
-or else from the stage's source in this repository (jobs/<stage>/src), which lets a torch-free
-environment check the train stage's fields. The config modules import no heavy libraries for this reason.
+Each stage's config is its package's own model (`config_class`), imported as it is: its field names check the
+run file's overrides, its defaults size the plan, its env_prefix names the variables. The stage packages are
+installed beside the pipeline for this, without their runtime dependencies (the pipeline image installs them
+with --no-deps): their config modules import no torch, vLLM or tokenizer library. Where one is missing, every
+command that needs its config fails with a ConfigError naming the package, never skipping the check.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.config import JobSettings, RunConfig, quantity_value
 from dflash_pipeline.layout import EXPORT_FOLDER, SERVING_FOLDER, RunLayout, layout
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifests import MANIFEST_NAME, Kind
+from dflash_shared.settings import StageSettings, env_name
 from dflash_shared.storage import join
 
 # Entry point of every stage image: preflight, then the stage, both configured by environment variables.
 IMAGE_ENTRYPOINT = "/opt/dflash/entrypoint.sh"
 # Settings every sharded command reads from the Job instead (JOB_COMPLETION_INDEX, DFLASH_NUM_SHARDS).
 SHARD_FIELDS = frozenset({"shard_index", "num_shards"})
-# Where the stage packages' sources are in a checkout of the repository (jobs/pipeline/src/dflash_pipeline).
-_JOBS_DIR = Path(__file__).resolve().parents[4] / "jobs"
 
 Wiring = Callable[[RunConfig, RunLayout, JobSettings], dict[str, Any]]
 
@@ -49,8 +47,7 @@ class StageDef:
     name: str  # Job name suffix and the key of its settings in RunConfig.stages
     image: str  # image name: docker/<image>/Dockerfile, tagged dflash-<image>
     command: tuple[str, ...]  # container command
-    env_prefix: str  # prefix of the stage config's environment variables
-    config_class: str  # "module:Class" of that config; checked at render time where importable
+    config_class: str  # "module:Class" of the stage's config (its package's own model)
     input_kind: Kind | None  # the upstream manifest kind (None: reads external data)
     output_kind: Kind
     wiring: Wiring
@@ -67,19 +64,21 @@ class StageDef:
     # True: the stage copies the target model into its scratch emptyDir, which is then sized for it.
     copies_target: bool = False
 
-    def config_fields(self) -> set[str] | None:
-        """Field names of the stage's config, or None when neither its package nor its source is here."""
-        module_name, _, class_name = self.config_class.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            if err.name != module_name.partition(".")[0]:
-                return None  # the package is installed, but its config needs a library missing here
-            return _fields_from_source(module_name, class_name)
-        return set(getattr(module, class_name).model_fields)
+    def config_model(self) -> type[StageSettings]:
+        """The stage's config model; a ConfigError naming the package to install where it cannot be imported."""
+        return _config_model(self.name, self.config_class)
+
+    def config_fields(self) -> set[str]:
+        return set(self.config_model().model_fields)
+
+    def config_defaults(self) -> dict[str, Any]:
+        """The stage config's own defaults, by field (fields without a default are left out)."""
+        return {name: info.get_default(call_default_factory=True)
+                for name, info in self.config_model().model_fields.items() if not info.is_required()}
 
     def env_name(self, field: str) -> str:
-        return self.env_prefix + field.upper()
+        """The environment variable the stage reads `field` from (its config's env_prefix + the field)."""
+        return env_name(self.config_model(), field)
 
     def output_prefix(self, lay: RunLayout) -> str:
         return lay.folder(self.output_folder or self.output_kind.value)
@@ -95,29 +94,20 @@ class StageDef:
 
 
 @functools.cache
-def _fields_from_source(module_name: str, class_name: str) -> set[str] | None:
-    """Field names of a config class read from the stage's source in this checkout (jobs/<stage>/src).
-
-    Only the package's __init__ and the config module (with its own imports) are loaded, and the package is
-    dropped from sys.modules afterwards, so nothing later mistakes it for an installed one. A config module
-    that needs a library missing here (torch) counts as unavailable.
-    """
-    top = module_name.partition(".")[0]
-    init = next(iter(sorted(_JOBS_DIR.glob(f"*/src/{top}/__init__.py"))), None)
-    if init is None:
-        return None
-    spec = importlib.util.spec_from_file_location(top, init, submodule_search_locations=[str(init.parent)])
-    if spec is None or spec.loader is None:
-        return None
-    sys.modules[top] = importlib.util.module_from_spec(spec)
+def _config_model(stage: str, config_class: str) -> type[StageSettings]:
+    module_name, _, class_name = config_class.partition(":")
     try:
-        spec.loader.exec_module(sys.modules[top])
-        return set(getattr(importlib.import_module(module_name), class_name).model_fields)
-    except ImportError:
-        return None
-    finally:
-        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-            del sys.modules[name]
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        package = module_name.partition(".")[0]
+        source = "shared" if package == "dflash_shared" else f"jobs/{package.removeprefix('dflash_')}"
+        raise ConfigError(
+            f"the {stage} stage's config {config_class} cannot be imported ({err}): install "
+            f"{package.replace('_', '-')} ({source}) beside dflash-pipeline; its config needs neither torch nor "
+            f"vLLM (`pip install --no-deps {source}`)"
+        ) from err
+    model: type[StageSettings] = getattr(module, class_name)
+    return model
 
 
 def _import_wiring(kind: Kind) -> Wiring:
@@ -141,8 +131,8 @@ def _generate_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -> d
 def training_window(run: RunConfig) -> int | None:
     """The run file's training window: the train stage's max_length, else the tokenize stage's; None when
     neither sets one (the stages' shared default, dflash_shared.window.DEFAULT_TRAINING_WINDOW, holds then)."""
-    for stage in ("train", "tokenize"):
-        value = run.stages.for_stage(stage).config.get("max_length")
+    for settings in (run.stages.train, run.stages.tokenize):
+        value = settings.config.get("max_length")
         if value is not None:
             return int(value)  # type: ignore[arg-type]
     return None
@@ -207,43 +197,43 @@ def _serve_check_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -
 
 
 IMPORT_COMPLETIONS = StageDef(
-    name="import", image="tokenizer", command=("dflash-tokenize", "import"), env_prefix="DFLASH_IMPORT_",
+    name="import", image="tokenizer", command=("dflash-tokenize", "import"),
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.completions,
     wiring=_import_wiring(Kind.completions),
 )
 IMPORT_PROMPTS = StageDef(
-    name="import", image="generator", command=("dflash-generate", "import"), env_prefix="DFLASH_IMPORT_",
+    name="import", image="generator", command=("dflash-generate", "import"),
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.prompts,
     wiring=_import_wiring(Kind.prompts),
 )
 GENERATE = StageDef(
-    name="generate", image="generator", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_GENERATE_",
+    name="generate", image="generator", command=(IMAGE_ENTRYPOINT,),
     config_class="dflash_generate.config:GenerateConfig", input_kind=Kind.prompts, output_kind=Kind.completions,
     wiring=_generate_wiring, defaults=_generate_defaults, copies_target=True,
 )
 TOKENIZE = StageDef(
-    name="tokenize", image="tokenizer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TOKENIZE_",
+    name="tokenize", image="tokenizer", command=(IMAGE_ENTRYPOINT,),
     config_class="dflash_tokenize.config:TokenizeConfig", input_kind=Kind.completions, output_kind=Kind.tokenized,
     wiring=_tokenize_wiring, defaults=_tokenize_defaults,
 )
 
 TRAIN = StageDef(
-    name="train", image="trainer", command=(IMAGE_ENTRYPOINT,), env_prefix="DFLASH_TRAIN_",
+    name="train", image="trainer", command=(IMAGE_ENTRYPOINT,),
     config_class="dflash_train.config:TrainConfig", input_kind=Kind.tokenized, output_kind=Kind.drafter,
     wiring=_train_wiring, defaults=_on_gpus, sharded=False, rank_command=("-m", "dflash_train", "run"),
     copies_target=True,
 )
 # The serving files of the trained drafter (CPU): what engines load, and what evaluate measures.
 EXPORT = StageDef(
-    name="export", image="trainer", command=(IMAGE_ENTRYPOINT, "export"), env_prefix="DFLASH_EXPORT_",
-    config_class="dflash_train.evaluate_config:ExportConfig", input_kind=Kind.drafter, output_kind=Kind.drafter,
+    name="export", image="trainer", command=(IMAGE_ENTRYPOINT, "export"),
+    config_class="dflash_train.export.config:ExportConfig", input_kind=Kind.drafter, output_kind=Kind.drafter,
     wiring=_export_wiring, sharded=False, output_folder=EXPORT_FOLDER,
 )
 # Acceptance of the exported drafter with the offline speculative loop (one GPU); below `min_tau` it exits
 # BAD_INPUT and the Job fails without retries.
 EVALUATE = StageDef(
-    name="evaluate", image="trainer", command=(IMAGE_ENTRYPOINT, "evaluate"), env_prefix="DFLASH_EVALUATE_",
-    config_class="dflash_train.evaluate_config:EvaluateConfig", input_kind=Kind.drafter,
+    name="evaluate", image="trainer", command=(IMAGE_ENTRYPOINT, "evaluate"),
+    config_class="dflash_train.evaluate.config:EvaluateConfig", input_kind=Kind.drafter,
     output_kind=Kind.evaluation, wiring=_evaluate_wiring, defaults=_evaluate_defaults, sharded=False,
     input_folder=EXPORT_FOLDER, copies_target=True,
 )
@@ -253,7 +243,7 @@ EVALUATE = StageDef(
 # BAD_INPUT (training and serving differ) and the Job fails without retries.
 SERVE_CHECK = StageDef(
     name="serve-check", image="generator", command=(IMAGE_ENTRYPOINT, "serve-check"),
-    env_prefix="DFLASH_SERVE_CHECK_", config_class="dflash_generate.serve_check:ServeCheckConfig",
+    config_class="dflash_generate.serve_check:ServeCheckConfig",
     input_kind=Kind.evaluation, output_kind=Kind.evaluation, wiring=_serve_check_wiring, sharded=False,
     output_folder=SERVING_FOLDER, copies_target=True,
 )
@@ -266,12 +256,22 @@ def plan(run: RunConfig) -> list[StageDef]:
     return [IMPORT_COMPLETIONS, TOKENIZE, TRAIN, EXPORT, EVALUATE, SERVE_CHECK]
 
 
+def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[StageDef]:
+    """The stages of the run, upstream first; `only` restricts them to the named stages."""
+    stages = plan(run)
+    names = [s.name for s in stages]
+    unknown = sorted(set(only or []) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown stage(s) {', '.join(unknown)}; this run has {', '.join(names)}")
+    return [s for s in stages if not only or s.name in only]
+
+
 def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict[str, Any]:
     """The stage config the pipeline passes: its wiring, its defaults, then the run file's overrides, checked.
 
-    Overrides may replace defaults but not wired fields or the shard fields; where the stage's package is installed,
-    every key must be one of its config's fields (the stage would refuse the variable at start anyway,
-    but a render-time error names the run file instead of a pod log).
+    Overrides may replace defaults but not wired fields or the shard fields, and every key must be one of the stage
+    config's fields (the stage would refuse the variable at start anyway, but a render-time error names the run
+    file instead of a pod log).
     """
     lay = layout(run.root, run.run_id)
     wired = {k: v for k, v in stage.wiring(run, lay, settings).items() if v is not None}
@@ -284,40 +284,19 @@ def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict
             raise ConfigError(f"{where}.{key}: shards come from stages.{stage.name}.shards and the Job's index")
     chosen = {**stage.defaults(run, lay, settings), **settings.config}
     fields = stage.config_fields()
-    if fields is not None:
-        unknown = sorted(k for k in [*wired, *chosen] if k.split("__")[0] not in fields)
-        if unknown:
-            raise ConfigError(
-                f"{where}: {', '.join(unknown)} not a field of {stage.config_class} "
-                f"(fields: {', '.join(sorted(fields))})"
-            )
+    unknown = sorted(k for k in [*wired, *chosen] if k.split("__")[0] not in fields)
+    if unknown:
+        raise ConfigError(
+            f"{where}: {', '.join(unknown)} not a field of {stage.config_class} (fields: {', '.join(sorted(fields))})"
+        )
     return {**wired, **dict(sorted(chosen.items()))}
 
 
-def _config_default(module_class: str, name: str) -> Any:
-    """A stage config field's default, where that stage's package is importable here; else None."""
-    module_name, _, class_name = module_class.partition(":")
-    try:
-        model = getattr(importlib.import_module(module_name), class_name)
-    except ImportError:
-        return None
-    info = model.model_fields.get(name)
-    return None if info is None or info.is_required() else info.get_default(call_default_factory=True)
-
-
-def stage_value(run: RunConfig, stage: str, name: str, module_class: str, fallback: Any) -> Any:
-    """A stage config value for sizing and progress: the run file's override, else the pipeline's default for the
-    stage (`StageDef.defaults`, such as generate's training_window), else the stage's own default, else `fallback`
-    (the same default, stated by the caller for an environment without the stage package, such as the driver
-    image)."""
-    settings = run.stages.for_stage(stage)
-    given = settings.config.get(name)
-    if given is not None:
-        return given
-    definition = next((s for s in plan(run) if s.name == stage), None)
-    if definition is not None:
-        derived = definition.defaults(run, layout(run.root, run.run_id), settings).get(name)
-        if derived is not None:
-            return derived
-    default = _config_default(module_class, name)
-    return fallback if default is None else default
+def stage_values(run: RunConfig, stage: StageDef) -> dict[str, Any]:
+    """The stage config's values for sizing and progress, as far as the run settles them: the run file's
+    overrides, over the pipeline's defaults for the stage (`StageDef.defaults`, such as generate's
+    training_window), over the config's own defaults. Wired fields and fields without a default are absent."""
+    settings = run.stages.for_stage(stage.name)
+    derived = stage.defaults(run, layout(run.root, run.run_id), settings)
+    given = {k: v for k, v in {**derived, **settings.config}.items() if v is not None}
+    return {**stage.config_defaults(), **given}

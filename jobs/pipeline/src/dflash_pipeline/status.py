@@ -12,7 +12,6 @@ committed of those planned, the generation rate and an ETA. Where the run driver
 from __future__ import annotations
 
 import json
-import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.layout import RunLayout, layout
 from dflash_pipeline.plan import long_duration
 from dflash_pipeline.run_state import read_run_state
-from dflash_pipeline.stages import plan, stage_value
+from dflash_pipeline.stages import GENERATE, plan, stage_values
 from dflash_shared.manifest_io import ManifestError, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind
 from dflash_shared.runner import MARKERS_DIR, ShardMarker, merge_accounting
@@ -32,10 +31,6 @@ from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError
 
 _MARKER = re.compile(r"shard-(\d{5})-of-(\d{5})\.json$")
 _IO_THREADS = 16
-# The generate stage's receipts folder and its chunk size default (dflash_generate.chunks / .config), stated here
-# for where that package is not installed.
-CHUNKS_DIR = "_chunks"
-DEFAULT_CHUNK_RECORDS = 512
 
 
 @dataclass
@@ -158,19 +153,21 @@ def _add_driver_state(run: RunConfig, store: ObjectStore, statuses: list[StageSt
 def generate_progress(run: RunConfig, store: ObjectStore, lay: RunLayout, shards: int) -> str:
     """'12/40 chunks committed (30%), 2,450 tok/s over 4 engines, ETA 3.1 h', from the receipts in storage.
 
-    The planned chunks follow the generate stage's own split of the prompts manifest (chunk_records per chunk,
-    file by file). Receipts are read as plain JSON (output_tokens, engine_seconds, accounting): the generate
-    package is not installed where status runs. The rate is per engine-second, so it holds however long the
-    pods have queued; the ETA assumes the stage's `shards` engines run at once.
+    The planned chunks are the generate stage's own split of the prompts manifest (`plan_chunks`, chunk_records
+    per chunk, file by file). Receipts are read as plain JSON (output_tokens, engine_seconds), so one written by
+    another version of the stage still counts. The rate is per engine-second, so it holds however long the pods
+    have queued; the ETA assumes the stage's `shards` engines run at once.
     """
     prompts_uri = lay.manifest(Kind.prompts)
     try:
         prompts = parse_manifest(prompts_uri, store.read_bytes(prompts_uri))
     except (ObjectNotFoundError, ManifestError):
         return ""
-    chunk_records = int(stage_value(run, "generate", "chunk_records", "dflash_generate.config:GenerateConfig",
-                                    DEFAULT_CHUNK_RECORDS))
-    planned = sum(math.ceil(shard.records / chunk_records) for shard in prompts.shards)
+    chunk_records = int(stage_values(run, GENERATE)["chunk_records"])
+    # The generate package is importable once stage_values has read its config.
+    from dflash_generate.chunks import CHUNKS_DIR, plan_chunks
+
+    planned = len(plan_chunks(prompts.shards, chunk_records))
     receipts = store.list(join(lay.completions, CHUNKS_DIR), suffix=".json")
     if not receipts:
         return f"0/{planned} chunks committed"

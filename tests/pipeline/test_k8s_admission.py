@@ -9,8 +9,8 @@ import pytest
 from dflash_pipeline import parse_run_config, render_documents
 from dflash_pipeline.config import read_run_file
 from dflash_shared.errors import ConfigError
-from tests.k8s.crd_schema import crd_errors
-from tests.k8s.k8s_support import REPO_ROOT, jobs, schema_errors
+from tests.pipeline.crd_schema import crd_errors
+from tests.pipeline.k8s_support import REPO_ROOT, jobs, schema_errors
 
 HEADLINE_RUN = REPO_ROOT / "k8s" / "examples" / "qwen3.6-27b.toml"
 MIN_PARALLELISM = "kueue.x-k8s.io/job-min-parallelism"
@@ -57,7 +57,7 @@ def test_the_example_admission_policy_is_valid_and_names_what_the_example_run_re
 
     from dflash_pipeline import load_run_config
     from dflash_pipeline.namespace_setup import setup_documents
-    from tests.k8s.k8s_support import EXAMPLE_RUN
+    from tests.pipeline.k8s_support import EXAMPLE_RUN
 
     docs = list(yaml.safe_load_all((REPO_ROOT / "k8s" / "examples" / "admission-policy.yaml").read_text()))
     assert [d["kind"] for d in docs] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]

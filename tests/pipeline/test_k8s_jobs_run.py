@@ -21,8 +21,8 @@ from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
-from tests.k8s.k8s_support import EXAMPLE_RUN, jobs
-from tests.k8s.pod_emulation import ContainerRun, run_pod
+from tests.pipeline.k8s_support import EXAMPLE_RUN, jobs
+from tests.pipeline.pod_emulation import ContainerRun, run_pod
 from tests.support.qwen_assets import build_tokenizer_dir
 
 TOPICS = ["prime numbers", "binary search", "photosynthesis", "the water cycle", "熱力学", "sorting"]
@@ -106,6 +106,7 @@ def test_import_and_tokenize_jobs_run_as_rendered(
     assert statuses["tokenize"].records == 7 and statuses["tokenize"].shards_done == 2
 
 
+@pytest.mark.slow
 def test_a_misspelt_env_var_in_the_tokenize_job_exits_usage(
     s3_bucket: str, moto_endpoint: str, tmp_path: Path, secrets: dict[str, dict[str, str]]
 ) -> None:
@@ -118,6 +119,7 @@ def test_a_misspelt_env_var_in_the_tokenize_job_exits_usage(
     assert "DFLASH_TOKENIZE_INPTU" in result.output
 
 
+@pytest.mark.slow
 def test_a_misspelt_command_in_the_import_job_fails(
     s3_bucket: str, moto_endpoint: str, tmp_path: Path, secrets: dict[str, dict[str, str]]
 ) -> None:

@@ -1,5 +1,5 @@
 """Multi-node training as a JobSet (`[stages.train] gang = "jobset"`): validated offline against JobSet's CRD
-(tests/k8s/schemas, strict), its child Job against Kubernetes' own schemas, and its failure policy evaluated
+(tests/pipeline/schemas, strict), its child Job against Kubernetes' own schemas, and its failure policy evaluated
 the way the Job and JobSet controllers would for each way a pod of the gang can fail."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dflash_pipeline.config import read_run_file
 from dflash_pipeline.jobs import RENDEZVOUS_PORT
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
-from tests.k8s.crd_schema import crd_errors
-from tests.k8s.k8s_support import EXAMPLE_RUN, failure_action, schema_errors
+from tests.pipeline.crd_schema import crd_errors
+from tests.pipeline.k8s_support import EXAMPLE_RUN, failure_action, schema_errors
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 

@@ -16,8 +16,8 @@ import yaml
 from dflash_pipeline import load_run_config, parse_run_config, render_documents
 from dflash_pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret, setup_files
 from dflash_pipeline.config import read_run_file
-from dflash_pipeline.jobs import HOME_DIR, RUN_AS, SCRATCH_DIR
 from dflash_pipeline.namespace_setup import setup_documents
+from dflash_pipeline.pods import HOME_DIR, RUN_AS, SCRATCH_DIR
 from dflash_pipeline.stages import (
     EVALUATE,
     EXPORT,
@@ -31,7 +31,7 @@ from dflash_pipeline.stages import (
 from dflash_pipeline.yaml_out import dump_all
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
-from tests.k8s.k8s_support import (
+from tests.pipeline.k8s_support import (
     EXAMPLE_RUN,
     REPO_ROOT,
     containers,
@@ -40,7 +40,7 @@ from tests.k8s.k8s_support import (
     jobs,
     schema_errors,
 )
-from tests.k8s.pod_emulation import image_env, image_files
+from tests.pipeline.pod_emulation import image_env, image_files
 
 
 def example(**changes: Any) -> dict[str, Any]:
@@ -241,7 +241,7 @@ def test_rendered_output_holds_no_credentials(docs: list[dict[str, Any]]) -> Non
         (("stages", "train", "config", "max_lenght"), 1, "max_lenght not a field of dflash_train"),
         (("stages", "train", "config", "target"), "s3://x/y", "train.config.target is set by the pipeline"),
         (("stages", "train", "shards"), 2, "one process group, not shards"),
-        (("stages", "evaluate", "config", "num_prompt"), 8, "num_prompt not a field of dflash_train.evaluate_config"),
+        (("stages", "evaluate", "config", "num_prompt"), 8, "num_prompt not a field of dflash_train.evaluate.config"),
         (("stages", "export", "config", "drafter"), "s3://x/y", "export.config.drafter is set by the pipeline"),
         (("stages", "generate", "nodes"), 2, "only a torchrun stage"),
         (("stages", "tokenize", "config", "input"), "s3://x/y", "tokenize.config.input is set by the pipeline"),
@@ -312,6 +312,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           env=env, cwd=REPO_ROOT, timeout=60, check=False)
 
 
+@pytest.mark.slow
 def test_render_and_submit_command_line(tmp_path: Path) -> None:
     as_json = _cli("render", "--config", str(EXAMPLE_RUN), "--format", "json", "--stage", "tokenize")
     assert as_json.returncode == 0, as_json.stderr
@@ -348,6 +349,7 @@ def test_render_and_submit_command_line(tmp_path: Path) -> None:
         load_run_config(tmp_path / "nope.toml")
 
 
+@pytest.mark.slow
 def test_render_out_writes_the_base_and_removes_stale_files(tmp_path: Path) -> None:
     (tmp_path / "job-old.yaml").write_text(f"# {GENERATED.format(config='old-run.toml')}\nkind: Job\n")
     (tmp_path / "mine.yaml").write_text("kind: Mine\n")

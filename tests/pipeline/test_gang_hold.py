@@ -16,10 +16,10 @@ import pytest
 from dflash_pipeline import parse_run_config
 from dflash_pipeline.config import read_run_file
 from dflash_pipeline.gang_hold import COLLECTIVE_TIMEOUT_S, POD_START_S, dead_rank_hold
-from dflash_pipeline.jobs import stage_objects
+from dflash_pipeline.run_objects import stage_objects
 from dflash_pipeline.stages import TRAIN
 from dflash_shared.exit_codes import ExitCode
-from tests.k8s.k8s_support import REPO_ROOT, failure_action
+from tests.pipeline.k8s_support import REPO_ROOT, failure_action
 
 HEADLINE_RUN = REPO_ROOT / "k8s" / "examples" / "qwen3.6-27b.toml"
 
@@ -27,7 +27,8 @@ HEADLINE_RUN = REPO_ROOT / "k8s" / "examples" / "qwen3.6-27b.toml"
 def gang(**train: Any) -> dict[str, Any]:
     data = read_run_file(HEADLINE_RUN)
     data["stages"]["train"] = {**data["stages"]["train"], **train}
-    (obj,) = [d for d in stage_objects(parse_run_config(data), TRAIN) if d["kind"] in ("Job", "JobSet")]
+    run = parse_run_config(data)
+    (obj,) = [d for d in stage_objects(run, TRAIN, run.stages.train) if d["kind"] in ("Job", "JobSet")]
     return obj
 
 
@@ -102,7 +103,8 @@ def test_the_jobset_gang_is_bounded_by_its_restarts() -> None:
 
 
 def test_the_collective_timeout_is_the_trainers() -> None:
-    source = (REPO_ROOT / "jobs" / "train" / "src" / "dflash_train" / "distributed.py").read_text(encoding="utf-8")
+    distributed = REPO_ROOT / "jobs" / "train" / "src" / "dflash_train" / "parallel" / "distributed.py"
+    source = distributed.read_text(encoding="utf-8")
     match = re.search(r"def init_distributed\(.*timeout_s: float = ([0-9.]+)\)", source)
     assert match is not None and float(match.group(1)) == COLLECTIVE_TIMEOUT_S
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dflash_pipeline import layout, parse_run_config
 from dflash_pipeline.config import read_run_file
 from dflash_pipeline.status import stage_status
@@ -18,7 +20,7 @@ from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import Accounting, Kind, Manifest, Producer, PromptsSection
 from dflash_shared.runner import ShardContext, ShardOutcome, run_shard
 from dflash_shared.storage import ObjectStore, join
-from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT
+from tests.pipeline.k8s_support import EXAMPLE_RUN, REPO_ROOT
 
 
 def _generate_shard(ctx: ShardContext) -> ShardOutcome:
@@ -29,6 +31,7 @@ def _generate_shard(ctx: ShardContext) -> ShardOutcome:
     return ctx.outcome(accounting)
 
 
+@pytest.mark.slow
 def test_status_reports_complete_in_progress_and_not_started(s3_bucket: str, store: ObjectStore,
                                                              tmp_path: Path) -> None:
     data = read_run_file(EXAMPLE_RUN)
@@ -92,6 +95,7 @@ def test_wait_returns_once_the_manifest_exists_and_fails_after_the_timeout(s3_bu
     assert polls == [30, 30]
 
 
+@pytest.mark.slow
 def test_status_of_an_unreadable_store_fails_once_with_exit_69(moto_endpoint: str, tmp_path: Path) -> None:
     data = read_run_file(EXAMPLE_RUN)
     data["root"] = "s3://no-such-bucket-dflash-status/runs"

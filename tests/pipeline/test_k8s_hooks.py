@@ -23,7 +23,7 @@ from dflash_pipeline.config import quantity_value, read_run_file
 from dflash_pipeline.jobs import TMP_SIZE, stage_jobs
 from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL, target_disk_bytes
 from dflash_shared.errors import ConfigError
-from tests.k8s.k8s_support import EXAMPLE_RUN, OVERLAYS, env_of, jobs, kustomize_build, schema_errors
+from tests.pipeline.k8s_support import EXAMPLE_RUN, OVERLAYS, env_of, jobs, kustomize_build, schema_errors
 
 GPU_STAGES = ("generate", "train", "evaluate", "serve-check")
 AZURE_LABEL = "azure.workload.identity/use"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.k8s.k8s_support import (
+from tests.pipeline.k8s_support import (
     BASE_DIR,
     OVERLAYS,
     SETUP_DIR,
@@ -21,7 +21,7 @@ from tests.k8s.k8s_support import (
     jobs,
     schema_errors,
 )
-from tests.k8s.k8s_support import kustomize_build as build
+from tests.pipeline.k8s_support import kustomize_build as build
 
 
 @pytest.mark.parametrize("overlay", sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()))
@@ -122,8 +122,8 @@ def test_a_name_prefix_overlay_keeps_the_rendezvous_and_the_run_object_reachable
     from dflash_pipeline import parse_run_config
     from dflash_pipeline.base import write_base
     from dflash_pipeline.config import read_run_file
-    from tests.k8s.k8s_support import EXAMPLE_RUN
-    from tests.k8s.pod_emulation import expand_references
+    from tests.pipeline.k8s_support import EXAMPLE_RUN
+    from tests.pipeline.pod_emulation import expand_references
 
     data = read_run_file(EXAMPLE_RUN)
     data["stages"]["train"] = {**data["stages"]["train"], "nodes": 2}

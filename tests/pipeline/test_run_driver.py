@@ -32,8 +32,8 @@ from dflash_pipeline.wait import wait_for_manifest
 from dflash_shared.errors import exit_code_for
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.storage import ObjectStore, join
-from tests.k8s.fake_kube_api import AdmissionDenied, FakeKubeApi
-from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT, schema_errors
+from tests.pipeline.fake_kube_api import AdmissionDenied, FakeKubeApi
+from tests.pipeline.k8s_support import EXAMPLE_RUN, REPO_ROOT, schema_errors
 
 NS = "dflash"
 STAGES = ["import", "generate", "tokenize", "train", "export", "evaluate", "serve-check"]
@@ -348,6 +348,7 @@ def refused_keys(moto_endpoint: str, s3_bucket: str) -> Iterator[tuple[str, str]
         _reset_auth(moto_endpoint, "inf")
 
 
+@pytest.mark.slow
 def test_a_403_from_s3_exits_69_at_once_naming_it(
     api: FakeKubeApi, run: RunConfig, refused_keys: tuple[str, str], tmp_path: Path
 ) -> None:

@@ -5,7 +5,7 @@ CPU rank under the trainer image's entrypoint, meeting at a c10d rendezvous on t
   the checkpoint to exactly the run an uninterrupted pair of pods makes (same loss at every step, same weights);
 - bad input on one rank: that pod exits 65 (the policy fails the Job), its peer 75.
 
-The pods are emulated as in test_k8s_train (tests/k8s/pod_emulation.py); the one thing changed from the
+The pods are emulated as in test_k8s_train (tests/pipeline/pod_emulation.py); the one thing changed from the
 rendered container is the rendezvous endpoint: DNS of the headless Service is not emulated, so pod 0's name
 becomes 127.0.0.1 and the port a free one.
 """
@@ -31,9 +31,9 @@ from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, Kind
 from dflash_shared.storage import ObjectStore, join
-from tests.k8s.k8s_support import EXAMPLE_RUN, env_of, failure_action, jobs
-from tests.k8s.pod_emulation import ContainerProcess, pod_containers
-from tests.k8s.train_inputs import TRAIN_VENV, tiny_target_dir, tokenized_for, train_python, upload_dir
+from tests.pipeline.k8s_support import EXAMPLE_RUN, env_of, failure_action, jobs
+from tests.pipeline.pod_emulation import ContainerProcess, pod_containers
+from tests.pipeline.train_inputs import TRAIN_VENV, tiny_target_dir, tokenized_for, train_python, upload_dir
 
 SECRETS = {"dflash-s3": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}}
 STEPS = 4
@@ -130,6 +130,7 @@ def final_checkpoint(store: ObjectStore, output: str) -> tuple[dict[str, np.ndar
     return tensors, manifest.section.final_metrics["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigterm_to_one_pod_stops_the_gang_with_75_and_the_resume_is_exact(
     s3_bucket: str, moto_endpoint: str, store: ObjectStore, tmp_path: Path
@@ -176,6 +177,7 @@ def test_sigterm_to_one_pod_stops_the_gang_with_75_and_the_resume_is_exact(
     assert unequal == [], f"final weights differ from the uninterrupted run's in {unequal}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bad_input_on_one_rank_fails_its_pod_with_65_and_its_peer_exits_75(
     s3_bucket: str, moto_endpoint: str, store: ObjectStore, tmp_path: Path

@@ -29,7 +29,7 @@ from dflash_shared.manifests import (
     TargetIdentity,
 )
 from dflash_shared.storage import ObjectStore, join
-from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT
+from tests.pipeline.k8s_support import EXAMPLE_RUN, REPO_ROOT
 
 HEADLINE_RUN = REPO_ROOT / "k8s" / "examples" / "qwen3.6-27b.toml"
 
@@ -154,6 +154,7 @@ def test_manifests_and_an_earlier_run_replace_the_estimates(s3_bucket: str, stor
     assert "prompts: 5.0K (manifest)" in text and "generate tokens/s/GPU: 800.00 (measured)" in text
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_table_and_json_offline() -> None:
     base = [sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(HEADLINE_RUN), "--offline"]
     text = subprocess.run(base, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True).stdout
@@ -172,7 +173,7 @@ def test_the_command_prints_the_table_and_json_offline() -> None:
 
 def test_the_headline_run_renders_and_validates(tmp_path: Path) -> None:
     from dflash_pipeline import render_documents
-    from tests.k8s.k8s_support import schema_errors
+    from tests.pipeline.k8s_support import schema_errors
 
     docs = render_documents(headline())
     assert schema_errors(docs) == []
@@ -247,6 +248,7 @@ def test_the_pipeline_passes_the_training_window_to_generate_and_tokenize() -> N
     assert stage_config(GENERATE, run, run.stages.for_stage("generate"))["training_window"] == 8192
 
 
+@pytest.mark.slow
 def test_plan_without_credentials_warns_and_sizes_the_run_from_its_file(tmp_path: Path) -> None:
     """The pre-submit check runs where no credentials for the bucket exist: figures from the run file, a warning."""
     empty = tmp_path / "aws"
@@ -300,7 +302,7 @@ def test_the_gpu_cluster_overlay_schedules_the_gpu_the_plan_assumes(tmp_path: Pa
     import shutil
 
     from dflash_pipeline.base import write_base
-    from tests.k8s.k8s_support import OVERLAYS, jobs, kustomize_build
+    from tests.pipeline.k8s_support import OVERLAYS, jobs, kustomize_build
 
     run = headline()
     write_base(run, HEADLINE_RUN.name, tmp_path / "k8s" / "base")

@@ -8,7 +8,7 @@
   the tokenize stage itself run on them with the target's tokenizer, so the tokenized manifest carries
   the target's tokenizer and chat template hashes that the train stage insists on.
 
-Used by the train Job emulation (tests/k8s) and the trainer image test (tests/images).
+Used by the train Job emulation (tests/pipeline) and the trainer image test (tests/images).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dflash_pipeline.driver_objects import NEVER, STAGE_FAILED
 from dflash_pipeline.kube import template_from_cronjob
 from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL
 from dflash_shared.exit_codes import ExitCode
-from tests.k8s.k8s_support import EXAMPLE_RUN, OVERLAYS, failure_action, jobs, kustomize_build, schema_errors
+from tests.pipeline.k8s_support import EXAMPLE_RUN, OVERLAYS, failure_action, jobs, kustomize_build, schema_errors
 
 OVERLAY_NAMES = ("local-cpu", "gpu-cluster")
 AZURE_LABEL = "azure.workload.identity/use"

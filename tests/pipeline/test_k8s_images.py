@@ -14,7 +14,7 @@ from dflash_pipeline import load_run_config, parse_run_config, render_documents
 from dflash_pipeline.base import write_base
 from dflash_pipeline.config import read_run_file
 from dflash_shared.errors import ConfigError
-from tests.k8s.k8s_support import EXAMPLE_RUN, OVERLAYS, containers, jobs, kustomize_build
+from tests.pipeline.k8s_support import EXAMPLE_RUN, OVERLAYS, containers, jobs, kustomize_build
 
 DIGESTS = {name: "sha256:" + f"{i:x}" * 64 for i, name in enumerate(("tokenizer", "generator", "trainer",
                                                                       "pipeline"), start=10)}
@@ -92,7 +92,7 @@ def test_the_digests_file_build_images_writes_is_what_a_run_file_reads(tmp_path:
     import subprocess
 
     from dflash_pipeline.config import read_digests_file
-    from tests.k8s.k8s_support import REPO_ROOT
+    from tests.pipeline.k8s_support import REPO_ROOT
 
     for name, digest in DIGESTS.items():
         (tmp_path / f"{name}.digest").write_text(

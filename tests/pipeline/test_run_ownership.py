@@ -20,15 +20,15 @@ from dflash_pipeline import RunConfig, parse_run_config, render_documents
 from dflash_pipeline.cancel import cancel_run
 from dflash_pipeline.config import read_run_file
 from dflash_pipeline.driver import RunDriver
-from dflash_pipeline.jobs import RUN_LABEL
 from dflash_pipeline.kube import Cluster as KubeCluster
 from dflash_pipeline.kube import job_view
 from dflash_pipeline.namespace_setup import setup_documents
+from dflash_pipeline.pods import RUN_LABEL
 from dflash_pipeline.run_state import read_run_state
 from dflash_shared.storage import ObjectStore
-from tests.k8s.fake_kube_api import FakeKubeApi
-from tests.k8s.k8s_support import EXAMPLE_RUN, REPO_ROOT
-from tests.k8s.test_run_driver import Cluster, DriverKilledError
+from tests.pipeline.fake_kube_api import FakeKubeApi
+from tests.pipeline.k8s_support import EXAMPLE_RUN, REPO_ROOT
+from tests.pipeline.test_run_driver import Cluster, DriverKilledError
 
 NS = "dflash"
 
@@ -176,6 +176,7 @@ def test_the_driver_refuses_to_start_without_its_run_object(api: FakeKubeApi, st
     assert api.names("jobs") == []
 
 
+@pytest.mark.slow
 def test_cancel_from_the_command_line_with_a_kubeconfig(api: FakeKubeApi, s3_bucket: str, tmp_path: Path) -> None:
     apply(api, run_file(s3_bucket, "example"))
     kubeconfig = tmp_path / "kubeconfig"
