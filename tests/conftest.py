@@ -1,4 +1,5 @@
-"""Shared test fixtures: a real S3 endpoint (moto server on 127.0.0.1) and storage roots.
+"""Shared test fixtures: a real S3 endpoint (moto server on 127.0.0.1) and storage roots; `gpu` tests skipped
+where no CUDA device is visible (the markers are declared in pytest.ini).
 
 Every S3 test talks HTTP to an in-process moto server; the AWS environment is pointed at it for the
 whole session so no test can reach a real cloud account.
@@ -6,6 +7,7 @@ whole session so no test can reach a real cloud account.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import uuid
 from collections.abc import Iterator
@@ -32,11 +34,31 @@ _AWS_ISOLATE = (
 )
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers used across the test tree."""
-    config.addinivalue_line("markers", "slow: takes more than a few seconds")
-    config.addinivalue_line("markers", "e2e: runs several stages end to end")
-    config.addinivalue_line("markers", "image: builds or runs a container image")
+def _no_cuda_device() -> str | None:
+    """Why no CUDA device can run a test here, or None when torch sees one."""
+    if importlib.util.find_spec("torch") is None:
+        return "needs a CUDA device: this environment has no torch"
+    import torch
+
+    if not torch.version.cuda:
+        return f"needs a CUDA device: torch {torch.__version__} is a CPU build"
+    # device_count asks NVML first, which leaves CUDA uninitialised: engines forked later still start.
+    if torch.cuda.device_count() == 0:
+        return f"needs a CUDA device: torch {torch.__version__} sees none"
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests skip, with the reason, where no CUDA device is visible (CPU CI never fails on them).
+
+    trylast: `-m` has deselected by then, so torch is imported only when a `gpu` test is still to run.
+    """
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    reason = _no_cuda_device() if gpu else None
+    if reason is not None:
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

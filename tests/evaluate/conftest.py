@@ -3,7 +3,11 @@
 These tests run in the generate environment (.venv-generate: torch, transformers and vLLM on CPU) with the
 train package installed, because the serving check needs the engine and the rest needs the train code.
 
-`offline_evaluation` runs the real chain once per session on a moto S3 bucket: drafter manifest +
+Both tiny targets (dense Qwen3 and the Qwen3.6-architecture hybrid) go through one chain, `TinyTarget`: target ->
+its greedy answers -> a drafter trained on them -> the loaded drafters and the hooked target. The tests ask for
+its parts by name (`FIXTURES`: `trained_drafter` on the dense target, `hybrid_trained_drafter` on the hybrid).
+
+`offline_run` runs the real stage chain once per session on a moto S3 bucket: drafter manifest +
 checkpoint (as training writes them) -> `dflash-train export` -> `dflash-train evaluate` on held-out
 prompts (on the dense target: the held-out split of a tokenized manifest, which evaluate picks by default,
 plus a small user prompt set). The serving-check tests start from its output.
@@ -12,6 +16,7 @@ plus a small user prompt set). The serving-check tests start from its output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import uuid
 from collections.abc import Iterator
@@ -25,6 +30,7 @@ import pytest
 from dflash_shared.storage import ObjectStore, join
 from tests.evaluate import eval_fixtures as ef
 from tests.evaluate import heldout_fixtures as hf
+from tests.support.tiny_target import TARGET_ARCHS, TargetArch
 
 # Outside the generate environment (no torch, no train package) there is nothing here to run.
 if importlib.util.find_spec("torch") is None or importlib.util.find_spec("dflash_train") is None:
@@ -39,85 +45,82 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir() -> Path:
-    from tests.support.tiny_target import build_tiny_qwen3
+class TinyTarget:
+    """One tiny target and what the tests build on it, each made on first use and kept for the session.
 
-    return Path(build_tiny_qwen3())
+    The target and its trained drafter come from caches on disk (tests.support.tiny_target, eval_fixtures):
+    built once, then read back by every later session.
+    """
 
+    def __init__(self, arch: TargetArch) -> None:
+        self.arch = arch
 
-@pytest.fixture(scope="session")
-def target_model(tiny_target_dir: Path) -> Any:
-    return ef.load_target(tiny_target_dir)
+    @functools.cached_property
+    def target_dir(self) -> Path:
+        from tests.support.tiny_target import build_tiny_target
 
+        return Path(build_tiny_target(self.arch))
 
-@pytest.fixture(scope="session")
-def heldout_prompts(tiny_target_dir: Path) -> list[list[int]]:
-    """Chat prompts the drafter never saw in training (same distribution as its training prompts)."""
-    return ef.chat_prompts(tiny_target_dir, ef.heldout_texts())
+    @functools.cached_property
+    def model(self) -> Any:
+        return ef.load_target(self.target_dir)
 
+    @functools.cached_property
+    def heldout_prompts(self) -> list[list[int]]:
+        """Chat prompts the drafter never saw in training (same distribution as its training prompts)."""
+        return ef.chat_prompts(self.target_dir, ef.heldout_texts())
 
-@pytest.fixture(scope="session")
-def trained_checkpoint(tiny_target_dir: Path) -> Path:
-    """Folder with model.safetensors + drafter_config.json + metrics.json of the trained tiny drafter."""
-    return ef.trained_checkpoint(tiny_target_dir)
+    @functools.cached_property
+    def trained_checkpoint(self) -> Path:
+        """Folder with model.safetensors + drafter_config.json + metrics.json of the trained tiny drafter."""
+        return ef.trained_checkpoint(self.target_dir)
 
+    @functools.cached_property
+    def trained_drafter(self) -> Any:
+        return ef.load_checkpoint_drafter(self.trained_checkpoint)
 
-@pytest.fixture(scope="session")
-def trained_drafter(trained_checkpoint: Path) -> Any:
-    return ef.load_checkpoint_drafter(trained_checkpoint)
+    @functools.cached_property
+    def untrained_drafter(self) -> Any:
+        return ef.untrained_like(self.trained_drafter)
 
+    @functools.cached_property
+    def hooked_target(self) -> Any:
+        from dflash_train.evaluate.speculate import HookedTarget
 
-@pytest.fixture(scope="session")
-def untrained_drafter(trained_drafter: Any) -> Any:
-    return ef.untrained_like(trained_drafter)
-
-
-@pytest.fixture(scope="session")
-def hooked_target(target_model: Any, trained_drafter: Any) -> Any:
-    from dflash_train.speculate import HookedTarget
-
-    return HookedTarget(target_model, trained_drafter.config.target_layer_ids)
-
-
-# ------------------------------------------------------------ the Qwen3.6-architecture (hybrid) target
-@pytest.fixture(scope="session")
-def hybrid_target_dir() -> Path:
-    from tests.support.tiny_target import build_tiny_qwen3_6
-
-    return Path(build_tiny_qwen3_6())
+        return HookedTarget(self.model, self.trained_drafter.config.target_layer_ids)
 
 
 @pytest.fixture(scope="session")
-def hybrid_model(hybrid_target_dir: Path) -> Any:
-    return ef.load_target(hybrid_target_dir)
+def tiny_targets() -> dict[TargetArch, TinyTarget]:
+    return {arch: TinyTarget(arch) for arch in TARGET_ARCHS}
 
 
-@pytest.fixture(scope="session")
-def hybrid_heldout_prompts(hybrid_target_dir: Path) -> list[list[int]]:
-    return ef.chat_prompts(hybrid_target_dir, ef.heldout_texts())
+# The fixture the tests ask for, per target and part: the dense Qwen3 target's under plain names, the
+# Qwen3.6-architecture (hybrid) one's prefixed.
+FIXTURES: dict[TargetArch, dict[str, str]] = {
+    "qwen3": {"target_dir": "tiny_target_dir", "model": "target_model", "heldout_prompts": "heldout_prompts",
+              "trained_checkpoint": "trained_checkpoint", "trained_drafter": "trained_drafter",
+              "untrained_drafter": "untrained_drafter", "hooked_target": "hooked_target"},
+    "qwen3_6": {"target_dir": "hybrid_target_dir", "model": "hybrid_model",
+                "heldout_prompts": "hybrid_heldout_prompts", "trained_checkpoint": "hybrid_trained_checkpoint",
+                "trained_drafter": "hybrid_trained_drafter", "untrained_drafter": "hybrid_untrained_drafter",
+                "hooked_target": "hybrid_hooked_target"},
+}
 
 
-@pytest.fixture(scope="session")
-def hybrid_trained_checkpoint(hybrid_target_dir: Path) -> Path:
-    return ef.trained_checkpoint(hybrid_target_dir)
+def _part_fixture(arch: TargetArch, part: str, name: str) -> Any:
+    def fixture(tiny_targets: dict[TargetArch, TinyTarget]) -> Any:
+        return getattr(tiny_targets[arch], part)
+
+    fixture.__name__ = name
+    fixture.__doc__ = f"TinyTarget.{part} of the {arch} tiny target."
+    return pytest.fixture(scope="session", name=name)(fixture)
 
 
-@pytest.fixture(scope="session")
-def hybrid_trained_drafter(hybrid_trained_checkpoint: Path) -> Any:
-    return ef.load_checkpoint_drafter(hybrid_trained_checkpoint)
-
-
-@pytest.fixture(scope="session")
-def hybrid_untrained_drafter(hybrid_trained_drafter: Any) -> Any:
-    return ef.untrained_like(hybrid_trained_drafter)
-
-
-@pytest.fixture(scope="session")
-def hybrid_hooked_target(hybrid_model: Any, hybrid_trained_drafter: Any) -> Any:
-    from dflash_train.speculate import HookedTarget
-
-    return HookedTarget(hybrid_model, hybrid_trained_drafter.config.target_layer_ids)
+for _arch, _parts in FIXTURES.items():
+    for _part, _name in _parts.items():
+        globals()[f"_fixture_{_name}"] = _part_fixture(_arch, _part, _name)
+del _arch, _parts, _part, _name
 
 
 # ----------------------------------------------------------------------------------- stage chain
@@ -146,9 +149,10 @@ def _offline_chain(bucket: str, target_dir: Path, checkpoint: Path, lossless_pro
     """export + evaluate (float32, debug preset, unless `evaluate` says otherwise) of a trained drafter on S3, as
     the stages run them; with `split_data` the prompts are a tokenized manifest's held-out split (the default
     one) and a prompt set."""
-    from dflash_train.evaluate import run as run_evaluate
-    from dflash_train.evaluate_config import EvaluateConfig, ExportConfig
-    from dflash_train.export import run_export
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.stage import run as run_evaluate
+    from dflash_train.export.config import ExportConfig
+    from dflash_train.export.stage import run_export
 
     store = ObjectStore()
     root = join(bucket, name or f"run-{ef.arch_of(target_dir)}")

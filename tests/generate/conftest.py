@@ -1,4 +1,5 @@
-"""Fixtures of the generate-stage tests: a real Qwen tokenizer directory, the tiny targets, one engine.
+"""Fixtures of the generate-stage tests: a real Qwen tokenizer directory, the tiny targets and their transformers
+tokenizers, one engine.
 
 The target fixtures are parametrized over the supported architectures (`TARGET_ARCHS`: dense Qwen3 and the
 hybrid Qwen3.6 layout), so every test that uses them runs once per architecture. Starting a vLLM engine
@@ -40,6 +41,14 @@ def tiny_target_dir(target_arch: TargetArch) -> Path:
     from tests.support.tiny_target import build_tiny_target
 
     return build_tiny_target(target_arch)
+
+
+@pytest.fixture(scope="session")
+def hf_tok(tiny_target_dir: Path) -> Any:
+    """transformers' tokenizer of the session's tiny target: the reference for the ids the engine saw and said."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
 @pytest.fixture(scope="session")

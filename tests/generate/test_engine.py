@@ -10,14 +10,12 @@ independent of vLLM.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="engine tests need the generate environment (.venv-generate)")
 
-from transformers import AutoTokenizer  # noqa: E402
 
 from dflash_generate.completion import RenderedPrompt, render_prompt  # noqa: E402
 from dflash_generate.engine import VllmEngine  # noqa: E402
@@ -65,11 +63,6 @@ PROMPTS = [
     ),
     prompt(user("用一句话解释光合作用。")),
 ]
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tiny_target_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
-"""The GPU preflight check against the real CUDA build of torch (2.13.0+cu130 in .venv-generate), no GPU here.
+"""The GPU preflight check against the real CUDA build of torch (2.13.0+cu130 in .venv-generate).
 
-The driver version is read from fixture copies of the kernel module's version file
+Without a GPU: the driver version is read from fixture copies of the kernel module's version file
 (DFLASH_NVIDIA_DRIVER_VERSION_FILE); the CUDA runtime is the one this torch was built for, torch.version.cuda.
 A GPU stage asking for one GPU must exit 69 (ENVIRONMENT) and say why none is visible: a driver too old for
 the runtime (both versions named), a driver new enough but no device visible, or a version file it cannot read.
+On a GPU machine (`pytest -m gpu`) the same check passes and names the device it found.
 """
 
 from __future__ import annotations
@@ -64,3 +65,11 @@ def test_an_unreadable_version_file_is_named(driver_file: Path) -> None:
     code, line = gpu_check()
     assert code == ExitCode.ENVIRONMENT
     assert f"the driver version is unknown: {driver_file} cannot be read (IsADirectoryError" in line
+
+
+@pytest.mark.gpu
+def test_a_visible_gpu_passes_and_is_named() -> None:
+    code, line = gpu_check()
+    assert code == ExitCode.OK, line
+    assert line.startswith(f"preflight generate OK gpus: need 1 GPU(s), found {torch.cuda.device_count()} "
+                           f"(torch {torch.__version__}: {torch.cuda.get_device_name(0)} "), line

@@ -22,7 +22,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="stage tests need the generate environment (.venv-generate)")
 
-from transformers import AutoTokenizer  # noqa: E402
 
 from dflash_generate.sampling import default_sampling  # noqa: E402
 from dflash_generate.stage import run  # noqa: E402
@@ -56,11 +55,6 @@ FAMILY = {"qwen3": "qwen3", "qwen3_6": "qwen3_5"}
 @pytest.fixture(scope="module")
 def ids(target_arch: str) -> dict[str, int]:
     return qwen_special_ids(target_arch)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tiny_target_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
 @pytest.fixture(scope="module")

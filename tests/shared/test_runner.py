@@ -387,6 +387,7 @@ def test_kill_mid_shard_then_rerun_is_byte_identical(storage_root: str, store: O
     assert manifest.total_records == kept
 
 
+@pytest.mark.slow
 def test_four_workers_race_to_finalize_once(
     storage_root: str, store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -53,6 +53,7 @@ def test_misspelled_env_var_is_refused(tmp_path: Path, tok: str) -> None:
     assert "DFLASH_TOKENIZE_TOKENISER" in proc.stderr
 
 
+@pytest.mark.slow
 def test_import_preflight_run(tmp_path: Path, tok: str, store: ObjectStore) -> None:
     source = tmp_path / "external"
     source.mkdir()
@@ -182,6 +183,7 @@ def test_unusable_storage_exits_69_in_run_as_in_preflight(
     exit_policy.assert_environment_exit(proc, case)
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_stage(tmp_path: Path, tok: str, store: ObjectStore) -> None:
     psutil = pytest.importorskip("psutil")
     src = write_completions(store, str(tmp_path / "c"), [completion(conversation(i)) for i in range(4000)], shards=4)
@@ -284,6 +286,7 @@ def test_help_describes_each_command_with_an_example() -> None:
     assert sub.returncode == 0 and "example:\n  dflash-tokenize run --input " in sub.stdout
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_reuses_its_published_files(tmp_path: Path, tok: str, store: ObjectStore) -> None:
     records = [completion(conversation(i)) for i in range(2400)]
     src = write_completions(store, str(tmp_path / "c"), records, shards=4)

@@ -9,6 +9,7 @@ encoded with the real Qwen3 tokenizer: prompt tokens unmasked, completion tokens
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from tests.support.qwen_assets import qwen_special_ids, shared_tokenizer_dir
 from tests.support.tiny_target import TARGET_ARCHS, build_tiny_target
+from tests.train.train_fixtures import tiny_target
 
 _TEXTS = [
     ("What is the capital of France?", "The capital of France is Paris, a city on the Seine."),
@@ -29,10 +31,8 @@ _TEXTS = [
 
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
-    """Directory of the cached tiny random Qwen3 target."""
-    from tests.support.tiny_target import build_tiny_qwen3
-
-    return build_tiny_qwen3()
+    """Directory of the cached tiny random Qwen3 target (train_fixtures.tiny_target, for the tests' helpers)."""
+    return tiny_target()
 
 
 @pytest.fixture(scope="session", params=TARGET_ARCHS)
@@ -65,6 +65,23 @@ def qwen_docs() -> list[tuple[list[int], list[bool]]]:
         a = tok.encode(" " + answer, add_special_tokens=False).ids
         docs.append((p + a, [False] * len(p) + [True] * len(a)))
     return docs
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """No compiled graphs or counts from earlier tests, flex's once-per-process fallback warning re-armed (a
+    test that makes warnings errors then sees it), and the recompile limit put back afterwards."""
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as flex_module
+    from torch._dynamo.utils import counters
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    counters.clear()
+    flex_module._WARNINGS_SHOWN.discard("flex_attention_performance")
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = limit
 
 
 @pytest.fixture(autouse=True)

@@ -40,17 +40,6 @@ CAP = 64
 CYCLE = (16, 32, 64, 16, 32, 64)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """No compiled graphs or counts from earlier tests; the recompile limit put back afterwards."""
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = limit
-
-
 def _config(backend: str = "flex") -> DrafterConfig:
     return DrafterConfig.debug(num_anchors=CAP, max_anchors_per_row=CAP, attention_backend=backend,
                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
 from dflash_train.data.batch import pack_row, stack_rows
@@ -22,16 +21,6 @@ from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
 # The start of flex's warning when it runs without torch.compile (torch/nn/attention/flex_attention.py).
 UNFUSED_FALLBACK = "flex_attention called without torch.compile"
 SEQ = 128
-
-
-@pytest.fixture
-def fresh_dynamo():
-    """No compiled kernels or counts from earlier tests, and flex's once-per-process warning re-armed."""
-    torch._dynamo.reset()
-    counters.clear()
-    flex_module._WARNINGS_SHOWN.discard("flex_attention_performance")
-    yield
-    torch._dynamo.reset()
 
 
 def _batch(gen: torch.Generator, docs_per_row: int):

@@ -6,6 +6,7 @@ agreement check, the compiled drafter while the anchor count cycles over three l
 the JSON a GPU run would hand back: every field there, sane values (MFU in (0, 1], tokens/s > 0, phase times
 that add up to the step, a full-depth projection that follows its formula, agreement within the stated
 tolerances), honest labels (a part that could not test its point says not_tested), and the exit codes.
+On a GPU machine (`pytest -m gpu`, a CUDA build of torch) the full check runs as well.
 """
 
 from __future__ import annotations
@@ -187,6 +188,18 @@ def test_without_a_gpu_the_full_check_names_the_way_out(tmp_path: Path):
     assert proc.returncode == 69
     assert "no CUDA device" in proc.stderr and "--tiny" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_on_a_gpu_the_full_check_passes(tmp_path: Path):
+    """The check as a GPU machine runs it (real widths, 8 layers, its own 520 s budget)."""
+    proc = _run("--out", str(tmp_path), timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["ok"] is True and result["failed"] == []
+    assert result["environment"]["device"] == "cuda"
 
 
 def test_pair_count_reads_both_backends_alike():
