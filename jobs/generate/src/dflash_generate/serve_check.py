@@ -26,10 +26,17 @@ rounded the other way sends a prompt down another path, with other acceptance). 
 prompts the engine decoded exactly as the offline loop did (per-request acceptance from the engine), which
 must be at least `min_matched_fraction` of them; the gap over all prompts is reported beside it.
 
+Acceptance is also compared prompt by prompt and step by step (serve_steps.py): every prompt the engine decoded
+exactly as the offline loop did is replayed against the offline trace (`evaluation.json`, `results[i].accepted`)
+with vLLM's per-request trace (`per_step_accepted`, `per_step_drafted`), and the first step that differs is named
+(prompt, step, position, both counts). More than `max_step_mismatch_fraction` of the steps differing fails the
+run: a drafter served with other weights on some layers can keep the averaged gap small.
+
 A relative gap |engine tau - offline tau| / offline tau above the tolerance means training and serving
 disagree (layer ids, masks, positions, template) and fails the run with BadInputError (exit 65), as do
-differing outputs. `<output>/serve-check.json` is written first; the evaluation manifest (offline numbers
-plus engine_tau) is written last, only when both checks pass.
+differing outputs and differing steps. `<output>/serve-check.json` is written first; the evaluation manifest
+(offline numbers plus engine_tau) is written last, only when every check passes. A DFlash engine starts only
+where vLLM will run the context-key norm self-test in its engine processes (context_k_norm.py).
 """
 
 from __future__ import annotations
@@ -45,9 +52,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from dflash_generate import context_k_norm
 from dflash_generate.engine import EngineConfig, engine_flavour, only_dtype
 from dflash_generate.model_source import ModelFiles, ModelSource
 from dflash_generate.ngram_baseline import BaselineAcceptance, NgramSettings, tokens_per_step
+from dflash_generate.serve_steps import StepComparison, compare_steps
 from dflash_generate.target import TargetInfo, read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
@@ -89,6 +98,11 @@ class ServeCheckConfig(StageSettings, NumericsSettings):
     )
     require_identical_outputs: bool = Field(
         default=True, description="Fail when greedy output with speculation differs from output without it."
+    )
+    max_step_mismatch_fraction: float = Field(
+        default=0.02, ge=0, le=1, description="Largest share of the drafter steps, offline and engine (over the "
+        "prompts both decoded alike), that one side takes otherwise: another position, draft count or acceptance "
+        "(serve_steps.py).",
     )
     min_matched_fraction: float = Field(
         default=0.5, ge=0, le=1, description="Engine at another dtype than the offline evaluation: least share of "
@@ -191,6 +205,7 @@ class Generated(BaseModel):
 
     token_ids: list[int]
     accepted: list[int] | None = None
+    drafted: list[int] | None = None
     top_logprobs: list[dict[int, float]] | None = None
 
 
@@ -218,6 +233,8 @@ class ServeCheckReport(BaseModel):
         default=0, description="Teacher-forced requests rounds the comparison took past near-ties.")
     engine_equals_offline: int = Field(description="Prompts where the engine reproduced the offline output.")
     matched: MatchedAcceptance = Field(description="Acceptance over the prompts both sides decoded alike.")
+    steps: StepComparison | None = Field(
+        default=None, description="Engine against offline loop step by step, over the prompts decoded alike.")
     compared: Literal["all", "matched"] = Field(
         description="Which gap was held to max_tau_gap: over all prompts (same dtype) or the matched ones.")
     start_seconds: dict[str, float] = Field(description="Engine start-up time, speculative and plain.")
@@ -271,9 +288,14 @@ def relative_gap(offline_tau: float, engine_tau: float) -> float:
 
 @contextlib.contextmanager
 def started_engine(engine: EngineConfig, speculative: dict[str, Any] | None) -> Iterator[tuple[Any, float]]:
-    """A vLLM `LLM` (with stats on, so spec-decode counters exist, per request too) and its start-up seconds."""
+    """A vLLM `LLM` (with stats on, so spec-decode counters exist, per request too) and its start-up seconds.
+
+    With a DFlash drafter, first checks that vLLM's engine processes will run the context-key norm self-test
+    (context_k_norm.py: vLLM 0.32's CPU kernel normalises every layer's context keys with layer 0's k_norm)."""
     from vllm import LLM
 
+    if speculative and speculative.get("method") == "dflash":
+        context_k_norm.ensure_registered()
     began = time.monotonic()
     per_request = {"per_request_spec_decode_metrics": "detailed"} if speculative else {}
     llm = LLM(**engine.llm_kwargs(), speculative_config=speculative, disable_log_stats=False, **per_request)
@@ -317,7 +339,8 @@ def _generated(request_output: Any) -> Generated:
     top = None if completion.logprobs is None else [
         {int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
     return Generated(token_ids=list(completion.token_ids), top_logprobs=top,
-                     accepted=None if metrics is None else list(metrics.per_step_accepted))
+                     accepted=None if metrics is None else list(metrics.per_step_accepted),
+                     drafted=None if metrics is None else list(metrics.per_step_drafted))
 
 
 def _step(output: Generated, index: int) -> Step:
@@ -383,6 +406,14 @@ def matched_acceptance(report: OfflineReportView, spec: list[Generated]) -> Matc
     engine = 1.0 + sum(sum(e) for _, e in pairs) / sum(len(e) for _, e in pairs)
     return MatchedAcceptance(prompts=len(pairs), offline_tau=offline, engine_tau=engine,
                              relative_gap=relative_gap(offline, engine))
+
+
+def step_comparison(report: OfflineReportView, spec: list[Generated], max_fraction: float) -> StepComparison:
+    """Each prompt the engine decoded as the offline loop did, step by step (serve_steps.py)."""
+    engine = [(g.accepted or [], g.drafted) if r.output_token_ids == g.token_ids else None
+              for r, g in zip(report.results, spec, strict=True)]
+    return compare_steps([r.id for r in report.results], [r.accepted for r in report.results], engine,
+                         report.block_size - 1, max_fraction)
 
 
 def engine_dtype(requested: str, offline: str, target: TargetInfo, flavour: str) -> str:
@@ -532,6 +563,7 @@ def check_report(config: ServeCheckConfig, report: OfflineReportView, dtype: str
         outputs_identical=outputs.identical, output_mismatches=sorted({p.prompt_id for p in outputs.mismatches}),
         outputs=outputs, forced_rounds=served.forced_rounds,
         engine_equals_offline=matched.prompts, matched=matched,
+        steps=step_comparison(report, served.outputs, config.max_step_mismatch_fraction),
         compared="all" if dtype == report.dtype else "matched",
         start_seconds=start_seconds,
         engine_tokens_per_step=tokens_per_step(sum(len(o.token_ids) for o in served.outputs),
@@ -566,13 +598,18 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
     store.write_bytes(report_uri, data)
     m = check.matched
     log.info("engine tau %.3f (%s) vs offline tau %.3f (%s): gap %.1f%%, %d drafts; over the %d/%d prompts decoded "
-             "alike: %s vs %s; outputs: %s", check.engine.tau, check.dtype, check.offline_tau, check.offline_dtype,
-             100 * check.relative_gap, check.engine.drafts, m.prompts, check.prompts, m.engine_tau, m.offline_tau,
-             check.outputs.summary())
+             "alike: %s vs %s; steps: %s; outputs: %s", check.engine.tau, check.dtype, check.offline_tau,
+             check.offline_dtype, 100 * check.relative_gap, check.engine.drafts, m.prompts, check.prompts, m.engine_tau,
+             m.offline_tau, check.steps.summary() if check.steps else "not compared", check.outputs.summary())
     # Outputs first: an engine that is not lossless makes any acceptance figure meaningless.
     different = check.outputs.failure()
     if config.require_identical_outputs and different:
         raise BadInputError(f"{different}; report: {report_uri}")
+    # Then the steps: they name the first prompt and step where engine and offline loop part.
+    steps = check.steps.failure() if check.steps else None
+    if steps:
+        raise BadInputError(f"{steps}: training and serving disagree (drafter weights, layer ids, masks, positions?); "
+                            f"report: {report_uri}")
     failure = tau_failure(check, config.min_matched_fraction)
     if failure:
         raise BadInputError(f"{failure}: training and serving disagree (layer ids, masks, positions, template?); "
