@@ -75,6 +75,9 @@ image-tools: ## Install podman/buildah/debootstrap when missing
 demo: $(VENV_STAMP) venv-generate venv-train ## Run the whole pipeline on CPU with a tiny model (reruns resume)
 	$(PY) demo/run_demo.py
 
+demo-pilot: $(VENV_STAMP) venv-generate venv-train ## The demo run's pilot (full shape, reduced counts), its report, and the re-plan from it
+	$(PY) demo/run_demo.py --pilot
+
 # ---------------------------------------------------------------- tests and checks
 test: $(VENV_STAMP) venv-generate venv-train image-tools ## Run the test suite (what CI runs; `gpu` tests skip without a CUDA device, PYTEST_ARGS='-m gpu' runs only them)
 	bash scripts/run-tests.sh $(PYTEST_ARGS)
@@ -89,13 +92,16 @@ test-fast: $(VENV_STAMP) ## Unit tests only: no image builds, no vLLM, no long r
 test-images: $(VENV_STAMP) image-tools ## Build the images and run the image tests
 	$(PY) -m pytest -m image tests/images $(PYTEST_ARGS)
 
+test-cuda-images: $(VENV_STAMP) venv-train image-tools ## Build the CUDA images (generator, trainer) and smoke-test them on CPU; not part of `make test` (see docs/benchmarks.md)
+	$(PY) -m pytest -m cuda_image tests/images/test_cuda_images.py $(PYTEST_ARGS)
+
 lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library and the orchestration, zizmor and the schema over the CI workflows
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy shared/src/dflash_shared jobs/pipeline/src/dflash_pipeline
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
-docs: $(VENV_STAMP) ## Regenerate the generated parts of README.md and docs/: configuration reference, demo figures
+docs: $(VENV_STAMP) ## Regenerate the generated parts of README.md and docs/: configuration and run file references, demo figures
 	$(PY) scripts/update_readme.py
 
 schemas: $(VENV_STAMP) ## Export the JSON Schema of every manifest kind to schemas/
@@ -140,5 +146,5 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_train_data.py
 	.venv-train/bin/python bench/bench_target_features.py
 
-.PHONY: help tools demo venv venv-generate venv-train image-tools test test-fast test-images lint docs k8s-base schemas build-images \
+.PHONY: help tools demo demo-pilot venv venv-generate venv-train image-tools test test-fast test-images test-cuda-images lint docs k8s-base schemas build-images \
 	build-image dockerfiles base-image lock bench-tokenize bench-train bench-eval bench-numerics bench-quality

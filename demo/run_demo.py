@@ -104,6 +104,8 @@ def run_file(model: Path, root: str, overrides: dict[str, Any], target: str = "s
         "target": {"model_id": f"tiny-{target}-demo", "uri": str(model), "enable_thinking": False},
         "source": {"kind": "prompts", "uri": f"{str(root).rstrip('/')}/{source_folder(target)}"},
         "stages": stages,
+        # `--overrides` may also hold a [pilot] table: the counts of the run's pilot.
+        **({"pilot": overrides["pilot"]} if "pilot" in overrides else {}),
     }
 
 
@@ -151,10 +153,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "demo-output", help="Where the run and its model go.")
     parser.add_argument("--root", default=None, help="Storage root (default: <out>/store; s3:// works too).")
-    parser.add_argument("--overrides", type=Path, default=None, help="JSON file of per-stage config overrides.")
+    parser.add_argument("--overrides", type=Path, default=None,
+                        help="JSON file of per-stage config overrides (and a \"pilot\" table of the pilot's counts).")
     parser.add_argument("--target", choices=TARGETS, default=os.environ.get(TARGET_ENV, "speaking"),
                         help=f"Target (default: ${TARGET_ENV}, else speaking).")
     parser.add_argument("--verbose", action="store_true", help="Print every line of every stage (engines' too).")
+    parser.add_argument("--pilot", action="store_true",
+                        help="Run the run file's pilot (its counts reduced, its shapes kept), write its report, and "
+                        "re-plan the full run from it (`make demo-pilot`).")
     args = parser.parse_args()
     if args.target not in TARGETS:  # argparse checks choices on the command line, not on a default from the env
         parser.error(f"{TARGET_ENV}={args.target!r}: expected one of {', '.join(TARGETS)}")
@@ -171,6 +177,8 @@ def main() -> int:
     logs = out / "logs" / args.target
     transcript = logs / "console.log"
     console_before = _line_count(transcript)
+    if args.pilot:
+        return run_pilot(run_path, logs.with_name(f"{args.target}-pilot"), args.verbose)
     command = [sys.executable, "-m", "dflash_pipeline", "local", "--config", str(run_path),
                "--log-dir", str(logs), *(["--verbose"] if args.verbose else [])]
     started = time.monotonic()
@@ -203,6 +211,30 @@ def main() -> int:
     }
     (out / f"last-run-{args.target}.json").write_text(json.dumps(record, indent=2) + "\n")
     return 0
+
+
+def run_pilot(run_path: Path, logs: Path, verbose: bool) -> int:
+    """The pilot of the demo's run: `local --pilot` (which prints and writes the report), then the full run
+    re-planned from that report (`plan --from-pilot`)."""
+    from dflash_pipeline.pilot import derive_pilot
+    from dflash_pipeline.pilot_report import report_uri
+
+    pilot = derive_pilot(load_run_config(run_path))
+    started = time.monotonic()
+    code = subprocess.run([sys.executable, "-m", "dflash_pipeline", "local", "--pilot", "--config", str(run_path),
+                           "--log-dir", str(logs), *(["--verbose"] if verbose else [])], cwd=REPO,
+                          check=False).returncode
+    if code != 0:
+        return code
+    wall_s = time.monotonic() - started
+    print(f"pilot {pilot.run_id}: {wall_s:.0f} s on {os.cpu_count()} CPU cores; the full run re-planned from it:")
+    replan = [sys.executable, "-m", "dflash_pipeline", "plan", "--config", str(run_path), "--from-pilot",
+              report_uri(pilot)]
+    code = subprocess.run(replan, cwd=REPO, check=False).returncode
+    (run_path.parent / f"last-pilot-{pilot.pilot_of}.json").write_text(json.dumps(
+        {"command": "make demo-pilot", "wall_s": round(wall_s, 1), "cpus": os.cpu_count(),
+         "report": report_uri(pilot)}, indent=2) + "\n")
+    return code
 
 
 def _target_build_seconds(model: Path) -> float | None:

@@ -5,6 +5,10 @@
 #        docker/build-images.sh --ensure-tools install the container tools (apt) and exit
 #        docker/build-images.sh --containers-conf
 #                                              write the podman settings file, print its path
+#        docker/build-images.sh --digests-json [NAME...]
+#                                              build nothing: collect the <name>.digest files already in the
+#                                              build folder into digests.json (CI merges its per-image jobs'
+#                                              files so); fails when a named image has none
 #
 # Tags:  localhost/dflash-<name>:<git short sha> and :latest.
 # Digests: each image's digest is recorded in $DFLASH_IMAGE_BUILD_DIR/digests.json (a run file's
@@ -21,6 +25,12 @@
 # Secret: the CA bundle named by PIP_CERT, REQUESTS_CA_BUNDLE or SSL_CERT_FILE (the first that is
 #         a file) is passed as the build secret "cacert" for TLS-intercepting proxies; it is
 #         mounted only while dependencies install and never stored in an image.
+# Wheels: a Dockerfile that declares the "wheels" and "wheels-extra" stages (the CUDA images) gets up to two
+#         local package indexes as those build contexts, so its GB of CUDA wheels install from disk where a
+#         machine keeps them: the folders named in DFLASH_LOCAL_INDEXES (dir[:dir], each holding simple/; empty:
+#         none), else the file://.../simple extra indexes of this machine's pip configuration (`pip config list`).
+#         A --build-context in DFLASH_BUILD_EXTRA_ARGS replaces them. Wheels a local index lacks come from the
+#         package index; every wheel is hash-checked against the lock either way.
 # Other: DFLASH_IMAGE_BUILD_DIR (default <repo>/build/images) holds logs and containers.conf;
 #         VERBOSE=1 streams build output instead of writing it only to the log;
 #         DFLASH_BUILD_EXTRA_ARGS adds engine flags (e.g. "--no-cache").
@@ -149,6 +159,29 @@ ca_bundle() {
   done
 }
 
+# Prints the local package indexes (folders holding simple/) for the wheel build contexts, one per line, at
+# most two. pip's own configuration is where a machine with local mirrors already names them.
+local_indexes() {
+  local roots=() root seen="" pip_cmd listed
+  if [[ -n "${DFLASH_LOCAL_INDEXES+set}" ]]; then
+    IFS=: read -r -a roots <<<"$DFLASH_LOCAL_INDEXES"
+  else
+    pip_cmd="$(command -v pip3 || command -v pip || true)"
+    [[ -n "$pip_cmd" ]] || return 0
+    listed="$("$pip_cmd" config list 2>/dev/null || true)"
+    mapfile -t roots < <(grep -oE "file://(/[^ '\"]+)/simple/?" <<<"$listed" | sed -E 's#^file://##; s#/simple/?$##')
+  fi
+  local n=0
+  for root in "${roots[@]}"; do
+    [[ -n "$root" && -d "$root/simple" ]] || continue
+    case " $seen " in *" $root "*) continue ;; esac
+    seen="$seen $root"
+    printf '%s\n' "$root"
+    n=$((n + 1))
+    [[ $n -lt 2 ]] || break
+  done
+}
+
 build_one() {
   local name="$1" dockerfile="docker/$1/Dockerfile" default base cacert log_file t0 size
   default="$(sed -n 's/^ARG BASE_IMAGE=//p' "$ROOT/$dockerfile" | head -n 1)"
@@ -159,6 +192,17 @@ build_one() {
               --build-arg "GIT_REVISION=$GIT_REVISION" --build-arg "SOURCE_URL=$SOURCE_URL"
               --build-arg "IMAGE_REF=$tag")
   [[ -n "$base" ]] && args+=(--build-arg "BASE_IMAGE=$base")
+  local wheels="none" contexts=() root
+  if grep -q '^FROM scratch AS wheels$' "$ROOT/$dockerfile" \
+      && [[ "${DFLASH_BUILD_EXTRA_ARGS:-}" != *--build-context* ]]; then
+    mapfile -t contexts < <(local_indexes)
+    local stages=(wheels wheels-extra) i=0
+    for root in "${contexts[@]}"; do
+      args+=(--build-context "${stages[$i]}=$root")
+      i=$((i + 1))
+    done
+    if [[ ${#contexts[@]} -gt 0 ]]; then wheels="${contexts[*]}"; fi
+  fi
   # shellcheck disable=SC2206  # a list of engine flags, e.g. "--no-cache --pull"
   [[ -n "${DFLASH_BUILD_EXTRA_ARGS:-}" ]] && args+=(${DFLASH_BUILD_EXTRA_ARGS})
   # Without a bundle the secret is simply not given: the mount is optional in the Dockerfiles.
@@ -188,7 +232,7 @@ build_one() {
   # Machine-readable results for callers (the image tests): which engine, which exact tag.
   printf '%s\n' "$tag" >"$BUILD_DIR/$name.image"
   record_digest "$name" "$tag"
-  log "$name OK: $tag (+latest), $((size / 1000000)) MB, $((SECONDS - t0)) s, $ENGINE, base ${base:-${default:-from Dockerfile}}"
+  log "$name OK: $tag (+latest), $((size / 1000000)) MB, $((SECONDS - t0)) s, $ENGINE, base ${base:-${default:-from Dockerfile}}, local wheel indexes: $wheels"
 }
 
 # Writes $BUILD_DIR/<name>.digest: the image's reference and digest as one JSON object. Pushed (DFLASH_PUSH_TO),
@@ -237,11 +281,27 @@ write_digests_json() {
   log "digests recorded in $out (images.digests_file of a run file)"
 }
 
+set_revision() {
+  GIT_REVISION="$(git -C "$ROOT" rev-parse --verify --quiet HEAD 2>/dev/null || true)"
+  SHORT_SHA="$(git -C "$ROOT" rev-parse --verify --quiet --short HEAD 2>/dev/null || true)"
+  GIT_REVISION="${GIT_REVISION:-unknown}"
+  SHORT_SHA="${SHORT_SHA:-unknown}"
+}
+
 main() {
   case "${1:-}" in
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; return ;;
     --ensure-tools) ensure_packages "${TOOL_PACKAGES[@]}"; log "tools present: ${TOOL_PACKAGES[*]}"; return ;;
     --containers-conf) write_containers_conf; printf '%s\n' "$CONTAINERS_CONF"; return ;;
+    --digests-json)
+      shift
+      local name
+      for name in "$@"; do
+        [[ -f "$BUILD_DIR/$name.digest" ]] || die "no digest recorded for '$name' ($BUILD_DIR/$name.digest is missing)"
+      done
+      set_revision
+      write_digests_json
+      return ;;
     -*) die "unknown option $1 (see --help)" ;;
   esac
 
@@ -258,10 +318,7 @@ main() {
   fi
   [[ ${#names[@]} -gt 0 ]] || die "no docker/*/Dockerfile found"
 
-  GIT_REVISION="$(git -C "$ROOT" rev-parse --verify --quiet HEAD 2>/dev/null || true)"
-  SHORT_SHA="$(git -C "$ROOT" rev-parse --verify --quiet --short HEAD 2>/dev/null || true)"
-  GIT_REVISION="${GIT_REVISION:-unknown}"
-  SHORT_SHA="${SHORT_SHA:-unknown}"
+  set_revision
   # Credentials embedded in a remote URL must not end up in an image label.
   SOURCE_URL="$(git -C "$ROOT" config --get remote.origin.url 2>/dev/null | sed -E 's#://[^/@]*@#://#' || true)"
   SOURCE_URL="${SOURCE_URL:-unknown}"

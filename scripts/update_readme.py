@@ -1,17 +1,19 @@
 """Regenerate the documentation's generated parts (`make docs`): the configuration reference from the stages'
-pydantic models, and the demo figures from the last `make demo` runs.
+pydantic models, the run file reference from `RunConfig` and its models, and the demo figures from the last
+`make demo` runs.
 
 Each part lives between its markers in whichever page holds it (README.md, docs/*.md, jobs/*/README.md): the
-configuration reference in docs/configuration.md, the speaking target's demo figures in the README, the other
-targets' in docs/demo.md. A page is rewritten only where its markers are, so moving a block to another page
-needs no change here.
+configuration reference in docs/configuration.md, the run file reference in docs/run-file.md, the speaking
+target's demo figures in the README, the other targets' in docs/demo.md. A page is rewritten only where its
+markers are, so moving a block to another page needs no change here.
 
 Run in .venv; a stage whose config module cannot be imported there (it needs torch or vLLM) is documented
 from the environment that has it by passing its module on the command line. The demo figures come from
 `demo-output/last-run-<target>.json`, which `demo/run_demo.py` writes after each successful run (wall time, peak
 memory, console and log line counts, the summary read from the manifests), so they are what the code produced,
-never typed in. `--check` exits 1 when a page's configuration reference is out of date or a generated part is
-missing or doubled (the test suite runs it; the demo figures themselves depend on a run that CI does not keep).
+never typed in. `--check` exits 1 when a page's configuration or run file reference is out of date or a generated
+part is missing or doubled (the test suite runs it; the demo figures themselves depend on a run that CI does not
+keep).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import importlib
 import json
 import re
 import sys
+import types
 from pathlib import Path
+from typing import Annotated, Any, Union, get_args, get_origin
 
 REPO = Path(__file__).resolve().parents[1]
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -57,6 +61,90 @@ def reference() -> str:
     return "\n".join(parts)
 
 
+RUN_START, RUN_END = "<!-- run-file-reference:start -->", "<!-- run-file-reference:end -->"
+
+# (heading, module, class, note): the run file's tables, top level first, then each nested table in file order.
+RUN_FILE_MODELS = [
+    ("Top level", "dflash_pipeline.config", "RunConfig", ""),
+    ("`[images]`", "dflash_pipeline.config", "ImageSettings", ""),
+    ("`[target]`", "dflash_pipeline.config", "TargetModel", ""),
+    ("`[source]`", "dflash_pipeline.config", "SourceData", ""),
+    ("`[storage]`", "dflash_pipeline.config", "StorageAccess", ""),
+    ("`[scheduling]`", "dflash_pipeline.config", "SchedulingSettings", ""),
+    ("`[stages]`", "dflash_pipeline.config", "StagesSettings",
+     "Each stage is a `[stages.<stage>]` table of the settings below; a stage's defaults (next table) are merged "
+     "under what the run file sets."),
+    ("`[stages.<stage>]`", "dflash_pipeline.config", "JobSettings",
+     "The defaults here are those of a stage that `STAGE_DEFAULTS` leaves alone; each stage's own are below."),
+    ("`tolerations` entries (`[[stages.<stage>.tolerations]]`)", "dflash_pipeline.config", "Toleration", ""),
+    ("`[plan]`", "dflash_pipeline.plan_inputs", "PlanInputs", ""),
+    ("`[pilot]`", "dflash_pipeline.pilot_settings", "PilotSettings", ""),
+]
+
+
+def _plain(annotation: Any) -> Any:
+    """The annotation without its Annotated validators, whose text names functions by address."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _plain(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return Union[tuple(_plain(arg) for arg in get_args(annotation))]  # noqa: UP007 - built from a tuple
+    return annotation
+
+
+def _prose(text: str) -> str:
+    """Text on one line, a `<name>` outside code escaped so that Markdown shows it rather than drops it."""
+    pieces = re.split(r"(`[^`]*`)", " ".join(text.split()))
+    return "".join(piece if piece.startswith("`") else piece.replace("<", "&lt;") for piece in pieces)
+
+
+def _model_table(model: type) -> str:
+    from pydantic import BaseModel
+
+    from dflash_shared.settings import _default_text, _type_name
+
+    rows = ["| Field | Type | Default | Description |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        nested = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        default = "its table's defaults" if nested and not field.is_required() else _default_text(field)
+        if model.__name__ == "StagesSettings":
+            default = "`STAGE_DEFAULTS`, below"
+        cells = [f"`{field.alias or name}`", f"`{_type_name(_plain(annotation))}`", default,
+                 _prose(field.description or "")]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _stage_defaults_table(defaults: dict[str, dict[str, object]]) -> str:
+    rows = ["| Stage | Defaults |", "|---|---|"]
+    for stage, values in defaults.items():
+        cells = [f"`{stage}`", ", ".join(f"`{key} = {json.dumps(value)}`" for key, value in values.items())]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def run_file_reference() -> str:
+    parts = [RUN_START, "", "Generated from `RunConfig` and its models by `make docs`; do not edit by hand.", ""]
+    for heading, module_name, class_name, note in RUN_FILE_MODELS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        model = getattr(module, class_name)
+        parts += [f"### {heading}", ""]
+        if model.__doc__:
+            parts += [_prose(model.__doc__.split("\n\n")[0]), ""]
+        if note:
+            parts += [note, ""]
+        parts.append(_model_table(model))
+        if class_name == "StagesSettings":
+            parts += ["Per-stage defaults (`STAGE_DEFAULTS` in config.py):", "",
+                      _stage_defaults_table(module.STAGE_DEFAULTS)]
+    parts.append(RUN_END)
+    return "\n".join(parts)
+
+
 def demo_block(target: str, run: dict[str, object]) -> str:
     minutes, seconds = divmod(round(float(run["wall_s"])), 60)  # type: ignore[arg-type]
     lines = [
@@ -89,7 +177,7 @@ def pages() -> list[Path]:
 def markers() -> list[tuple[str, str]]:
     """Each generated part's start and end marker; every part is in exactly one page."""
     demo = [(f"<!-- demo-figures:{t}:start -->", f"<!-- demo-figures:{t}:end -->") for t in DEMO_TARGETS]
-    return [(START, END), *demo]
+    return [(START, END), (RUN_START, RUN_END), *demo]
 
 
 def misplaced(texts: dict[Path, str]) -> list[str]:
@@ -103,8 +191,13 @@ def misplaced(texts: dict[Path, str]) -> list[str]:
     return problems
 
 
-def fill_reference(text: str, table: str) -> str:
-    return re.compile(re.escape(START) + ".*?" + re.escape(END), re.S).sub(lambda _: table, text)
+def fill_reference(text: str, table: str, start: str = START, end: str = END) -> str:
+    return re.compile(re.escape(start) + ".*?" + re.escape(end), re.S).sub(lambda _: table, text)
+
+
+def fill_references(text: str, table: str, run_table: str) -> str:
+    """The page with its stage configuration reference and its run file reference current."""
+    return fill_reference(fill_reference(text, table), run_table, RUN_START, RUN_END)
 
 
 def fill_demo_figures(text: str, out: Path) -> str:
@@ -125,10 +218,10 @@ def main() -> int:
     args = parser.parse_args()
     texts = {path: path.read_text() for path in pages()}
     problems = misplaced(texts)
-    table = reference()
-    stale = [path for path, text in texts.items() if fill_reference(text, table) != text]
+    table, run_table = reference(), run_file_reference()
+    stale = [path for path, text in texts.items() if fill_references(text, table, run_table) != text]
     if args.check:
-        problems += [f"{path.relative_to(REPO).as_posix()}: the configuration reference is out of date: run "
+        problems += [f"{path.relative_to(REPO).as_posix()}: a configuration reference is out of date: run "
                      "`make docs`" for path in stale]
         for problem in problems:
             print(problem, file=sys.stderr)
@@ -136,7 +229,7 @@ def main() -> int:
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
     for path, text in texts.items():
-        updated = fill_demo_figures(fill_reference(text, table), REPO / "demo-output")
+        updated = fill_demo_figures(fill_references(text, table, run_table), REPO / "demo-output")
         if updated != text:
             path.write_text(updated)
     return 0

@@ -1,8 +1,17 @@
 #!/bin/sh
 # Default command of the tokenizer image: check the environment (credentials, input manifest,
 # output prefix, tokenizer) first, then run the stage. Both read their configuration from
-# DFLASH_* environment variables; extra arguments are passed to both. exec hands PID 1 to the
-# stage so that SIGTERM from the orchestrator reaches it directly.
+# DFLASH_* environment variables; extra arguments are passed to both. `import`, `preflight` or `run`
+# as the first argument runs only that command. exec hands the process to the stage so that SIGTERM
+# from the orchestrator reaches it directly.
 set -eu
+# With DFLASH_LOG_PREFIX set (every stage Job sets it), this script runs once more under dflash_shared.pod_log,
+# which passes the output through, keeps a copy in the store (<run>/logs/<stage>/<pod>.log) and passes SIGTERM on.
+if [ -n "${DFLASH_LOG_PREFIX:-}" ] && [ -z "${DFLASH_POD_LOG:-}" ]; then
+  exec python -m dflash_shared.pod_log -- "$0" "$@"
+fi
+case "${1:-}" in
+  import|preflight|run) exec dflash-tokenize "$@" ;;
+esac
 dflash-tokenize preflight "$@"
 exec dflash-tokenize run "$@"

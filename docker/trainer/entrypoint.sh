@@ -2,7 +2,7 @@
 # Default command of the trainer image. Every form reads DFLASH_TRAIN_* variables.
 #
 #   entrypoint.sh [FLAGS...]          preflight, then `dflash-train run` in this process (one GPU, or CPU);
-#                                     the flags go to both. exec hands PID 1 to the stage, so SIGTERM
+#                                     the flags go to both. exec hands the process to the stage, so SIGTERM
 #                                     from the orchestrator reaches it directly.
 #   entrypoint.sh preflight|run|evaluate|export [FLAGS...]
 #                                     that command alone.
@@ -23,6 +23,11 @@
 #   otherwise (a rank failed, or died without  -> its code, else torchrun's: counted against the index's
 #   leaving a code: OOM kill, segfault)           backoffLimitPerIndex.
 set -eu
+# With DFLASH_LOG_PREFIX set (every stage Job sets it), this script runs once more under dflash_shared.pod_log,
+# which passes the output through, keeps a copy in the store (<run>/logs/<stage>/<pod>.log) and passes SIGTERM on.
+if [ -n "${DFLASH_LOG_PREFIX:-}" ] && [ -z "${DFLASH_POD_LOG:-}" ]; then
+  exec python -m dflash_shared.pod_log -- "$0" "$@"
+fi
 
 PREEMPTED=75
 

@@ -7,6 +7,7 @@ the tokenize stage accepting the output in token_exact mode. The session's engin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -202,6 +203,21 @@ def test_bad_input_is_counted_by_reason_and_nothing_else_lost(tmp_path: Path, en
     assert [r.id for r in completions(store, out)] == [g.id for g in good]
     marker = store.read_bytes(join(out, "_markers", "shard-00000-of-00001.json")).decode()
     assert '"chunks_resumed": 4' in marker
+
+
+@ONE_ARCH
+def test_the_worker_reports_its_progress_to_the_store(tmp_path: Path, engine: Any, tiny_target_dir: Path) -> None:
+    """`<output>/_status/worker-N.json`, what `pipeline status` adds up: chunks, prompts, tokens, rate."""
+    store = ObjectStore()
+    src = write_prompts(store, str(tmp_path / "prompts"), PROMPTS[:6])
+    out = str(tmp_path / "completions")
+    run(stage_config(src, out, tiny_target_dir, chunk_records=2, progress_every_s=0.001), store, engine=engine)
+    report = json.loads(store.read_bytes(join(out, "_status", "worker-00000.json")))
+    assert (report["state"], report["worker"], report["workers"]) == ("done", 0, 1)
+    assert (report["chunks"], report["chunks_committed"], report["chunks_resumed"]) == (3, 3, 0)
+    assert report["prompts"] == report["prompts_done"] == 6
+    assert report["output_tokens"] > 0 and report["tokens_per_s"] > 0 and report["eta_s"] is None
+    assert report["updated"].endswith("Z")
 
 
 @ONE_ARCH

@@ -18,6 +18,17 @@ from image_support import (
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the `cuda_image` tier out unless the -m expression names it: every other selection (`make test`,
+    `make test-all`, `make test-images`, `-m slow`) would otherwise pull in builds of many minutes and GB."""
+    if "cuda_image" in (config.getoption("markexpr") or ""):
+        return
+    tier = [item for item in items if item.get_closest_marker("cuda_image")]
+    if tier:
+        config.hook.pytest_deselected(items=tier)
+        items[:] = [item for item in items if not item.get_closest_marker("cuda_image")]
+
+
 @pytest.fixture(scope="session")
 def image_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Per-session folder for build logs, containers.conf and the build results."""

@@ -126,7 +126,7 @@ def _require_engine() -> None:
         )
 
 
-def build_image(name: str, build_dir: Path) -> tuple[ContainerEngine, str]:
+def build_image(name: str, build_dir: Path, timeout: float = BUILD_TIMEOUT_S) -> tuple[ContainerEngine, str]:
     """Build docker/<name>/Dockerfile with the project's script; return the engine and the tag."""
     _require_engine()
     env = dict(os.environ, DFLASH_IMAGE_BUILD_DIR=str(build_dir))
@@ -137,12 +137,12 @@ def build_image(name: str, build_dir: Path) -> tuple[ContainerEngine, str]:
             env=env,
             capture_output=True,
             text=True,
-            timeout=BUILD_TIMEOUT_S,
+            timeout=timeout,
             check=False,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(
-            f"building image '{name}' took longer than {BUILD_TIMEOUT_S} s (logs: {build_dir})"
+            f"building image '{name}' took longer than {timeout:.0f} s (logs: {build_dir})"
         )
     if proc.returncode != 0:
         pytest.fail(

@@ -9,6 +9,7 @@ for errors, 404/409 codes):
     DELETE /apis/batch/v1/namespaces/{ns}/jobs/{name}                       delete
     PUT    /apis/batch/v1/namespaces/{ns}/jobs/{name}/status                replace the status
     GET    /api/v1/namespaces/{ns}/pods?labelSelector=...                   list
+    GET    /api/v1/namespaces/{ns}/pods/{name}/log?tailLines=N              a pod's log (plain text, `logs`)
     GET    /apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets?labelSelector=...   list
     GET    /api/v1/namespaces/{ns}/configmaps/{name}                        get (and the other core kinds)
     DELETE .../{plural}/{name}?propagationPolicy=Background                 delete, with garbage collection
@@ -44,7 +45,7 @@ from kubernetes.client import BatchV1Api, CoreV1Api, CustomObjectsApi, RbacAutho
 _PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1|apis/jobset\.x-k8s\.io/v1alpha2|apis/kueue\.x-k8s\.io/v1beta1"
                    r"|apis/rbac\.authorization\.k8s\.io/v1)/namespaces/(?P<ns>[^/]+)/"
                    r"(?P<plural>[a-z]+)"
-                   r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$")
+                   r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status|log))?$")
 _GROUP = {"api/v1": "", "apis/batch/v1": "batch", "apis/jobset.x-k8s.io/v1alpha2": "jobset.x-k8s.io",
           "apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io",
           "apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io"}
@@ -76,6 +77,7 @@ class FakeKubeApi:
         self.role = role
         self.requests: list[tuple[str, str]] = []  # (verb, plural) of every request served
         self.deleted: list[tuple[Key, str]] = []  # every object deleted, with the propagation policy
+        self.logs: dict[tuple[str, str], str] = {}  # (namespace, pod) -> its container's log, as a test sets it
         self.on_create: Callable[[dict[str, Any]], None] | None = None
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -206,8 +208,8 @@ class FakeKubeApi:
                         "PUT": "update"}[method]
                 if "watch" in query:
                     verb = "watch"
-                api.requests.append((verb, parts["plural"] + ("/status" if parts["sub"] else "")))
-                resource = parts["plural"] + ("/status" if parts["sub"] else "")
+                resource = parts["plural"] + (f'/{parts["sub"]}' if parts["sub"] else "")
+                api.requests.append((verb, resource))
                 if not api._allowed(verb, _GROUP[parts["prefix"]], resource, parts["name"]):
                     self._status(403, "Forbidden",
                                  f'{parts["plural"]} is forbidden: User "system:serviceaccount:{parts["ns"]}:driver" '
@@ -222,6 +224,9 @@ class FakeKubeApi:
                     if routed is None:
                         return
                     parts, query = routed
+                    if parts["sub"] == "log":
+                        self._log(parts, query)
+                        return
                     if parts["name"]:
                         found = api.get(parts["plural"], parts["ns"], parts["name"])
                         if found is None:
@@ -237,6 +242,24 @@ class FakeKubeApi:
                     version = parts["prefix"].removeprefix("apis/").removeprefix("api/")
                     self._send(200, {"kind": _KIND[parts["plural"]] + "List", "apiVersion": version,
                                      "metadata": {"resourceVersion": "1"}, "items": items})
+
+            def _log(self, parts: dict[str, str], query: dict[str, list[str]]) -> None:
+                """A pod's log as the kubelet serves it through the API server: plain text, `tailLines` honoured."""
+                if api.get("pods", parts["ns"], parts["name"]) is None:
+                    self._status(404, "NotFound", f'pods "{parts["name"]}" not found')
+                    return
+                text = api.logs.get((parts["ns"], parts["name"]))
+                if text is None:
+                    self._status(400, "BadRequest", f'container in pod "{parts["name"]}" is waiting to start')
+                    return
+                if "tailLines" in query:
+                    text = "".join(text.splitlines(keepends=True)[-int(query["tailLines"][0]):])
+                data = text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def do_POST(self) -> None:  # noqa: N802
                 with self._route("POST") as routed:

@@ -5,7 +5,8 @@ the main container, runs its `command` + `args` exactly as written, with the env
 that image gets there and nothing else from the test process:
 
 - the image's ENV (read from docker/<image>/Dockerfile), then envFrom Secrets, then the container's env;
-- what Kubernetes adds: JOB_COMPLETION_INDEX, HOSTNAME, KUBERNETES_SERVICE_*;
+- what Kubernetes adds: JOB_COMPLETION_INDEX, HOSTNAME, KUBERNETES_SERVICE_*, and the pod's name and
+  namespace where the downward API asks for them (`fieldRef`);
 - every emptyDir mount becomes a fresh directory of the pod, and a path under a mount path (in env values
   and arguments) is rewritten to that directory, since the processes share this machine's filesystem;
 - the image's virtualenv (/opt/venv) is this repository's .venv, where the stage packages are installed
@@ -14,8 +15,8 @@ that image gets there and nothing else from the test process:
 - `$(VAR)` references in command and args are expanded from the container's environment, as the kubelet
   does (`$$` escapes a `$`; a reference to an undefined variable stays as written).
 
-Anything this does not know how to emulate (a volume other than emptyDir, valueFrom env, a command
-that resolves nowhere) fails the test instead of being skipped.
+Anything this does not know how to emulate (a volume other than emptyDir, valueFrom env other than the pod's
+name and namespace, a command that resolves nowhere) fails the test instead of being skipped.
 """
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ class PodPaths:
         return value
 
 
+# Downward API fields the emulation knows, and the key of `pod_containers`'s injected values holding each.
+_POD_FIELDS = {"metadata.name": "pod-name", "metadata.namespace": "pod-namespace"}
+
+
 def _env(container: dict[str, Any], pod: dict[str, Any], secrets: dict[str, dict[str, str]]) -> dict[str, str]:
     env = image_env(container["image"])
     for source in container.get("envFrom", []):
@@ -145,10 +150,15 @@ def _env(container: dict[str, Any], pod: dict[str, Any], secrets: dict[str, dict
                                  "(the kubelet reports CreateContainerConfigError)")
         env.update(secrets[ref["name"]])
     for item in container.get("env", []):
+        field = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        if set(item) == {"name", "valueFrom"} and field in _POD_FIELDS:
+            # The downward API: the pod's own name and namespace.
+            env[item["name"]] = pod[_POD_FIELDS[field]]
+            continue
         if set(item) != {"name", "value"}:
-            raise AssertionError(f"env entry {item} is not emulated (only name/value)")
+            raise AssertionError(f"env entry {item} is not emulated (only name/value and the pod's name/namespace)")
         env[item["name"]] = item["value"]
-    env.update(pod)
+    env.update({k: v for k, v in pod.items() if k not in _POD_FIELDS.values()})
     return env
 
 
@@ -186,6 +196,9 @@ def pod_containers(job: dict[str, Any], index: int, secrets: dict[str, dict[str,
         "KUBERNETES_SERVICE_HOST": "10.96.0.1",
         "KUBERNETES_SERVICE_PORT": "443",
         "KUBERNETES_SERVICE_PORT_HTTPS": "443",
+        # Read through the downward API only (`_POD_FIELDS`).
+        "pod-name": f"{job['metadata']['name']}-{index}-emulated",
+        "pod-namespace": job["metadata"].get("namespace") or "default",
     }
     out = []
     for container in [*spec.get("initContainers", []), *spec["containers"]]:

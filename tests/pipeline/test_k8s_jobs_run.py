@@ -104,6 +104,13 @@ def test_import_and_tokenize_jobs_run_as_rendered(
     statuses = {s.stage: s for s in run_status(run, store)}
     assert statuses["import"].state == statuses["tokenize"].state == "complete"
     assert statuses["tokenize"].records == 7 and statuses["tokenize"].shards_done == 2
+    # Each pod kept its log in the store (the entrypoint under dflash_shared.pod_log), named by the pod.
+    kept = store.list(lay.logs("tokenize"))
+    name = by_stage["tokenize"]["metadata"]["name"]
+    assert [uri.rsplit("/", 1)[-1] for uri in kept] == [f"{name}-{i}-emulated.log" for i in range(2)]
+    text = store.read_bytes(kept[0]).decode()
+    assert "preflight tokenize OK" in text and text.rstrip().endswith("entrypoint.sh exited 0 (OK)")
+    assert store.list(lay.logs("import"))  # import goes through the entrypoint too
 
 
 @pytest.mark.slow

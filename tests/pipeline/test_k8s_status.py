@@ -55,7 +55,7 @@ def test_status_reports_complete_in_progress_and_not_started(s3_bucket: str, sto
                            "--json"], capture_output=True, text=True, env={**os.environ}, cwd=REPO_ROOT,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    got = {s["stage"]: s for s in json.loads(proc.stdout)}
+    got = {s["stage"]: s for s in json.loads(proc.stdout)["stages"]}
     assert [got[s]["state"] for s in ("import", "generate", "tokenize")] == ["complete", "in progress", "not started"]
     assert got["import"]["records"] == 0 and got["import"]["failures_by_reason"] == {"malformed": 2}
     assert got["import"]["skips_by_reason"] == {"duplicate": 1}

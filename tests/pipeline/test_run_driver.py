@@ -8,6 +8,7 @@ commits a stage's output manifest to S3 when its Job succeeds, as the stage's la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -84,6 +85,8 @@ class Cluster:
         for name in self.api.names("jobs"):
             job = self.api.get("jobs", NS, name)
             assert job is not None
+            if job["metadata"]["labels"].get("dflash-pipeline/role") == "driver":
+                continue  # a run's driver Job, where a test applied one: its pod is the driver under test
             stage = job["metadata"]["labels"]["app.kubernetes.io/component"]
             status = job["status"]
             if status.get("conditions"):
@@ -208,7 +211,7 @@ def test_a_failed_stage_stops_the_run_with_its_reason_and_a_rerun_after_the_fix_
     text = str(failed.value)
     assert text.startswith("stage train failed (Job dflash-example-train): PodFailurePolicy: Container main")
     assert f"exited 65 (BAD_INPUT): {message}" in text
-    assert "kubectl delete job dflash-example-train dflash-example-driver" in text
+    assert "then `python -m dflash_pipeline resume --config RUN.toml`" in text
     assert exit_code_for(failed.value) == ExitCode.BAD_INPUT  # the driver Job's policy: FailJob
     # Nothing downstream of the failure was created.
     assert [stage for stage, _ in sim.created] == ["import", "generate", "tokenize", "train"]
@@ -218,8 +221,8 @@ def test_a_failed_stage_stops_the_run_with_its_reason_and_a_rerun_after_the_fix_
     assert state.stages["export"].state == "waiting"
     assert state.stages["export"].reason == "run stopped: upstream stage train failed"
 
-    # The fix: delete the failed stage Job (and the finished driver Job), apply again. The new driver skips
-    # what is committed and creates train again.
+    # The fix, as `pipeline resume` makes it (test_follow_run): delete the failed stage Job (and the driver's),
+    # apply again. The new driver skips what is committed and creates train again.
     api.delete("jobs", NS, "dflash-example-train")
     rerun = Cluster(api, store)
     assert driver(api, store, run, rerun).run() == ExitCode.OK
@@ -386,3 +389,53 @@ def test_state_file_schema(api: FakeKubeApi, store: ObjectStore, run: RunConfig)
     assert list(raw["stages"]) == STAGES
     assert set(raw["stages"]["train"]) == {"state", "job", "reason", "updated"}
     assert raw["stages"]["train"]["job"] == "dflash-example-train"
+
+
+@contextlib.contextmanager
+def applied(run: RunConfig) -> Iterator[FakeKubeApi]:
+    """A cluster after `kubectl apply` of `run` (the `api` fixture, for a run made inside the test)."""
+    docs = render_documents(run)
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    fake = FakeKubeApi(role).start()
+    try:
+        for doc in docs:
+            if doc["kind"] in ("CronJob", "ConfigMap"):
+                fake.add(doc)
+        yield fake
+    finally:
+        fake.stop()
+
+
+def test_a_pilots_driver_writes_its_report_when_the_run_ends(s3_bucket: str, store: ObjectStore) -> None:
+    """The pilot's run object carries its config; the driver builds the report from it and the manifests."""
+    from dflash_pipeline.pilot import derive_pilot
+    from dflash_pipeline.pilot_report import pilot_report_uri, read_report
+
+    pilot = derive_pilot(example_run(s3_bucket))
+    with applied(pilot) as fake:
+        assert driver(fake, store, pilot, Cluster(fake, store)).run() == ExitCode.OK
+    report = read_report(store, pilot_report_uri(pilot.root, "example"))
+    assert report is not None and report.run_id == "example-pilot" and report.pilot_of == "example"
+    assert [s.stage for s in report.stages] == STAGES
+    # The stand-in pods commit placeholder manifests, which the report refuses to read figures from.
+    assert not any(s.committed for s in report.stages)
+    assert report.planned["run_id"] == "example-pilot"
+    # A full run's driver writes none.
+    assert not store.exists(join(pilot.root, "example", "report.json"))
+
+
+def test_a_failed_pilot_reports_the_stage_that_would_not_fit(s3_bucket: str, store: ObjectStore) -> None:
+    from dflash_pipeline.pilot import derive_pilot
+    from dflash_pipeline.pilot_report import pilot_report_uri, read_report
+
+    pilot = derive_pilot(example_run(s3_bucket))
+    with applied(pilot) as fake:
+        sim = Cluster(fake, store, fail={"train": (64, "predicted peak 121.3 GiB per rank does not fit 79.0 GiB")})
+        with pytest.raises(StageFailedError):
+            driver(fake, store, pilot, sim).run()
+    report = read_report(store, pilot_report_uri(pilot.root, "example"))
+    assert report is not None
+    train, export = report.stage("train"), report.stage("export")
+    assert train is not None and train.verdict.startswith("would not fit:") and "121.3 GiB" in train.verdict
+    assert train.fix is not None and "parallelism" in train.fix
+    assert export is not None and export.verdict.startswith("not committed")

@@ -7,6 +7,7 @@ really creates there (through the official client, authorized by its rendered Ro
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -195,6 +196,31 @@ def test_cancel_from_the_command_line_with_a_kubeconfig(api: FakeKubeApi, s3_buc
     done = cancel("--namespace", NS)
     assert done.returncode == 0, done.stderr
     assert objects_of(api, "example") == set() and len(done.stdout.splitlines()) == len(dry.stdout.splitlines())
+
+
+@pytest.mark.slow
+def test_cancel_takes_the_run_file_like_the_other_commands(api: FakeKubeApi, s3_bucket: str, tmp_path: Path) -> None:
+    """`cancel --config RUN.toml`: the run id and namespace come from the run file (it used to take RUN_ID only)."""
+    apply(api, run_file(s3_bucket, "example"))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(api.kubeconfig())
+    data = read_run_file(EXAMPLE_RUN)
+    data.update(run_id="example", root=f"{s3_bucket}/runs")
+    path = tmp_path / "example.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("POD_NAMESPACE", None)
+
+    def cancel(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dflash_pipeline", "cancel", *args], env=env, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    by_id, by_file = cancel("example", "--dry-run"), cancel("--config", str(path), "--dry-run")
+    assert by_file.returncode == 0, by_file.stderr
+    assert by_file.stdout == by_id.stdout and by_file.stdout.startswith("would delete Job/dflash-example-driver")
+    done = cancel("--config", str(path))
+    assert done.returncode == 0, done.stderr
+    assert objects_of(api, "example") == set()
 
 
 def test_a_job_held_for_a_missing_local_queue_says_so(api: FakeKubeApi, store: ObjectStore, s3_bucket: str) -> None:

@@ -88,6 +88,7 @@ def test_a_failed_stage_shows_the_drivers_reason(s3_bucket: str, store: ObjectSt
     write_run_state(store, run.root, run.run_id, state)
     statuses = run_status(run, store)
     text = format_status(run, statuses)
-    assert ("generate: driver: failed: BackoffLimitExceeded: pod dflash-example-generate-2-x exited 65 "
-            "(bad_fraction 0.31 > 0.05)") in text
+    assert ("generate: FAILED (Job dflash-example-generate): BackoffLimitExceeded: pod dflash-example-generate-2-x "
+            "exited 65 (bad_fraction 0.31 > 0.05)") in text
+    assert "generate: exit 65: the input failed a check" in text and "resume --config RUN.toml" in text
     assert "import: driver" not in text  # a stage that succeeded needs no driver line

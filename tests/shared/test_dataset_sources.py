@@ -14,7 +14,8 @@ import pytest
 from dflash_shared import dataset_sources
 from dflash_shared.conversations import RecordError
 from dflash_shared.dataset_sources import HubDataset, load_hub, parse_hub_source
-from dflash_shared.errors import BadInputError, ConfigError
+from dflash_shared.errors import BadInputError, ConfigError, exit_code_for
+from dflash_shared.exit_codes import ExitCode
 from dflash_shared.importing import ImportConfig, import_command, list_sources, run_import
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.layouts import Layout
@@ -226,3 +227,31 @@ def test_hub_source_without_datasets_says_to_install_it(monkeypatch: pytest.Monk
     load_hub.cache_clear()
     with pytest.raises(ConfigError, match=r"install datasets \(pip install datasets\)"):
         list_sources(ObjectStore(), "hf://org/name@v1")
+
+
+@pytest.mark.parametrize("error", ["DatasetNotFoundError", "RevisionNotFoundError", "ValueError"])
+def test_a_hub_dataset_that_does_not_exist_is_a_configuration_mistake(
+        monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    """A misnamed dataset, revision or split used to exit 1 (a Job retried it); a network failure still may."""
+    kind = ValueError if error == "ValueError" else type(error, (Exception,), {})
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise kind('Unknown split "tain". Should be one of ["train"].')
+
+    monkeypatch.setattr(datasets, "load_dataset", missing)
+    load_hub.cache_clear()
+    with pytest.raises(ConfigError, match=r"source hf://org/name@v1:tain: .*check the dataset's name") as err:
+        list_sources(ObjectStore(), "hf://org/name@v1:tain")
+    assert exit_code_for(err.value) is ExitCode.USAGE
+    load_hub.cache_clear()
+
+
+def test_a_hub_that_cannot_be_reached_is_not_blamed_on_the_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("Couldn't reach 'org/name' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    load_hub.cache_clear()
+    with pytest.raises(ConnectionError):
+        list_sources(ObjectStore(), "hf://org/name@v1")
+    load_hub.cache_clear()

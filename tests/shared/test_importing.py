@@ -201,3 +201,33 @@ def test_import_config_builds_the_spec_it_documents() -> None:
         ImportConfig(source="s", output="o", response_field="answer")
     with pytest.raises(ValueError, match="one layout"):
         ImportConfig(source="s", output="o", messages_field="turns", prompt_field="q")
+
+
+def _sampled(tmp_path, store: ObjectStore, records: list, files: int, count: int, sample: int | None,  # type: ignore[no-untyped-def]
+             name: str) -> tuple:
+    """Import `records` spread over `files` files with `count` workers, keeping a sample of `sample`."""
+    prefix, out = str(tmp_path / f"src-{name}"), str(tmp_path / f"out-{name}")
+    for f in range(files):
+        store.write_bytes(join(prefix, f"part-{f}.jsonl"), jsonl(records[f::files]))
+    spec = ImportSpec(kind=Kind.prompts, source_prefix=prefix, output_prefix=out, run_id="r", sample_records=sample)
+    for index in range(count):
+        run_import(store, spec, PRODUCER, index=index, count=count)
+    manifest = load_manifest(store, out, Kind.prompts).manifest
+    return manifest.accounting, {r.id for r in read_records(store, out, Kind.prompts, PromptRecord)}
+
+
+def test_a_sample_is_drawn_by_content_hash_whatever_the_files_and_counted(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    from dflash_shared.importing import sample_key
+
+    records = [conversation(i) for i in range(120)]
+    _, every = _sampled(tmp_path, store, records, files=1, count=1, sample=None, name="all")
+    acc, kept = _sampled(tmp_path, store, records, files=1, count=1, sample=16, name="one")
+    # The 16 records of lowest key, the rest counted as skipped: nothing vanishes from the accounting.
+    assert kept == set(sorted(every, key=sample_key)[:16])
+    assert acc.input_records == 120 and acc.succeeded == 16 and acc.skips_by_reason == {"sampled_out": 104}
+    # The same sample from the files in another order and split.
+    _, again = _sampled(tmp_path, store, records[::-1], files=3, count=1, sample=16, name="reordered")
+    assert again == kept
+    # Two workers keep 8 each of their own files (their share), still counting every record.
+    acc2, split = _sampled(tmp_path, store, records, files=4, count=2, sample=16, name="two")
+    assert len(split) == 16 and acc2.succeeded == 16 and acc2.skipped == 104

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from dflash_tokenize.chat import ChatFormat
+from tests.support.qwen_assets import shared_tokenizer_dir
 
 # A parsed Qwen3.6 tokenizer holds a few hundred MB; the suite uses about this many directories at a time.
 _KEEP = 6
@@ -54,3 +55,14 @@ def _tokenizers_parsed_once() -> Iterator[None]:
         yield
     finally:
         mp.undo()
+
+
+# The real Qwen3 vocabulary and chat template most stage tests use (a module may define its own instead).
+@pytest.fixture(scope="module")
+def tok_dir() -> Path:
+    return shared_tokenizer_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def chat(tok_dir: Path) -> ChatFormat:
+    return ChatFormat.from_dir(tok_dir)

@@ -21,18 +21,7 @@ from dflash_tokenize import worker
 from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.fast_exact import ExactIds, malformed_detail, parse_lines, tokenize_exact
 from dflash_tokenize.masking import MaskingError, Tokenized, token_exact, try_render_batch
-from tests.support.qwen_assets import shared_tokenizer_dir
 from tests.tokenize.stage_fixtures import completion, conversation, engine_like
-
-
-@pytest.fixture(scope="module")
-def tok_dir() -> Path:
-    return shared_tokenizer_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def chat(tok_dir: Path) -> ChatFormat:
-    return ChatFormat.from_dir(tok_dir)
 
 
 def line(record: CompletionRecord, **changes: object) -> bytes:

@@ -20,23 +20,7 @@ from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.config import TokenizeConfig
 from dflash_tokenize.stage import run
 from tests.support.qwen_assets import shared_tokenizer_dir
-from tests.tokenize.stage_fixtures import (
-    completion,
-    conversation,
-    engine_like,
-    target_for,
-    write_completions,
-)
-
-
-@pytest.fixture(scope="module")
-def tok_dir() -> Path:
-    return shared_tokenizer_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def chat(tok_dir: Path) -> ChatFormat:
-    return ChatFormat.from_dir(tok_dir)
+from tests.tokenize.stage_fixtures import completion, conversation, engine_like, target_for, write_completions
 
 
 def config(src: str, out: str, tok: Path | str, **kw: object) -> TokenizeConfig:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_shared.errors import ConfigError
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
@@ -56,7 +57,7 @@ def test_only_complete_checkpoints_are_used(storage_root: str, store: ObjectStor
     assert find_resume(store, out, "never") is None
     chosen = find_resume(store, out, checkpoint_uri(out, 10))
     assert chosen is not None and chosen.step == 10
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):  # a setting naming no checkpoint: exit 64
         find_resume(store, out, checkpoint_uri(out, 30))
 
 

@@ -185,9 +185,73 @@ def test_stage_on_s3_writes_the_drafter_manifest_last(s3_bucket: str, store: Obj
     assert [u.rsplit("/", 2)[-2] for u in store.list(join(out, "checkpoints")) if u.endswith("COMPLETE.json")] == [
         "step-00000002", "step-00000003"]
 
-    # Once the manifest exists a rerun does nothing; a resume with another data order is refused.
+    # Once the manifest exists a rerun does nothing; a resume with another data order (seed) is refused.
     assert run(config, store) == uri
     store.delete(uri)
     store.delete(join(out, "checkpoints", "step-00000003", "COMPLETE.json"))
-    with pytest.raises(ConfigError, match="another data order"):
+    with pytest.raises(ConfigError, match="other settings: seed 0 there, 5 now"):
         run(config.model_copy(update={"seed": 5}), store)
+
+
+@pytest.mark.slow
+def test_restart_after_step_stops_as_preempted_then_resumes_and_records_its_timings(tmp_path: Path) -> None:
+    """The pilot's restart: a checkpoint at the step, exit 75, the rerun resumes from it (and never stops there
+    again), and the drafter manifest records what was measured, the memory plan's prediction beside it."""
+    from dflash_shared.errors import Preempted
+
+    store = ObjectStore()
+    data = write_tokenized(store, str(tmp_path / "tok"), synthetic_docs(40, max_len=60),
+                           identity_of(small_vocab_target()), shards=2)
+    out = str(tmp_path / "drafter")
+    config = debug(data, out, str(small_vocab_target()), scratch_dir=str(tmp_path / "scratch"), max_steps=4,
+                   max_length=64, batch_tokens=128, checkpoint_every=2, restart_after_step=2, log_every=1,
+                   mask_token_id=SMALL_MASK_ID, drafter_overrides={"num_anchors": 2})
+    with pytest.raises(Preempted) as stopped:
+        run(config, store)
+    assert exit_code_for(stopped.value) == ExitCode.PREEMPTED
+    assert not store.exists(join(out, "manifest.json"))
+    assert store.exists(join(out, "checkpoints", "step-00000002", "COMPLETE.json"))
+    uri = run(config, store)
+    section = load_manifest(store, out, Kind.drafter).manifest.section
+    assert isinstance(section, DrafterSection) and section.checkpoint_uri.endswith("step-00000004")
+    perf = section.performance
+    assert perf["resumed_from_step"] == 2 and perf["resume_seconds"] > 0
+    assert perf["checkpoint_save_seconds"] > 0 and perf["step_seconds"] > 0 and perf["tokens_per_s"] > 0
+    assert perf["world_size"] == 1 and perf["drafter_parameters"] > 0 and perf["target_parameters"] > 0
+    # The plan is an upper bound on what a rank holds (on CPU: the process's peak, torch's accounting).
+    assert perf["planned_peak_gib"] > 0 and "peak_memory_gib_max" in perf
+    assert run(config, store) == uri
+
+
+@pytest.mark.slow
+def test_a_resume_under_other_settings_is_refused_naming_them(tmp_path: Path) -> None:
+    """A checkpoint records the settings that change what a step computes; a resume under another learning rate
+    is refused (exit 64) before the checkpoint is loaded, naming lr and both values, while a setting that only
+    changes how the run is watched (log_every) may differ."""
+    from dflash_shared.errors import Preempted
+    from dflash_shared.stage_identity import SettingsChangedError
+    from dflash_train.config import settings_identity
+    from dflash_train.training.checkpoint import TrainState
+
+    store = ObjectStore()
+    data = write_tokenized(store, str(tmp_path / "tok"), synthetic_docs(24, max_len=60),
+                           identity_of(small_vocab_target()))
+    out = str(tmp_path / "drafter")
+    config = debug(data, out, str(small_vocab_target()), scratch_dir=str(tmp_path / "scratch"), max_steps=3,
+                   max_length=64, batch_tokens=128, checkpoint_every=2, restart_after_step=2,
+                   mask_token_id=SMALL_MASK_ID, drafter_overrides={"num_anchors": 2})
+    with pytest.raises(Preempted):
+        run(config, store)
+    checkpoint = join(out, "checkpoints", "step-00000002")
+    state = TrainState.model_validate_json(store.read_bytes(join(checkpoint, "trainer_state.json")))
+    assert state.identity == settings_identity(config) and state.identity is not None
+    assert "lr" in state.identity.settings and "log_every" not in state.identity.settings
+
+    with pytest.raises(SettingsChangedError) as refused:
+        run(config.model_copy(update={"lr": 2e-3, "log_every": 5}), store)
+    message = str(refused.value)
+    assert exit_code_for(refused.value) == ExitCode.USAGE
+    assert [d.field for d in refused.value.changed] == ["lr"]
+    assert "lr 0.001 there, 0.002 now" in message and "restore this setting" in message
+    assert "restart --config RUN.toml --stage train" in message
+    assert not store.exists(join(out, "manifest.json"))

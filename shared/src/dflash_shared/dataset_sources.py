@@ -85,13 +85,27 @@ def _datasets() -> Any:
     return datasets
 
 
+# What `datasets` and `huggingface_hub` raise for a name, revision, config or split the Hub does not have: the
+# source is misnamed (exit 64), where a network failure (any other error) may pass on a retry.
+_NOT_ON_THE_HUB = frozenset({"DatasetNotFoundError", "RepositoryNotFoundError", "RevisionNotFoundError",
+                             "EntryNotFoundError"})
+
+
 @functools.lru_cache(maxsize=2)  # listing and reading in one worker load the dataset once
 def load_hub(dataset: HubDataset) -> Any:
     """The split as a `datasets.Dataset` (downloaded into the Hugging Face cache on first use)."""
     token = os.environ.get(TOKEN_ENV) or None
-    return _datasets().load_dataset(
-        dataset.repo, dataset.config, revision=dataset.revision, split=dataset.split, token=token
-    )
+    datasets = _datasets()
+    try:
+        return datasets.load_dataset(
+            dataset.repo, dataset.config, revision=dataset.revision, split=dataset.split, token=token
+        )
+    except Exception as err:
+        # datasets says ValueError for a config or split the dataset lacks ("Unknown split", "BuilderConfig").
+        if type(err).__name__ in _NOT_ON_THE_HUB or type(err) is ValueError:
+            raise ConfigError(f"source {dataset.uri}: {err} (check the dataset's name, revision, config and split; "
+                              f"a private or gated dataset also needs {TOKEN_ENV})") from err
+        raise
 
 
 def hub_items(dataset: HubDataset) -> list[str]:

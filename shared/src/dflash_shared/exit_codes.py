@@ -26,7 +26,11 @@ Failure                                                                Code
 =====================================================================  ===========
 unknown flag or ``DFLASH_*`` variable, invalid value, missing setting  USAGE
 a configured path that is missing or unusable (tokenizer or target     USAGE
-directory without tokenizer.json or a chat template, a config file)
+directory without tokenizer.json or a chat template, a config file, an
+import source file of a type it does not read, a Hub dataset that does
+not exist)
+a shard or a resume under other settings than its output was made      USAGE
+with (`dflash_shared.stage_identity`)
 a local path that cannot be read or written (permission denied,        ENVIRONMENT
 read-only filesystem, disk full)
 S3 credentials missing or refused, a missing bucket, no endpoint       ENVIRONMENT

@@ -1,9 +1,12 @@
 """`import`: external JSONL/Parquet conversations or Hugging Face datasets -> a prompts or completions manifest.
 
-Users bring conversations made elsewhere (the origin case: 1,805 JSONL files, 902K records). Files under the
-source prefix (or a dataset's Arrow files or row ranges, see dataset_sources) are sharded over workers like any
-stage input; each record is mapped from its chat layout (layouts), validated, given a content id, de-duplicated
-by content and by its own id (kept as `source_id`), and written as `PromptRecord` or `CompletionRecord` lines.
+Users bring conversations made elsewhere (the origin case: 1,805 JSONL files, 902K records). The source's work
+items (its files, a dataset's Arrow files or row ranges, a stage output's shards: see import_sources) are
+sharded over workers like any stage input; each record is mapped from its chat layout (layouts), validated,
+given a content id, de-duplicated by content and by its own id (kept as `source_id`), and written as
+`PromptRecord` or `CompletionRecord` lines. A stage output of the same kind (another run's completions, say)
+is copied record by record as it is, engine token ids and target identity included, and named as the
+import's input, so tokenize uses its token ids exactly as a run that generated them would.
 Every record is accounted for: malformed ones are counted with their file and line, never silently dropped, and
 too many of them fail the import instead of handing garbage to a GPU stage.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import hashlib
+import heapq
 import json
 import logging
 import math
@@ -22,22 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow.parquet as pq
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.conversations import RecordError, parse_finish_reason, parse_messages, parse_tools
-from dflash_shared.dataset_sources import (
-    hub_items,
-    is_dataset_item,
-    is_hub_source,
-    iter_dataset_item,
-    parse_hub_source,
-    saved_dataset_files,
-)
+from dflash_shared.dataset_sources import is_dataset_item, is_hub_source, iter_dataset_item
 from dflash_shared.errors import BadInputError
 from dflash_shared.exit_codes import ExitCode
+from dflash_shared.import_sources import ImportSource, resolve_source
 from dflash_shared.jsonl import (
-    JSONL_SUFFIXES,
     JsonlZstWriter,
     LineError,
     StorageReads,
@@ -49,6 +47,7 @@ from dflash_shared.jsonl import (
     printable,
 )
 from dflash_shared.layouts import Layout
+from dflash_shared.manifest_io import LoadedManifest
 from dflash_shared.manifests import (
     Accounting,
     CompletionsSection,
@@ -62,12 +61,14 @@ from dflash_shared.quality import MALFORMED, fix_hints
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, run_shard
 from dflash_shared.settings import StageSettings, env_prefix
-from dflash_shared.storage import ObjectStore, StorageError, is_s3
+from dflash_shared.stage_identity import StageIdentity
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, is_s3
 
-SOURCE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 DUPLICATE = "duplicate"
 # Another record with the same source id came first: ids must name one conversation each.
 DUPLICATE_ID = "duplicate_id"
+# Records left out by `sample_records` (a pilot's sample of the user's own prompts).
+SAMPLED_OUT = "sampled_out"
 EMPTY_PROMPT = "empty_prompt"
 NO_FINAL_ASSISTANT = "no_final_assistant_turn"
 # A file that stops decoding part-way (truncated or corrupt zstd/gzip, not Parquet): its rest is one record.
@@ -88,10 +89,11 @@ class ImportConfig(StageSettings):
     model_config = SettingsConfigDict(env_prefix="DFLASH_IMPORT_")
 
     source: str = Field(
-        description="Where the conversations are: a prefix (local or s3://) of .jsonl(.zst|.gz) or .parquet files, "
-        "a folder written by datasets' save_to_disk (one split), or a Hub dataset "
-        "hf://org/name[/config]@revision[:split] (split 'train' by default; needs the datasets package; a token "
-        "is read from HF_TOKEN)."
+        description="Where the conversations are: a .jsonl(.zst|.gz) or .parquet file or a prefix (local or s3://) "
+        "of them (.json files are not read), a stage's output prefix or manifest.json (prompts or completions, read "
+        "through its manifest; one of the import's kind is copied as it is, token ids included), a folder written "
+        "by datasets' save_to_disk (one split), or a Hub dataset hf://org/name[/config]@revision[:split] (split "
+        "'train' by default; needs the datasets package; a token is read from HF_TOKEN)."
     )
     output: str = Field(description="Prefix to write the manifest and its JSONL shards to.")
     run_id: str = Field(default="import", description="Run id recorded in the manifest.")
@@ -122,6 +124,12 @@ class ImportConfig(StageSettings):
     system_field: str | None = Field(
         default=None, description="Field holding the system prompt of a prompt/response pair (default: system)."
     )
+    sample_records: int | None = Field(
+        default=None, ge=1,
+        description="Keep only this many records (split evenly over the shards), chosen by a hash of each "
+        "record's content id: the same sample whatever the file order; the rest are counted as skipped "
+        "(sampled_out). A pilot run's sample of the full run's source; None keeps every record.",
+    )
 
     @model_validator(mode="after")
     def _one_layout(self) -> ImportConfig:
@@ -134,7 +142,7 @@ class ImportConfig(StageSettings):
     def spec(self, kind: Kind) -> ImportSpec:
         layout = Layout(self.id_field, self.messages_field, self.prompt_field, self.response_field, self.system_field)
         return ImportSpec(kind, self.source, self.output, self.run_id, self.max_bad_fraction, self.on_duplicate_id,
-                          layout)
+                          layout, self.sample_records)
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,37 @@ class ImportSpec:
     max_bad_fraction: float = 0.05
     on_duplicate_id: Literal["keep_first", "refuse"] = "keep_first"
     layout: Layout = field(default_factory=Layout)
+    sample_records: int | None = None  # the whole import's sample; each shard keeps its share
+
+
+def sample_key(record_id: str) -> bytes:
+    """The order a sample is drawn in: the lowest keys are kept. A hash of the content id, so the sample is
+    the same whatever the files' order or sharding, and unrelated to the held-out split's hash."""
+    return hashlib.sha256(f"dflash-sample:{record_id}".encode()).digest()
+
+
+class _Sample:
+    """The `size` records of lowest `sample_key` seen so far (a bounded max-heap), the rest counted out."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._heap: list[tuple[bytes, int, bytes]] = []  # (inverted key, arrival, line): heap[0] = largest key
+        self.arrivals = 0
+
+    def offer(self, record_id: str, line: bytes) -> bool:
+        """Take the record; False when it (or the record it displaced) falls out of the sample."""
+        inverted = bytes(255 - b for b in sample_key(record_id))
+        self.arrivals += 1
+        if len(self._heap) < self.size:
+            heapq.heappush(self._heap, (inverted, self.arrivals, line))
+            return True
+        if inverted > self._heap[0][0]:
+            heapq.heapreplace(self._heap, (inverted, self.arrivals, line))
+        return False
+
+    def lines(self) -> list[bytes]:
+        """The kept records in the order they were read."""
+        return [line for _, _, line in sorted(self._heap, key=lambda item: item[1])]
 
 
 def _parquet_rows(batch: Any) -> Iterator[Any]:
@@ -301,9 +340,27 @@ class _Tally:
         )
 
 
-def _convert(obj: Any, where: str, kind: Kind, layout: Layout) -> PromptRecord | CompletionRecord:
+def _stage_record(obj: Any, where: str, kind: Kind, origin: Kind) -> PromptRecord | CompletionRecord:
+    """A record of a stage output (`origin`), copied as it is when the kinds agree, else made a prompt."""
+    model = CompletionRecord if origin is Kind.completions else PromptRecord
+    try:
+        record = model.model_validate(obj)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field_name = ".".join(str(p) for p in first["loc"]) or "record"
+        raise RecordError(MALFORMED, f"not a {origin.value} record ({field_name}: {first['msg']})") from None
+    if origin is kind:
+        return record
+    # A completions output imported as prompts: its answers are what the target regenerates.
+    return to_prompt(list(record.messages), where, record.tools, record.source_id)
+
+
+def _convert(obj: Any, where: str, kind: Kind, layout: Layout, origin: Kind | None = None
+             ) -> PromptRecord | CompletionRecord:
     if isinstance(obj, RecordError):
         raise obj
+    if origin is not None:
+        return _stage_record(obj, where, kind, origin)
     obj, source_id = layout.conversation(obj)
     messages, tools = parse_messages(obj), parse_tools(obj)
     if kind is Kind.prompts:
@@ -311,13 +368,35 @@ def _convert(obj: Any, where: str, kind: Kind, layout: Layout) -> PromptRecord |
     return to_completion(messages, where, tools, finish_reason=parse_finish_reason(obj), source_id=source_id)
 
 
-def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
+def _item_records(store: ObjectStore, item: str, origin: Kind | None) -> Iterator[tuple[str, Any]]:
+    """iter_item; a shard a stage's manifest lists but the store lacks is that input's fault (exit 65), not a
+    failure a retry heals."""
+    try:
+        yield from iter_item(store, item)
+    except ObjectNotFoundError:
+        if origin is None:
+            raise
+        raise BadInputError(f"{item}, a shard of the source's {origin.value} manifest, is missing: the output was "
+                            "changed after its manifest was written") from None
+
+
+def _completion_tokens(line: bytes) -> int:
+    """Engine tokens of an encoded completion record (0 for imported ones): a copied output's output_tokens."""
+    return len(json.loads(line).get("completion_token_ids") or ())
+
+
+def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = None) -> ShardOutcome:
+    """Import this shard's items; `origin` is the kind of the stage output they are the shards of, if any."""
     tally = _Tally()
+    output_tokens = 0
     seen: set[str] = set()
     seen_ids: set[str] = set()  # source ids; memory grows with the shard, like `seen`
     id_counter = tally.failures if spec.on_duplicate_id == "refuse" else tally.skips
     unexpected = 0
     part, writer = 0, None
+    # Each shard keeps its share of the sample; the lines wait in memory until the shard has read everything.
+    sample = (_Sample(max(1, math.ceil(spec.sample_records / ctx.count))) if spec.sample_records is not None
+              else None)
 
     def roll() -> None:
         nonlocal part, writer
@@ -330,10 +409,10 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
         part, writer = part + 1, None
 
     for uri in ctx.items:
-        for where, obj in iter_item(ctx.store, uri):
+        for where, obj in _item_records(ctx.store, uri, origin):
             tally.input_records += 1
             try:
-                record = _convert(obj, where, spec.kind, spec.layout)
+                record = _convert(obj, where, spec.kind, spec.layout, origin)
                 line = encode_line(record.model_dump(mode="json", exclude_none=True))
             except RecordError as err:
                 tally.reject(tally.failures, err.reason, where, str(err))
@@ -359,13 +438,29 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
                              "with other content")
                 continue
             seen.add(record.id)
+            if sample is not None:
+                if not sample.offer(record.id, line):
+                    tally.skips[SAMPLED_OUT] += 1
+                continue
             if writer is None:
                 writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
             writer.write_line(line)
             tally.succeeded += 1
+            if isinstance(record, CompletionRecord):
+                output_tokens += len(record.completion_token_ids or ())
             if writer.records >= RECORDS_PER_PART:
                 roll()
         ctx.logger.info("read %s (%d records so far)", uri, tally.input_records)
+    if sample is not None:
+        for line in sample.lines():
+            if writer is None:
+                writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
+            writer.write_line(line)
+            tally.succeeded += 1
+            if spec.kind is Kind.completions:
+                output_tokens += _completion_tokens(line)
+        ctx.logger.info("sample: kept %d of %d usable records (sample_records %d over %d shard(s))",
+                        tally.succeeded, tally.succeeded + tally.skips[SAMPLED_OUT], spec.sample_records, ctx.count)
     roll()
     accounting = tally.accounting()
     if accounting.input_records and accounting.failed / accounting.input_records > spec.max_bad_fraction:
@@ -378,53 +473,72 @@ def process_import(ctx: ShardContext, spec: ImportSpec) -> ShardOutcome:
             counts=accounting.failures_by_reason,
             examples=accounting.examples,
         )
-    return ctx.outcome(accounting, totals={"duplicates": accounting.skips_by_reason.get(DUPLICATE, 0)})
+    return ctx.outcome(accounting, totals={"duplicates": accounting.skips_by_reason.get(DUPLICATE, 0),
+                                           "output_tokens": output_tokens})
 
 
-def build_import_manifest(spec: ImportSpec, producer: Producer, merged: MergedOutcome) -> Manifest:
+def _copied_section(origin: CompletionsSection, merged: MergedOutcome) -> CompletionsSection:
+    """A copied completions output's section: its target, token ids and sampling, counts of what was copied.
+
+    The window counts and the throughput belong to the generation that made the records, over all of them;
+    they are left out rather than restated for a share of them (a sample, records left out as duplicates).
+    """
+    return origin.model_copy(update={
+        "output_tokens": int(merged.totals.get("output_tokens", 0)), "throughput": {}, "truncated_by_budget": None,
+        "output_tokens_in_window": None, "window_fraction": None,
+    })
+
+
+def build_import_manifest(spec: ImportSpec, producer: Producer, merged: MergedOutcome,
+                          origin: LoadedManifest | None = None) -> Manifest:
+    """The import's manifest; one read through a stage's manifest (`origin`) names it as its input."""
     section: PromptsSection | CompletionsSection
+    copied = origin.manifest.section if origin is not None else None
     if spec.kind is Kind.prompts:
         section = PromptsSection(sources=[spec.source_prefix], duplicates=int(merged.totals.get("duplicates", 0)))
+    elif isinstance(copied, CompletionsSection):
+        section = _copied_section(copied, merged)
     else:
         section = CompletionsSection(target=None, has_token_ids=False)
     return Manifest(
         kind=spec.kind,
         run_id=spec.run_id,
         producer=producer,
+        inputs=[origin.as_input()] if origin is not None else [],
         shards=merged.shards,
         accounting=merged.accounting,
         section=section,
     )
 
 
-def list_sources(store: ObjectStore, prefix: str) -> list[str]:
-    """The work items of a source: its files, a saved dataset's Arrow files, or a Hub dataset's row ranges."""
-    if is_hub_source(prefix):
-        return hub_items(parse_hub_source(prefix))
-    saved = saved_dataset_files(store, prefix)
-    if saved is not None:
-        return saved
-    sources = [uri for uri in store.list(prefix) if uri.endswith(SOURCE_SUFFIXES)]
-    if not sources:
-        raise BadInputError(f"no {', '.join(SOURCE_SUFFIXES)} files under {prefix}")
-    return sources
+def list_sources(store: ObjectStore, prefix: str, kind: Kind = Kind.completions) -> list[str]:
+    """The work items of a source (see import_sources): its files, a stage output's shards, a saved dataset's
+    Arrow files, or a Hub dataset's row ranges."""
+    return resolve_source(store, prefix, kind).items
 
 
 def run_import(
-    store: ObjectStore, spec: ImportSpec, producer: Producer, index: int = 0, count: int = 1
+    store: ObjectStore, spec: ImportSpec, producer: Producer, index: int = 0, count: int = 1,
+    identity: StageIdentity | None = None,
 ) -> str | None:
-    """Import this worker's share of the source files; the last worker to finish writes the manifest."""
-    sources = list_sources(store, spec.source_prefix)
+    """Import this worker's share of the source; the last worker to finish writes the manifest.
+
+    With `identity` (the settings this worker runs with) a shard refuses to add to an output made with others.
+    """
+    source: ImportSource = resolve_source(store, spec.source_prefix, spec.kind)
+    origin = source.origin.manifest.kind if source.origin is not None else None
     run_shard(
         f"import-{spec.kind.value}",
         store,
         spec.output_prefix,
-        sources,
+        source.items,
         index,
         count,
-        lambda ctx: process_import(ctx, spec),
+        lambda ctx: process_import(ctx, spec, origin),
+        identity=identity,
     )
-    return finalize(store, spec.output_prefix, count, lambda merged: build_import_manifest(spec, producer, merged))
+    return finalize(store, spec.output_prefix, count,
+                    lambda merged: build_import_manifest(spec, producer, merged, source.origin), identity=identity)
 
 
 def import_command(argv: list[str], kind: Kind, prog: str, packages: list[str]) -> None:
@@ -434,6 +548,7 @@ def import_command(argv: list[str], kind: Kind, prog: str, packages: list[str]) 
     from dflash_shared.provenance import producer
     from dflash_shared.runner import resolve_shard
     from dflash_shared.settings import parse_settings, public_dict
+    from dflash_shared.stage_identity import stage_identity
 
     config = parse_settings(ImportConfig, argv, prog=prog)
     index, count = resolve_shard(config.shard_index, config.num_shards)
@@ -441,7 +556,7 @@ def import_command(argv: list[str], kind: Kind, prog: str, packages: list[str]) 
     made = producer("import", public_dict(config), packages)
     store = ObjectStore()
     start_checks(config, store).check(quiet=True)  # before a record is read
-    run_import(store, config.spec(kind), made, index, count)
+    run_import(store, config.spec(kind), made, index, count, identity=stage_identity(config))
 
 
 def start_checks(config: ImportConfig, store: ObjectStore) -> Preflight:

@@ -39,6 +39,9 @@ class Producer(_Frozen):
     git_revision: str | None = Field(default=None, description="Source revision of the producing code.")
     package_versions: dict[str, str] = Field(default_factory=dict, description="Key package versions.")
     config: dict[str, Any] = Field(default_factory=dict, description="The resolved stage config (no secrets).")
+    settings_sha256: str | None = Field(
+        default=None, description="Digest of the settings and image every shard (or every resume) ran with "
+        "(dflash_shared.stage_identity); None where not recorded.")
 
 
 class InputRef(_Frozen):
@@ -236,6 +239,13 @@ class DrafterSection(_Frozen):
     data: TrainedTokens | None = Field(
         default=None, description="The tokens of the train split and the share the training window read; None "
         "in manifests made before it was recorded.",
+    )
+    performance: dict[str, float] = Field(
+        default_factory=dict,
+        description="Measured by the process that finished the run: step_seconds, tokens_per_s (all ranks), "
+        "world_size, peak_memory_gib_max against planned_peak_gib (the memory plan), checkpoint_save_seconds, "
+        "resume_seconds and resumed_from_step (when it resumed), target_parameters, drafter_parameters. A pilot's "
+        "report compares them with the plan; empty in manifests made before they were recorded.",
     )
 
 

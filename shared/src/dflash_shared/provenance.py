@@ -43,11 +43,13 @@ def package_versions(names: list[str]) -> dict[str, str]:
     return versions
 
 
-def producer(stage: str, config: dict[str, Any], packages: list[str]) -> Producer:
+def producer(stage: str, config: dict[str, Any], packages: list[str], settings_sha256: str | None = None
+             ) -> Producer:
     return Producer(
         stage=stage,
         image=os.environ.get(IMAGE_ENV),
         git_revision=git_revision(),
         package_versions=package_versions(["dflash-shared", *packages]),
         config=config,
+        settings_sha256=settings_sha256,
     )

@@ -11,6 +11,10 @@ A worker that crashed or was preempted is simply run again: finished shards are 
 an unfinished one is redone from the start, rewriting byte-identical files because ``process`` must be
 deterministic given its items. Whichever worker finds every marker present merges them into the stage
 manifest. Readers only follow the manifest, so they never see a partial shard.
+
+Every marker records the settings its shard ran with (`stage_identity`): a shard started under other settings
+than a marker of the prefix refuses before it processes an item, and the merge refuses markers that disagree,
+so an output holds the work of one configuration.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Manifest, Shard
 from dflash_shared.scratch import make_scratch
+from dflash_shared.stage_identity import StageIdentity, refuse_changed
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, join
 
 logger = logging.getLogger(__name__)
@@ -204,6 +209,9 @@ class ShardMarker(_Frozen):
     item_count: int = Field(ge=0, description="Items assigned to the shard.")
     items_sha256: str = Field(description="sha256 of the JSON list of the assigned items, in order.")
     outcome: ShardOutcome = Field(description="What the shard produced.")
+    identity: StageIdentity | None = Field(
+        default=None, description="The settings and image the shard ran with; None in markers made before they "
+        "were recorded, which are not compared.")
 
 
 class FileProgress(_Frozen):
@@ -449,6 +457,42 @@ def _check_outcome(outcome: object, ctx: ShardContext) -> ShardOutcome:
     return outcome
 
 
+# ---------------------------------------------------------------------------------------- one configuration
+
+
+def restart_hint(stage: str, output_prefix: str) -> str:
+    """How to start a stage's output over under new settings (the second way out of a settings refusal)."""
+    pipeline_stage = "import" if stage.startswith("import") else stage
+    return (f"delete {output_prefix} (in a pipeline run: `python -m dflash_pipeline restart --config RUN.toml "
+            f"--stage {pipeline_stage}`, which deletes the later stages' outputs too), or write to a new output "
+            "prefix (a new run_id)")
+
+
+def _check_identity(marker: ShardMarker, uri: str, identity: StageIdentity, stage: str, output_prefix: str) -> None:
+    name = uri.rsplit("/", 1)[-1]
+    refuse_changed(marker.identity, identity, f"{output_prefix} (marker {name}) was made with other settings of the "
+                   f"{stage} stage", restart_hint(stage, output_prefix))
+
+
+def _agreed_identity(loaded: Sequence[ShardMarker], output_prefix: str) -> StageIdentity | None:
+    """The one identity the markers record (None: none records one); refuses markers that disagree, which
+    shards started together under different settings leave, since each found no marker to compare with."""
+    recorded = [(i, m.identity) for i, m in enumerate(loaded) if m.identity is not None]
+    if not recorded:
+        return None
+    first_index, first = recorded[0]
+    for index, other in recorded[1:]:
+        if other.sha256 != first.sha256:
+            try:
+                refuse_changed(first, other, f"the shards of {output_prefix} ran with different settings, so they "
+                               "cannot be merged into one manifest",
+                               restart_hint(loaded[0].stage, output_prefix),
+                               labels=(f"in shard {first_index}", f"in shard {index}"))
+            except ConfigError as err:
+                raise ShardingError(str(err)) from err
+    return first
+
+
 # ---------------------------------------------------------------------------------------- run / finalize
 
 
@@ -463,11 +507,15 @@ def run_shard(
     *,
     scratch_root: str | None = None,
     fingerprint: str = "",
+    identity: StageIdentity | None = None,
 ) -> ShardOutcome:
     """Run shard ``index`` of ``count`` over ``assign(items, index, count)`` unless it is already done.
 
     ``items`` is the full listing of the stage's inputs. The marker is written after ``process`` returns,
-    i.e. after every file it published; a crash before that leaves the shard to be redone by a rerun.
+    i.e. after every file it published; a crash before that leaves the shard to be redone by a rerun. With
+    ``identity`` (the stage's settings and image) the shard refuses to start, before any item is processed,
+    when a marker of the prefix was written under another one (its own marker, else the lowest shard's: the
+    markers agree with each other, or `finalize` refuses them).
     """
     log = _ShardLog(logger, f"{stage} shard {index}/{count}")
     assigned = assign(items, index, count)
@@ -476,13 +524,18 @@ def run_shard(
     own = marker_uri(output_prefix, index, count)
     manifest = join(output_prefix, MANIFEST_NAME)
     complete = store.exists(manifest)
+    own_marker = _read_marker(store, own, index, count) if index in markers else None
+    if identity is not None and markers:
+        first = min(markers)
+        reference = own_marker or _read_marker(store, markers[first], first, count)
+        _check_identity(reference, own if own_marker else markers[first], identity, stage, output_prefix)
     if complete and index not in markers:
         raise ShardingError(
             f"{manifest} exists but marker {own} is missing: the prefix was changed after the stage "
             "completed; write to a new output prefix"
         )
-    if index in markers:
-        marker = _read_marker(store, own, index, count)
+    if own_marker is not None:
+        marker = own_marker
         if marker.stage != stage:
             raise ShardingError(f"marker {own} was written by stage {marker.stage!r}, not {stage!r}")
         if marker.items_sha256 != digest:
@@ -508,7 +561,8 @@ def run_shard(
         outcome = _check_outcome(process(ctx), ctx)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    marker = ShardMarker(stage=stage, item_count=len(assigned), items_sha256=digest, outcome=outcome)
+    marker = ShardMarker(stage=stage, item_count=len(assigned), items_sha256=digest, outcome=outcome,
+                         identity=identity)
     store.write_bytes(own, marker.model_dump_json(indent=2).encode("utf-8"))
     ctx.clear_progress()  # the marker holds all of it now
     records = sum(s.records for s in outcome.shards)
@@ -535,11 +589,14 @@ def finalize(
     output_prefix: str,
     count: int,
     build_manifest: Callable[[MergedOutcome], Manifest],
+    identity: StageIdentity | None = None,
 ) -> str | None:
     """Write the stage manifest once every shard is marked complete; returns its URI, or None if not yet.
 
     Safe to call from every worker as it ends: the manifest is created with put_if_absent, so exactly one
-    of several workers finishing together writes it and the others log that it was already written.
+    of several workers finishing together writes it and the others log that it was already written. The
+    markers must record one identity, this worker's (`identity`) where given; the manifest's producer records
+    its digest.
     """
     log = _ShardLog(logger, f"finalize {output_prefix}")
     manifest = join(output_prefix, MANIFEST_NAME)
@@ -558,9 +615,16 @@ def finalize(
     stages = sorted({m.stage for m in loaded})
     if len(stages) > 1:
         raise ShardingError(f"{output_prefix} holds markers of several stages {stages}; refusing to merge them")
+    agreed = _agreed_identity(loaded, output_prefix)
+    if identity is not None:
+        refuse_changed(agreed, identity, f"{output_prefix} was made with other settings of the {stages[0]} stage",
+                       restart_hint(stages[0], output_prefix))
     merged = merge_outcomes(m.outcome for m in loaded)
     _check_present(store, merged.shards)
     built = build_manifest(merged)
+    if agreed is not None:
+        built = built.model_copy(update={"producer": built.producer.model_copy(
+            update={"settings_sha256": agreed.sha256})})
     expected = {s.uri for s in merged.shards}
     got = [s.uri for s in built.shards]
     if len(got) != len(set(got)) or set(got) != expected:

@@ -384,6 +384,19 @@ class ObjectStore:
                 return os.stat(uri).st_size
         return int(self._head(uri)["ContentLength"])
 
+    def stat(self, uri: str) -> tuple[int, str]:
+        """(size in bytes, version tag) of the object from one HEAD; the tag changes whenever it is rewritten.
+
+        S3's ETag (the store's own, so an object overwritten with other bytes of the same size shows up); locally
+        the inode and modification time, which an atomic replace changes too.
+        """
+        if not is_s3(uri):
+            with _local_errors(uri):
+                st = os.stat(uri)
+            return st.st_size, f"{st.st_ino}-{st.st_mtime_ns}"
+        head = self._head(uri)
+        return int(head["ContentLength"]), str(head.get("ETag") or "").strip('"')
+
     def read_bytes(self, uri: str) -> bytes:
         """The whole object in memory."""
         if not is_s3(uri):

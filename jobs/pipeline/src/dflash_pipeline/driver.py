@@ -9,8 +9,8 @@ decides everything:
     no Job, input manifest committed -> create the Job from its template
     no Job, input not there yet      -> wait
 
-Storage and cluster are the only state, so a driver that restarts, or a rerun after a fix (delete the
-failed stage Job and the driver Job, `kubectl apply -k` again), picks up where the run is. Between passes it
+Storage and cluster are the only state, so a driver that restarts, or a rerun after a fix (`pipeline resume`:
+the failed Jobs deleted, this driver's too, and the run applied again), picks up where the run is. Between passes it
 sleeps `poll_s`, doubling up to `max_poll_s` while nothing changes. A storage error no retry can heal (403,
 no such bucket, an endpoint nobody answers on) exits 69 at once; transient ones are retried. After every
 change it writes `<root>/<run_id>/driver/state.json` (`run_state`) for `pipeline status`.
@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflash_pipeline.driver_objects import driver_name
-from dflash_pipeline.kube import Cluster, ClusterUnavailableError, JobView, StageTemplate
+from dflash_pipeline.driver_objects import PILOT_RUN_KEY
+from dflash_pipeline.kube import Cluster, ClusterUnavailableError, JobView, StageTemplate, owner_reference
 from dflash_pipeline.run_state import RunState, StageStateName, write_run_state
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.exit_codes import ExitCode
@@ -62,6 +62,9 @@ class RunDriver:
         self._owner: dict[str, Any] | None = None
         # Stages whose Job this driver has seen unfinished (or created): their manifest means "succeeded".
         self._watched: set[str] = set()
+        # When this driver created each stage's Job (epoch seconds): a pilot's report measures stages from there.
+        self._started: dict[str, float] = {}
+        self._pilot: str | None = None
 
     def run(self) -> int:
         """Drive the run to its end: 0 when every stage's output is committed; raises on a failed stage."""
@@ -71,7 +74,9 @@ class RunDriver:
                 f"no stage templates of run {self.run_id!r} in namespace {self.cluster.namespace}: apply the run's "
                 "kustomization (or `python -m dflash_pipeline submit`) that holds this driver"
             )
-        self._owner = self.cluster.run_owner(self.run_id, self.run_object)
+        body = self.cluster.run_object(self.run_id, self.run_object)
+        self._owner = owner_reference({"apiVersion": "v1", "kind": "ConfigMap", **body})
+        self._pilot = (body.get("data") or {}).get(PILOT_RUN_KEY)
         logger.info("driving run %s: %s", self.run_id, " -> ".join(t.stage for t in templates))
         for t in templates:
             reason = f"input {t.input_manifest} not committed yet" if t.input_manifest else None
@@ -93,6 +98,8 @@ class RunDriver:
                 self._save()
             if done:
                 logger.info("run %s complete: every stage's output is committed", self.run_id)
+                if self._pilot is not None:
+                    self._write_pilot_report(self._pilot)
                 return ExitCode.OK
             delay = self.poll_s if changed else min(delay * 2, self.max_poll_s)
             self.sleep(delay)
@@ -126,6 +133,17 @@ class RunDriver:
             return False, self._set(t.stage, job.phase, job=job.name, reason=reason) or changed
         return True, changed
 
+    def _write_pilot_report(self, run_json: str, failures: dict[str, str] | None = None) -> None:
+        """A pilot's report (`pilot_report`), from its run config and manifests, with the starts this driver saw;
+        written when the run ends, whether its last stage committed or one failed."""
+        from dflash_pipeline.config import RunConfig
+        from dflash_pipeline.pilot_report import build_report, write_report
+
+        pilot = RunConfig.model_validate_json(run_json)
+        uri = write_report(self.store, pilot, build_report(self.store, pilot, self._started, failures))
+        logger.info("pilot report %s written: `python -m dflash_pipeline status --config RUN.toml` shows it, "
+                    "`plan --config RUN.toml --from-pilot %s` re-plans the full run", uri, uri)
+
     def _start(self, t: StageTemplate, templates: list[StageTemplate]) -> bool:
         if t.input_manifest is not None and not self.store.exists(t.input_manifest):
             if t.order - 1 not in {u.order for u in templates}:
@@ -133,6 +151,7 @@ class RunDriver:
                 for stage, jobset in self.cluster.failed_jobsets(self.run_id):
                     self._fail(t, templates, jobset, kind="JobSet", failed_stage=stage)
             return self._set(t.stage, "waiting", reason=f"input {t.input_manifest} not committed yet")
+        self._started.setdefault(t.stage, time.time())
         if self.cluster.create_job(t.body, self._owner):
             logger.info("stage %s: input committed, created Job %s", t.stage, t.job_name)
         else:
@@ -160,12 +179,16 @@ class RunDriver:
         for u in later:
             self._set(u.stage, "waiting", reason=f"run stopped: upstream stage {stage} failed")
         self._save()
-        driver = driver_name(self.run_id)
-        delete = (f"kubectl delete job {job.name} {driver}" if kind == "Job"
-                  else f"kubectl delete jobset {job.name}; kubectl delete job {driver}")
+        if self._pilot is not None:
+            try:
+                self._write_pilot_report(self._pilot, {stage: reason})
+            except StorageError as err:  # the failure below is the news; the report is its detail
+                logger.warning("cannot write the pilot report: %s", err)
         raise StageFailedError(
-            f"stage {stage} failed ({kind} {job.name}): {reason}. Nothing downstream was created. Fix the cause, "
-            f"then `{delete}` and apply the run again: committed stages are skipped"
+            f"stage {stage} failed ({kind} {job.name}): {reason}. Nothing downstream was created. Read its log "
+            f"(`python -m dflash_pipeline logs --config RUN.toml {stage}`), fix the cause, then `python -m "
+            "dflash_pipeline resume --config RUN.toml`: it deletes the failed Jobs (this driver's too) and applies "
+            "the run again; committed stages are skipped"
         )
 
     def _set(self, stage: str, state: StageStateName, *, job: str | None = None, reason: str | None = None) -> bool:

@@ -236,6 +236,10 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
     }
 
 
+# The run object's key holding a pilot's RunConfig as JSON (no secrets: a run file names Secrets, never holds them).
+PILOT_RUN_KEY = "pilot-run.json"
+
+
 def run_object(run: RunConfig) -> dict[str, Any]:
     """The run itself as an object: the owner of every stage Job the driver creates (see the module docstring).
 
@@ -248,7 +252,10 @@ def run_object(run: RunConfig) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": run_object_name(run.run_id), "namespace": run.namespace, "labels": labels},
-        "data": {"run_id": run.run_id, "root": run.root},
+        "data": {"run_id": run.run_id, "root": run.root,
+                 # A pilot's driver writes its report when the run ends, from the run config and the manifests.
+                 **({"pilot_of": run.pilot_of, PILOT_RUN_KEY: run.model_dump_json(by_alias=True)}
+                    if run.pilot_of is not None else {})},
     }
 
 

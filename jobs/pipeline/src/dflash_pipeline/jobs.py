@@ -61,6 +61,7 @@ from dflash_pipeline.stages import (
 )
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
+from dflash_shared.pod_log import POD_NAME_ENV, PREFIX_ENV
 from dflash_shared.runner import COUNT_ENV
 
 ACCELERATOR_LABEL = "dflash-pipeline/accelerator"
@@ -246,6 +247,13 @@ def _placement(run: RunConfig, settings: JobSettings) -> dict[str, Any]:
     return spec
 
 
+def log_env(run: RunConfig, stage: StageDef) -> list[dict[str, Any]]:
+    """Where the pod keeps its log: the image entrypoint runs under `dflash_shared.pod_log` when
+    DFLASH_LOG_PREFIX is set, which copies the pod's output to `<run>/logs/<stage>/<pod name>.log`."""
+    return [{"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": PREFIX_ENV, "value": layout(run.root, run.run_id).logs(stage.name)}]
+
+
 def stage_pod(
     run: RunConfig, stage: StageDef, settings: JobSettings, rendezvous: Rendezvous | None
 ) -> dict[str, Any]:
@@ -258,6 +266,7 @@ def stage_pod(
     env = [{"name": COUNT_ENV, "value": str(settings.shards)}] if stage.sharded else []
     env += [{"name": stage.env_name(key), "value": env_value(value)} for key, value in config.items()]
     env += [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR}]
+    env += log_env(run, stage)
     env += storage_env(run)
     env += [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
     if rendezvous is not None:

@@ -232,6 +232,10 @@ class Cluster:
     def run_owner(self, run_id: str, name: str | None = None) -> dict[str, Any]:
         """The ownerReference every stage Job gets: the run object applied with the run (`name`: as an overlay
         renamed it; default `dflash-<run_id>-run`)."""
+        return owner_reference({"apiVersion": "v1", "kind": "ConfigMap", **self.run_object(run_id, name)})
+
+    def run_object(self, run_id: str, name: str | None = None) -> dict[str, Any]:
+        """The run object ConfigMap itself (its data says what the run is; a pilot's holds its run config)."""
         from kubernetes.client.exceptions import ApiException
 
         name = name or run_object_name(run_id)
@@ -244,7 +248,8 @@ class Cluster:
                     f"the run object ConfigMap {name} is not in namespace {self.namespace}: apply the run's "
                     "kustomization again (python -m dflash_pipeline render); the stage Jobs are owned by it") from err
             raise
-        return owner_reference({"apiVersion": "v1", "kind": "ConfigMap", **json.loads(resp.data)})
+        body: dict[str, Any] = json.loads(resp.data)
+        return body
 
     def job(self, name: str) -> JobView | None:
         from kubernetes.client.exceptions import ApiException

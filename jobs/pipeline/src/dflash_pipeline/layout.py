@@ -7,6 +7,7 @@
     s3://bucket/runs/<run_id>/export/        export (a drafter manifest naming the serving files) -> evaluate
     s3://bucket/runs/<run_id>/evaluation/    evaluate                     -> serve-check
     s3://bucket/runs/<run_id>/serving/       serve-check (the evaluation with the engine's own tau)
+    s3://bucket/runs/<run_id>/logs/<stage>/  each stage pod's log, <pod>.log (`dflash_shared.pod_log`)
 
 Every prefix ends in a manifest.json written last; a stage's input is its upstream's manifest. The export
 writes a second drafter manifest and the serving check a second evaluation manifest, so their prefixes are
@@ -24,6 +25,8 @@ from dflash_shared.storage import join
 EXPORT_FOLDER = "export"
 # The serving check's evaluation (offline figures plus the engine's), beside the offline one.
 SERVING_FOLDER = "serving"
+# The stage pods' logs, kept after their Jobs are deleted: logs/<stage>/<pod>.log.
+LOGS_FOLDER = "logs"
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,10 @@ class RunLayout:
     @property
     def serving(self) -> str:
         return self.folder(SERVING_FOLDER)
+
+    def logs(self, stage: str | None = None) -> str:
+        """Where the pods of `stage` keep their logs (all stages' without one)."""
+        return join(self.folder(LOGS_FOLDER), stage) if stage else self.folder(LOGS_FOLDER)
 
 
 def layout(root: str, run_id: str) -> RunLayout:

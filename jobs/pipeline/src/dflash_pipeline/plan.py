@@ -17,16 +17,23 @@ min(record length, window) as trained, and prints the share of the generated tok
 refusal: the figure rests on an assumed length distribution until a run measured it, and generating past the
 window can be deliberate (traces kept for a longer window later); by default the budget is capped to the window
 and the share is zero by construction.
+
+Before any of it, the run must fit its GPUs (`fit`): each GPU stage's memory per GPU against the GPU it is
+scheduled on, printed per stage; a stage that cannot fit refuses the run (ConfigError, exit 64) with the settings
+that would make it fit.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.config import RunConfig, quantity_value
+from dflash_pipeline.fit import FitReport, check_fit
 from dflash_pipeline.gang_hold import GangHold, dead_rank_hold
 from dflash_pipeline.layout import layout
 from dflash_pipeline.plan_tokens import RecordTokens, answer_mean_for
@@ -34,6 +41,7 @@ from dflash_pipeline.run_objects import stage_objects
 from dflash_pipeline.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
 from dflash_pipeline.stages import EVALUATE, GENERATE, TOKENIZE, TRAIN, stage_values, training_window
 from dflash_pipeline.stages import plan as run_stages
+from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import ManifestError, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, CompletionsSection, Kind, Manifest, TokenizedSection
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
@@ -100,6 +108,7 @@ class RunPlan:
     gpu_hour_price: float | None = None
     currency: str = "USD"
     gang: GangHold | None = None  # a multi-node train stage: what a lost node costs the other pods
+    fit: FitReport | None = None  # each GPU stage's memory per GPU against its GPU (`fit`)
 
     @property
     def warnings(self) -> list[str]:
@@ -328,9 +337,11 @@ def _data_tokens(figures: _Figures, prompts: float | None, stored: float, traine
 
 def _import(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
     # Import reads and validates conversations at thousands per second per pod; its start is a minute.
-    return StagePlan("import", pods, gpus, _wall(w.prompts, 2000.0, pods, 60.0), 0.0,
+    read = run.plan.source_records or w.prompts
+    sampled = f" (a sample of {_count(read)} read)" if read != w.prompts else ""
+    return StagePlan("import", pods, gpus, _wall(read, 2000.0, pods, 60.0), 0.0,
                      (w.prompts or 0) * w.prompt_tokens * PROMPT_BYTES_PER_TOKEN, 0,
-                     f"{_count(w.prompts)} conversations")
+                     f"{_count(w.prompts)} conversations{sampled}")
 
 
 def _generate(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
@@ -389,11 +400,16 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
     work = max_steps * batch if max_steps else None if w.trained_tokens is None else w.trained_tokens * epochs
     steps = None if work is None else math.ceil(work / batch)
     limit = f", max_steps {max_steps}" if max_steps else f", {epochs} epochs"
+    # A restart (restart_after_step, the pilot's) starts the pods again: one more copy and load of the target.
+    restart = train.get("restart_after_step")
+    starts = 2 if restart and (steps is None or restart < steps) else 1
+    if starts == 2:
+        limit += f", a restart resuming from step {restart}"
     # Only the pod holding global rank 0 copies the weights (rank 0 loads and broadcasts them; the other pods
     # copy config and tokenizer files), but any pod may hold rank 0, so each is sized for a copy, with the data
     # cache beside it. The store keeps `keep` checkpoints of the drafter's weights and AdamW states (~16 bytes
     # per parameter of a ~2B drafter).
-    return StagePlan("train", pods, gpus, _wall(work, rate, gpus, w.target_start), w.target_bytes + cache,
+    return StagePlan("train", pods, gpus, _wall(work, rate, gpus, starts * w.target_start), w.target_bytes + cache,
                      keep * 2e9 * 16, 1,
                      f"{_count(work)} training tokens ({_count(steps)} steps{limit}, rows of {w.limits.window:,}); "
                      f"{rate:,.0f} tok/s/GPU")
@@ -416,8 +432,11 @@ def _export(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: in
     return StagePlan("export", pods, gpus, 600.0, 2e9 * 16, 2e9 * 2, 0, "the final checkpoint to serving files")
 
 
-def build_plan(run: RunConfig, store: ObjectStore | None = None) -> RunPlan:
-    """The plan of every stage of the run, upstream first. `store` (optional) reads the manifests already there."""
+def build_plan(run: RunConfig, store: ObjectStore | None = None, *,
+               target_config: Path | Mapping[str, Any] | None = None, run_file: Path | None = None) -> RunPlan:
+    """The plan of every stage of the run, upstream first. `store` (optional) reads the manifests already there
+    and the target's config.json; `target_config` (a path or the parsed file) and `run_file` (what `[plan]
+    target_config` is relative to) are the fit check's (`fit.check_fit`), which refuses a run that cannot fit."""
     figures = _Figures(run, store)
     workload = _workload(run, figures)
     out: list[StagePlan] = []
@@ -434,13 +453,19 @@ def build_plan(run: RunConfig, store: ObjectStore | None = None) -> RunPlan:
         _scratch_warning(item, float(quantity_value(scratch_limit(run, stage, settings))))
         _deadline_warning(item)
         out.append(item)
+    # The store as the manifests left it: one that refused them is not asked for the target's config again.
+    fit = check_fit(run, figures.manifests.store, target_config=target_config, run_file=run_file)
+    if fit.refused:
+        raise ConfigError(fit.message())
+    for item in out:
+        item.warnings += fit.warnings_of(item.stage)
     warnings = [] if figures.manifests.unread is None else [
         f"storage: could not read {figures.manifests.unread}; the figures come from the run file and estimates, "
         "not from manifests (credentials for the bucket, or --offline to skip reading)"]
     warnings += gpu_model_warnings(run)
     warnings += _reserved_while_waiting(run, out)
     return RunPlan(run.run_id, out, figures.table, warnings, run.plan.gpu_hour_price, run.plan.currency,
-                   _gang_hold(run))
+                   _gang_hold(run), fit)
 
 
 def _gang_hold(run: RunConfig) -> GangHold | None:
@@ -573,6 +598,8 @@ def format_plan(plan: RunPlan) -> str:
         lines.append("unknown (?): the run's prompt count is not known yet: set [plan] prompts, or plan again once "
                      "the import has written its manifest")
     lines += _window_lines(plan.figures)
+    if plan.fit is not None:
+        lines += plan.fit.lines()
     lines.append("figures (source: manifest = this run's, measured = [plan] measured_from, run file, estimate, "
                  "derived):")
     lines += [f"  {name}: {_figure(name, f.value)} ({f.source})" for name, f in plan.figures.items()]
@@ -620,5 +647,6 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
             "seconds": plan.gang.seconds, "gpus": plan.gang.gpus, "gpu_hours": plan.gang.gpu_hours,
             "bounded_by": plan.gang.bounded_by, "steps": plan.gang.steps},
         "figures": {name: {"value": f.value, "source": f.source} for name, f in plan.figures.items()},
+        "fit": None if plan.fit is None else plan.fit.to_json(),
         "warnings": plan.warnings,
     }

@@ -20,6 +20,11 @@ class PlanInputs(BaseModel):
     prompts: int | None = Field(
         default=None, ge=1, description="Conversations the import will produce; the prompts manifest's count wins."
     )
+    source_records: int | None = Field(
+        default=None, ge=1,
+        description="Records the import reads, where more than it keeps (a pilot reads the whole source to draw "
+        "its sample); default: prompts.",
+    )
     mean_prompt_tokens: float | None = Field(
         default=None, gt=0, description="Mean prompt (conversation history) tokens per record."
     )
@@ -51,6 +56,16 @@ class PlanInputs(BaseModel):
         default=None,
         description="The GPU product the throughput figures assume, as the node label names it (e.g. "
         "'NVIDIA-H200'): the plan warns about a GPU stage whose gpu_types does not pin it.",
+    )
+    gpu_memory_gib: float | None = Field(
+        default=None, gt=0,
+        description="Memory of one GPU in GiB as nvidia-smi reports its total (an 80 GB H100: 79.6; an H200: "
+        "140.4): replaces the GPU table's figure in the fit check (dflash_pipeline.gpu_models), for every GPU stage.",
+    )
+    target_config: str | None = Field(
+        default=None,
+        description="The target's config.json, a path relative to the run file: what the fit check sizes the "
+        "target from where <target.uri>/config.json cannot be read (plan --offline). --target-config wins.",
     )
     gpu_hour_price: float | None = Field(
         default=None, ge=0, description="Price of one GPU-hour: the plan prints each stage's cost and the total."

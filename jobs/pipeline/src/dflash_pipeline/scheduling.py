@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from decimal import ROUND_CEILING, Decimal
+from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.config import JobSettings, RunConfig, quantity_value
@@ -41,6 +43,9 @@ def target_disk_bytes(run: RunConfig) -> Decimal:
     """Bytes a copy of the target takes on a pod's scratch: `target.disk_size`, or estimated from its id."""
     if run.target.disk_size is not None:
         return quantity_value(run.target.disk_size)
+    if run.target.uri.startswith("/") and os.path.isdir(run.target.uri):
+        # A local run's target (the demo's): its files are here to be counted.
+        return Decimal(sum(p.stat().st_size for p in Path(run.target.uri).rglob("*") if p.is_file()))
     name = run.target.model_id.rsplit("/", 1)[-1]
     counts = [Decimal(m.group(1)) for m in _PARAMETERS.finditer(name)]
     if not counts:

@@ -28,7 +28,8 @@ from dflash_shared.manifests import MANIFEST_NAME, Kind
 from dflash_shared.settings import StageSettings, env_name
 from dflash_shared.storage import join
 
-# Entry point of every stage image: preflight, then the stage, both configured by environment variables.
+# Entry point of every stage image: preflight, then the stage, both configured by environment variables (with
+# a command as its first argument, that command alone); it keeps the pod's log in the store (`jobs.log_env`).
 IMAGE_ENTRYPOINT = "/opt/dflash/entrypoint.sh"
 # Settings every sharded command reads from the Job instead (JOB_COMPLETION_INDEX, DFLASH_NUM_SHARDS).
 SHARD_FIELDS = frozenset({"shard_index", "num_shards"})
@@ -197,12 +198,12 @@ def _serve_check_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -
 
 
 IMPORT_COMPLETIONS = StageDef(
-    name="import", image="tokenizer", command=("dflash-tokenize", "import"),
+    name="import", image="tokenizer", command=(IMAGE_ENTRYPOINT, "import"),
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.completions,
     wiring=_import_wiring(Kind.completions),
 )
 IMPORT_PROMPTS = StageDef(
-    name="import", image="generator", command=("dflash-generate", "import"),
+    name="import", image="generator", command=(IMAGE_ENTRYPOINT, "import"),
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.prompts,
     wiring=_import_wiring(Kind.prompts),
 )
@@ -279,7 +280,11 @@ def stage_config(stage: StageDef, run: RunConfig, settings: JobSettings) -> dict
     for key in settings.config:
         top = key.split("__")[0]
         if top in wired:
-            raise ConfigError(f"{where}.{key} is set by the pipeline ({stage.env_name(top)}={wired[top]}); remove it")
+            # The usual reason to set an input: data another run made, which the import reads (and copies).
+            hint = ("; to start from another run's output, set [source] uri to its prefix (source.kind = "
+                    "\"completions\" keeps its token ids)" if top in ("input", "source") else "")
+            raise ConfigError(f"{where}.{key} is set by the pipeline ({stage.env_name(top)}={wired[top]}); remove "
+                              f"it{hint}")
         if top in SHARD_FIELDS:
             raise ConfigError(f"{where}.{key}: shards come from stages.{stage.name}.shards and the Job's index")
     chosen = {**stage.defaults(run, lay, settings), **settings.config}
@@ -299,4 +304,14 @@ def stage_values(run: RunConfig, stage: StageDef) -> dict[str, Any]:
     settings = run.stages.for_stage(stage.name)
     derived = stage.defaults(run, layout(run.root, run.run_id), settings)
     given = {k: v for k, v in {**derived, **settings.config}.items() if v is not None}
-    return {**stage.config_defaults(), **given}
+    return {**stage.config_defaults(), **_preset(stage, given.get("preset")), **given}
+
+
+def _preset(stage: StageDef, name: Any) -> dict[str, Any]:
+    """A named preset's values (train's `debug`: DEBUG_PRESET beside its config), which the stage applies under
+    the given settings; the plan must size with them, not with the defaults they replace."""
+    if name in (None, "none"):
+        return {}
+    module = importlib.import_module(stage.config_class.partition(":")[0])
+    preset = getattr(module, f"{str(name).upper()}_PRESET", None)
+    return dict(preset) if isinstance(preset, dict) else {}

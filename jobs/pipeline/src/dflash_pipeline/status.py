@@ -4,9 +4,12 @@ A stage is complete when its prefix holds manifest.json; before that its shard m
 (`_markers/shard-XXXXX-of-NNNNN.json`, each carrying the shard's outcome) say how many shards are done
 and how their records were accounted for. A generate shard runs for days at scale, so inside a running
 generate stage the chunk receipts (`_chunks/*.json`, each chunk's commit record) give the progress: chunks
-committed of those planned, the generation rate and an ETA. Where the run driver runs (a cluster), its
-`driver/state.json` adds what only it knows: a stage's Job state and, for a failed one, the first reason.
-`format_status` prints one line per stage, then the progress, failures and skips by reason.
+committed of those planned, the generation rate and an ETA; the workers' own reports (`progress_view`) add
+what they are doing between receipts. A running train stage shows its progress report (step, loss, tau,
+tokens/s, ETA, last checkpoint). Where the run driver runs (a cluster), its `driver/state.json` adds what only
+it knows: a stage's Job state and, for a failed one, the reason, which the table shows as `failed` with the
+exit class and the command that continues the run (`resume`). `format_status` prints one line per stage, then
+the progress, failures and skips by reason.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from pydantic import ValidationError
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.layout import RunLayout, layout
 from dflash_pipeline.plan import long_duration
+from dflash_pipeline.progress_view import generate_progress_reports, train_progress
 from dflash_pipeline.run_state import read_run_state
-from dflash_pipeline.stages import GENERATE, plan, stage_values
+from dflash_pipeline.stages import GENERATE, TRAIN, plan, stage_values
+from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind
 from dflash_shared.runner import MARKERS_DIR, ShardMarker, merge_accounting
@@ -31,6 +36,19 @@ from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError
 
 _MARKER = re.compile(r"shard-(\d{5})-of-(\d{5})\.json$")
 _IO_THREADS = 16
+# The exit code in a failure reason: the pod's container ("exited 65 (BAD_INPUT)") or the Job's condition.
+_EXIT = re.compile(r"(?:exited|exit code) (\d+)")
+# What each exit code says about the failure, and so what to do before the run continues.
+_EXIT_CLASSES = {
+    int(ExitCode.USAGE): "the configuration is wrong (no retry can pass): fix the run file",
+    int(ExitCode.BAD_INPUT): "the input failed a check (no retry can pass): fix the input, or the setting the "
+                             "message names",
+    int(ExitCode.ENVIRONMENT): "the node or its access is unfit, on every retry: the GPUs, the disk, the "
+                               "credentials or the image",
+    int(ExitCode.RETRYABLE): "an unexpected or transient failure, on every retry: the log says which",
+    int(ExitCode.PREEMPTED): "stopped by a signal on every retry",
+    137: "killed (SIGKILL): out of memory, or stopped past its grace period",
+}
 
 
 @dataclass
@@ -54,6 +72,20 @@ class StageStatus:
     progress: str = ""
     driver_state: str | None = None
     driver_reason: str | None = None
+    live: str = ""  # what the stage's own progress reports say (train, generate's workers)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, Any] | None = None  # the failed Job: exit code and class, message, the next command
+
+    @property
+    def shown_state(self) -> str:
+        """The table's state: the storage's, unless the driver knows better (a failed or running Job)."""
+        if self.state in ("complete", "invalid"):
+            return self.state
+        if self.driver_state == "failed":
+            return "failed"
+        if self.state == "not started" and self.driver_state in ("created", "running"):
+            return "queued" if self.driver_state == "created" else "running"
+        return self.state
 
     def account(self, accounting: Accounting) -> None:
         self.input_records = accounting.input_records
@@ -64,7 +96,7 @@ class StageStatus:
         self.examples = {k: list(v) for k, v in sorted(accounting.examples.items())}
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "shown_state": self.shown_state}
 
 
 def stage_status(store: ObjectStore, stage: str, kind: Kind, prefix: str, expected_shards: int) -> StageStatus:
@@ -124,8 +156,11 @@ def run_status(run: RunConfig, store: ObjectStore) -> list[StageStatus]:
         shards = run.stages.for_stage(stage.name).shards
         try:
             status = stage_status(store, stage.name, stage.output_kind, stage.output_prefix(lay), shards)
-            if stage.name == "generate" and status.state != "complete":
+            if stage.name == GENERATE.name and status.state != "complete":
                 status.progress = generate_progress(run, store, lay, shards)
+                status.live, status.reports = generate_progress_reports(store, lay)
+            if stage.name == TRAIN.name and status.state != "complete":
+                status.live, status.reports = train_progress(store, lay)
             out.append(status)
         except StorageError as err:
             # One failure for the whole run: a store that cannot be read for one stage cannot for the others,
@@ -148,6 +183,29 @@ def _add_driver_state(run: RunConfig, store: ObjectStore, statuses: list[StageSt
         entry = state.stages.get(status.stage)
         if entry is not None:
             status.driver_state, status.driver_reason = entry.state, entry.reason
+            if entry.state == "failed" and status.state != "complete":
+                status.failure = failure_view(entry.reason, entry.job)
+
+
+def failure_view(reason: str | None, job: str | None) -> dict[str, Any]:
+    """A failed stage for people: its exit code and what that code means (`dflash_shared.exit_codes`)."""
+    codes = [int(m) for m in _EXIT.findall(reason or "")]
+    code = codes[-1] if codes else None
+    if code is None:
+        meaning = "no exit code: the Job itself failed (its deadline, a lost node, an eviction; the reason says)"
+    elif code in _EXIT_CLASSES:
+        meaning = _EXIT_CLASSES[code]
+    elif code > 128:
+        meaning = f"killed by signal {code - 128}"
+    else:
+        meaning = "a failure of the stage's own: the log says which"
+    return {"job": job, "exit_code": code, "exit_class": meaning, "message": reason or "no reason given"}
+
+
+def next_commands(run: RunConfig, stage: str, run_file: str) -> list[str]:
+    """What to run after a stage failed: read its log, fix the cause, resume (the failed Jobs go, the rest stays)."""
+    cli = f"python -m dflash_pipeline {{}} --config {run_file}" + (" --pilot" if run.pilot_of is not None else "")
+    return [f"{cli.format('logs')} {stage}", cli.format("resume")]
 
 
 def generate_progress(run: RunConfig, store: ObjectStore, lay: RunLayout, shards: int) -> str:
@@ -197,11 +255,12 @@ def generate_progress(run: RunConfig, store: ObjectStore, lay: RunLayout, shards
     return text
 
 
-def format_status(run: RunConfig, statuses: list[StageStatus]) -> str:
-    """A table of the stages, then failures and skips by reason with a few examples."""
+def format_status(run: RunConfig, statuses: list[StageStatus], run_file: str = "RUN.toml") -> str:
+    """A table of the stages, then progress, a failed stage's cause and next commands, failures and skips by
+    reason with a few examples. `run_file` is the run file as the user named it, for the commands shown."""
     rows = [("stage", "state", "shards", "records", "failed", "skipped", "prefix")]
     for s in statuses:
-        rows.append((s.stage, s.state, f"{s.shards_done}/{s.shard_count}", f"{s.records:,}", f"{s.failed:,}",
+        rows.append((s.stage, s.shown_state, f"{s.shards_done}/{s.shard_count}", f"{s.records:,}", f"{s.failed:,}",
                      f"{s.skipped:,}", s.prefix))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"run {run.run_id} ({layout(run.root, run.run_id).run_prefix})"]
@@ -211,7 +270,16 @@ def format_status(run: RunConfig, statuses: list[StageStatus]) -> str:
             lines.append(f"{s.stage}: {s.detail}")
         if s.progress:
             lines.append(f"{s.stage}: {s.progress}")
-        if s.driver_state is not None and s.driver_state != "succeeded":
+        if s.live:
+            lines.append(f"{s.stage}: {s.live}")
+        if s.failure is not None:
+            code = s.failure["exit_code"]
+            lines.append(f"{s.stage}: FAILED (Job {s.failure['job']}): {s.failure['message']}")
+            lines.append(f"{s.stage}: " + (f"exit {code}: " if code is not None else "") + s.failure["exit_class"])
+            first, resume = next_commands(run, s.stage, run_file)
+            lines.append(f"{s.stage}: next: read the log (`{first}`), fix the cause, then `{resume}`: it deletes "
+                         "the failed Jobs and applies the run again; committed work is kept")
+        elif s.driver_state is not None and s.driver_state != "succeeded":
             lines.append(f"{s.stage}: driver: {s.driver_state}" + (f": {s.driver_reason}" if s.driver_reason else ""))
         for title, reasons in (("failed", s.failures_by_reason), ("skipped", s.skips_by_reason)):
             for reason, n in reasons.items():

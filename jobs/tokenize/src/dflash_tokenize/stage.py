@@ -44,6 +44,7 @@ from dflash_shared.quality import fix_hints, gate_exceeded
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
 from dflash_shared.scratch import make_scratch
 from dflash_shared.settings import env_prefix, public_dict
+from dflash_shared.stage_identity import StageIdentity, stage_identity
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_shared.window import window_fraction
 from dflash_tokenize import hints, resume, split, worker
@@ -412,8 +413,14 @@ def build_manifest(resolved: Resolved, merged: MergedOutcome) -> Manifest:
     )
 
 
-# Settings that change how the work is spread over processes or disks, never a byte of the output.
+# Settings that change how the work is spread over processes or disks, never a byte of the output: a shard may
+# reuse files published under other values, and the shards of one output may run with other values.
 _NOT_IN_OUTPUT = ("workers", "scratch_dir", "disk_need_gib")
+
+
+def settings_identity(config: TokenizeConfig) -> StageIdentity:
+    """The settings every shard of one tokenized output must share (see dflash_shared.stage_identity)."""
+    return stage_identity(config, exclude=_NOT_IN_OUTPUT)
 
 
 def fingerprint(resolved: Resolved) -> str:
@@ -436,8 +443,10 @@ def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
                  "fraction %.4f of %d input records", resolved.mode, resolved.enable_thinking,
                  config.template_kwargs() or "default", len(items), index, count, resolved.heldout_fraction,
                  resolved.source.manifest.total_records)
-        run_shard(STAGE, store, config.output, items, index, count,
-                  lambda ctx: process_shard(ctx, resolved), scratch_root=scratch, fingerprint=fingerprint(resolved))
-        return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged))
+        made_with = settings_identity(config)
+        run_shard(STAGE, store, config.output, items, index, count, lambda ctx: process_shard(ctx, resolved),
+                  scratch_root=scratch, fingerprint=fingerprint(resolved), identity=made_with)
+        return finalize(store, config.output, count, lambda merged: build_manifest(resolved, merged),
+                        identity=made_with)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

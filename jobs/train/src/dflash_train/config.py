@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.settings import StageSettings
+from dflash_shared.stage_identity import StageIdentity, stage_identity
 from dflash_train.drafter.config import DrafterConfig
 
 Preset = Literal["none", "debug"]
@@ -137,8 +138,19 @@ class TrainConfig(StageSettings):
         description="auto: continue from the newest complete checkpoint under output; never: start fresh; or a "
         "checkpoint URI.",
     )
+    restart_after_step: int | None = Field(
+        default=None, ge=1,
+        description="Stop once this step's checkpoint is written, exactly as a preemption does (exit 75), in a run "
+        "that started before it; the Job's retry then resumes from that checkpoint. A pilot run's restart test: "
+        "the save, the exit, the rendezvous again and the resume are all exercised.",
+    )
     log_every: int = Field(default=10, ge=1, description="Steps between metric lines (log and TensorBoard).")
     tensorboard: bool = Field(default=True, description="Write TensorBoard event files under <output>/tensorboard.")
+    progress_every_s: float = Field(
+        default=300.0, gt=0,
+        description="Seconds between progress reports in the store: <output>/progress.json (step, loss, tau, "
+        "tokens/s, ETA, last checkpoint), read by `pipeline status`, and the TensorBoard files uploaded.",
+    )
     scratch_dir: str | None = Field(default=None, description="Local scratch (target copy, shard cache).")
     disk_need_gib: float = Field(default=200.0, ge=0, description="Free scratch disk preflight requires.")
     copy_workers: int = Field(default=8, ge=1, description="Parallel downloads when copying the target from S3.")
@@ -191,6 +203,27 @@ class TrainConfig(StageSettings):
                 "drafter_overrides.num_target_features only applies to drafter_preset from_target; the debug"
                 " preset has fixed target layers: give target_layer_ids instead"
             )
+
+
+# Settings a resumed run may change (see dflash_shared.stage_identity): where and how the work runs (device,
+# parallelism, kernels, compile, and micro_batch_rows, a memory knob: the update stays the mean of the step's
+# rows), the data cache, how often it logs and saves, the length of the run (a resume keeps the checkpoint's
+# schedule, with a warning), and the settings the checkpoint is checked by exactly in other terms: the drafter
+# ones (its resolved DrafterConfig) and the input and target locations (the data order, which holds the input
+# manifest's sha256). Every other setting (lr and the optimiser, precision, seed, batch_tokens, max_length, ...)
+# changes what the steps compute, and a resume under another value is refused.
+RESUMABLE_CHANGES = frozenset({
+    "preset", "input", "target", "drafter", "drafter_preset", "drafter_overrides", "mask_token_id",
+    "micro_batch_rows", "epochs", "max_steps", "cache_gib", "prefetch_steps", "verify_shards", "device", "parallelism",
+    "target_packing", "target_attn_implementation", "activation_checkpointing", "compile", "chunk_tokens",
+    "checkpoint_every", "keep_checkpoints", "resume", "restart_after_step", "log_every", "tensorboard",
+    "copy_workers",
+})
+
+
+def settings_identity(config: TrainConfig) -> StageIdentity:
+    """What a checkpoint records of the run that saved it, and a resume must match."""
+    return stage_identity(config, exclude=RESUMABLE_CHANGES)
 
 
 def debug(input: str, output: str, target: str, **overrides: Any) -> TrainConfig:  # noqa: A002 - field name

@@ -42,7 +42,7 @@ from dflash_shared.provenance import producer
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, join
 from dflash_shared.window import window_fraction
-from dflash_train.config import TrainConfig
+from dflash_train.config import TrainConfig, settings_identity
 from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig, is_hybrid_family
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,8 @@ def trained_tokens(plan: Any, steps: int, rows_per_step: int) -> TrainedTokens |
 
 
 def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str, float],
-                   extra: dict[str, Any], data: TrainedTokens | None = None) -> Manifest:
+                   extra: dict[str, Any], data: TrainedTokens | None = None,
+                   performance: dict[str, float] | None = None) -> Manifest:
     """The drafter manifest: final checkpoint, resolved config, target identity, lineage, final metrics."""
     config, source, cfg = resolved.config, resolved.source, resolved.drafter
     identity = resolved.section.target
@@ -198,7 +199,7 @@ def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str,
     return Manifest(
         kind=Kind.drafter,
         run_id=config.run_id or source.manifest.run_id,
-        producer=producer(STAGE, resolved_config, PACKAGES),
+        producer=producer(STAGE, resolved_config, PACKAGES, settings_identity(config).sha256),
         inputs=[source.as_input()],
         shards=[Shard(uri=join(checkpoint.uri, name), bytes=entry.bytes, sha256=entry.sha256, records=0)
                 for name, entry in sorted(checkpoint.marker.files.items())],
@@ -212,8 +213,30 @@ def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str,
             checkpoint_uri=checkpoint.uri,
             final_metrics=final_metrics,
             data=data,
+            performance=performance or {},
         ),
     )
+
+
+def performance(trainer: Any, result: Any, world_size: int, planned_peak: int, target_params: int,
+                drafter_params: int) -> dict[str, float]:
+    """What this process measured, for the drafter manifest (`DrafterSection.performance`): the last logged
+    window's rates (steady state: the first window also holds start-up), the peak memory over ranks against the
+    memory plan's prediction, and the checkpoint timings."""
+    out: dict[str, float] = {"world_size": float(world_size), "planned_peak_gib": planned_peak / 2**30,
+                             "target_parameters": float(target_params), "drafter_parameters": float(drafter_params)}
+    if result.history:
+        _, last = result.history[-1]
+        if last.get("steps_per_s"):
+            out["step_seconds"] = 1.0 / last["steps_per_s"]
+        out.update({name: last[name] for name in ("tokens_per_s", "label_tokens_per_s", "peak_memory_gib_max")
+                    if name in last})
+    if trainer.save_seconds is not None:
+        out["checkpoint_save_seconds"] = trainer.save_seconds
+    if trainer.resume_seconds is not None:
+        out["resume_seconds"] = trainer.resume_seconds
+        out["resumed_from_step"] = float(trainer.resumed_from)
+    return out
 
 
 def scratch_root(config: TrainConfig) -> str:
@@ -288,7 +311,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.parallel import distributed
     from dflash_train.target_model.loading import load_target
-    from dflash_train.trainer import Trainer
+    from dflash_train.trainer import Trainer, refuse_other_settings
     from dflash_train.training import checkpoint as ckpt
     from dflash_train.training import memory_plan, optim
     from dflash_train.training.metrics import MetricsSink
@@ -298,6 +321,10 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
     os.makedirs(scratch, exist_ok=True)
     cache = data.ShardCache(store, os.path.join(root, "shards"), int(config.cache_gib * 2**30), config.verify_shards)
     try:
+        # A checkpoint saved under other settings is refused before the target is loaded or a byte planned.
+        ref = ckpt.find_resume(store, config.output, config.resume)
+        if ref is not None:
+            refuse_other_settings(store, ref, config)
         dtype = optim.target_dtype(config, env.device)
         with torch.device("meta"):
             drafter_params = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
@@ -306,7 +333,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
                                                       memory_plan.TargetShape.from_checkpoint(resolved.target_dir)))
         parallelism = distributed.choose_parallelism(config.parallelism, replica_bytes, drafter_params, env)
         # Before the data plan and the target load: a configuration predicted not to fit stops here (exit 64).
-        memory_plan.check_run(config, cfg, shape, resolved.max_length, parallelism, env, dtype.itemsize)
+        planned = memory_plan.check_run(config, cfg, shape, resolved.max_length, parallelism, env, dtype.itemsize)
         plan = plan_data(resolved, store, cache, env)
         steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         sharded = parallelism == "fsdp" and env.distributed
@@ -317,10 +344,11 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
                  steps, resolved.target_dir, env.device)
         trainer = Trainer(config, cfg, target, plan, cache, env, store, scratch, parallelism, steps,
                           resolved.rows_per_step)
-        ref = ckpt.find_resume(store, config.output, config.resume)
         if ref is not None:
             trainer.resume(ref)
-        sink = MetricsSink(env, os.path.join(scratch, "tensorboard"), config.tensorboard, f"from-step-{trainer.step}")
+        sink = MetricsSink(env, os.path.join(scratch, "tensorboard"), config.tensorboard, f"from-step-{trainer.step}",
+                           store=store, output=config.output, progress_every_s=config.progress_every_s,
+                           tokens_per_step=resolved.rows_per_step * resolved.max_length)
         try:
             result = trainer.train(sink)
         finally:
@@ -332,7 +360,9 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
         manifest = build_manifest(resolved, final, result.final_metrics,
                                   {"world_size": env.world_size, "parallelism": parallelism,
                                    "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps},
-                                  trained_tokens(plan, trainer.total_steps, resolved.rows_per_step))
+                                  trained_tokens(plan, trainer.total_steps, resolved.rows_per_step),
+                                  performance(trainer, result, env.world_size, planned.peak,
+                                              sum(shape.layer_params) + shape.whole_params, drafter_params))
         uri, _ = write_manifest(store, config.output, manifest)
         log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
                  result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))

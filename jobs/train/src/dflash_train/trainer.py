@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from dflash_shared.errors import ConfigError, Preempted
+from dflash_shared.stage_identity import refuse_changed
 from dflash_shared.storage import ObjectStore
-from dflash_train.config import TrainConfig
+from dflash_train.config import TrainConfig, settings_identity
 from dflash_train.data.loader import DataPlan, ShardCache, StepLoader
 from dflash_train.drafter.attention import compile_drafter_layers
 from dflash_train.drafter.config import DrafterConfig
@@ -95,6 +96,15 @@ def build_drafter(cfg: DrafterConfig, config: TrainConfig, device: torch.device)
     return drafter
 
 
+def refuse_other_settings(store: ObjectStore, ref: ckpt.CheckpointRef, config: TrainConfig) -> None:
+    """SettingsChangedError (exit 64) when `ref` was saved under other settings than `config`'s (those that change
+    what a step computes: see dflash_train.config.RESUMABLE_CHANGES), naming each and the ways out."""
+    refuse_changed(ckpt.read_state(store, ref).identity, settings_identity(config),
+                   f"checkpoint {ref.uri} was saved by a run with other settings",
+                   "`python -m dflash_pipeline restart --config RUN.toml --stage train` (it deletes the checkpoints "
+                   "and the later stages' outputs), or write to a new output prefix (a new run_id)")
+
+
 class Trainer:
     """Owns the drafter, optimiser, scheduler, data loader and metrics of one run on one rank."""
 
@@ -124,6 +134,10 @@ class Trainer:
         self.metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
         self.last_checkpoint: str | None = None
+        # Timings the drafter manifest records (a pilot's report compares them with the plan).
+        self.save_seconds: float | None = None
+        self.resume_seconds: float | None = None
+        self.resumed_from: int | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -133,15 +147,20 @@ class Trainer:
             step=self.step, total_steps=self.total_steps, rows_per_step=self.rows_per_step, consumed_rows=consumed,
             data_position=self.plan.position(consumed), plan_fingerprint=self.plan.fingerprint,
             scheduler=self.scheduler.state_dict(), world_size=self.env.world_size, metrics=self.metrics,
+            identity=settings_identity(self.config),
         )
 
     def save(self) -> str:
+        started = time.perf_counter()
         uri = ckpt.save_checkpoint(self.model, self.optimizer, self.state(), self.cfg.model_dump_json(indent=1),
                                    self.store, self.config.output, self.env, self.scratch, self.config.keep_checkpoints)
         self.last_checkpoint = uri
+        self.save_seconds = time.perf_counter() - started
         return uri
 
     def resume(self, ref: ckpt.CheckpointRef) -> None:
+        started = time.perf_counter()
+        refuse_other_settings(self.store, ref, self.config)  # before a tensor is read
         saved = ckpt.read_config_json(self.store, ref)
         if saved != self.cfg.model_dump(mode="json"):
             raise ConfigError(f"checkpoint {ref.uri} was trained with another drafter config; start a new output "
@@ -160,6 +179,7 @@ class Trainer:
             self.scheduler = build_scheduler(self.optimizer, self.config, self.total_steps)
         self.scheduler.load_state_dict(state.scheduler)
         self.step, self.metrics, self.last_checkpoint = state.step, dict(state.metrics), ref.uri
+        self.resume_seconds, self.resumed_from = time.perf_counter() - started, state.step
 
     # ------------------------------------------------------------------ loop
 
@@ -170,6 +190,8 @@ class Trainer:
                             pin_memory=env.device.type == "cuda")
         window = MetricWindow(self.cfg.block_size, env.device)
         grad_norm = 0.0
+        if self.last_checkpoint is not None:
+            sink.checkpoint_saved(self.step, self.last_checkpoint)
         log.info("training steps %d..%d of %d: %d rows of %d tokens per step, %d micro-batch(es) per rank",
                  self.step + 1, self.total_steps, self.total_steps, self.rows_per_step, self.plan.max_length,
                  self.accumulation)
@@ -209,23 +231,39 @@ class Trainer:
                         # Metrics first: once a checkpoint is complete, the loss curve up to it is stored too,
                         # so a kill -9 right after the checkpoint loses no logged step.
                         sink.upload(self.store, config.output)
-                        self.save()
+                        sink.checkpoint_saved(self.step, self.save())
                     if self.step < self.total_steps and env.any(stop.is_set()):
                         self._stop_for_preemption(sink)
+                    if self.step < self.total_steps and self._restart_due():
+                        self._stop_for_preemption(sink, "restart_after_step")
+        except Preempted:
+            raise
+        except BaseException:
+            sink.state = "failed"
+            raise
         finally:
             loader.close()
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"step-{self.step:08d}"):
-            self.save()
+            sink.checkpoint_saved(self.step, self.save())
         assert self.last_checkpoint is not None
+        sink.state = "finished"
         final = {k: v for k, v in self.metrics.items() if k.startswith(FINAL_METRIC_PREFIXES)}
         return TrainResult(self.last_checkpoint, self.step, final, self.history)
 
-    def _stop_for_preemption(self, sink: MetricsSink) -> None:
+    def _restart_due(self) -> bool:
+        """restart_after_step reached in this process (the same on every rank: no collective needed). A run that
+        resumed past it never stops again, so the restart happens once."""
+        return self.config.restart_after_step == self.step and (self.resumed_from or 0) < self.step
+
+    def _stop_for_preemption(self, sink: MetricsSink, why: str = "SIGTERM") -> None:
         started = time.perf_counter()
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"step-{self.step:08d}"):
             self.save()
+        assert self.last_checkpoint is not None
+        sink.checkpoint_saved(self.step, self.last_checkpoint)
+        sink.state = "stopped"
         if self.env.is_main:
             sink.upload(self.store, self.config.output)
-        log.warning("stopped at step %d; checkpoint %s written in %.1f s", self.step, self.last_checkpoint,
-                    time.perf_counter() - started)
-        raise Preempted("SIGTERM")
+        log.warning("stopped at step %d (%s); checkpoint %s written in %.1f s; a rerun resumes from it", self.step,
+                    why, self.last_checkpoint, time.perf_counter() - started)
+        raise Preempted(why)

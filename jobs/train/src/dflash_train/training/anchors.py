@@ -36,9 +36,14 @@ import torch
 
 from dflash_train.data.batch import PAD_DOCUMENT
 
-# Query tiles of flex attention are 128 tokens; N * block_size is rounded up to a multiple of this so the
-# number of query tokens is tile-aligned.
-QUERY_TILE = 128
+# The ladder of anchor counts lives where torch-free planning reads it too; its names stay importable from here.
+from dflash_train.training.anchor_ladder import (  # noqa: F401
+    QUERY_TILE,
+    _round_up,
+    anchor_count_buckets,
+    anchor_count_multiple,
+    bucket_anchor_count,
+)
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
@@ -48,53 +53,6 @@ def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> to
     valid = torch.zeros_like(lm)
     valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc[:, :-1] == doc[:, 1:]) & (doc[:, :-1] != PAD_DOCUMENT)
     return valid
-
-
-def anchor_count_multiple(block_size: int) -> int:
-    """N is padded to a multiple of this, so that N * block_size fills whole query tiles where it can."""
-    return max(1, QUERY_TILE // block_size) if QUERY_TILE % block_size == 0 else 1
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def anchor_count_buckets(block_size: int, max_anchors_per_row: int) -> tuple[int, ...]:
-    """The ladder of anchor counts N a step may use: m * 2^k below the cap, then the cap rounded up to m.
-
-    Its length is the bound on distinct drafter attention shapes of a run (see the module docstring):
-    ceil(log2(ceil(cap / m))) + 1.
-    """
-    if max_anchors_per_row < 1:
-        raise ValueError(f"max_anchors_per_row must be >= 1, got {max_anchors_per_row}")
-    multiple = anchor_count_multiple(block_size)
-    top = _round_up(max_anchors_per_row, multiple)
-    rungs = []
-    rung = multiple
-    while rung < top:
-        rungs.append(rung)
-        rung *= 2
-    rungs.append(top)
-    return tuple(rungs)
-
-
-def bucket_anchor_count(count: int, block_size: int, max_anchors_per_row: int | None) -> int:
-    """N for a step whose widest row has `count` anchors: the smallest ladder rung >= count.
-
-    Without a cap (None) the ladder is m * 2^k without end. A count above the top rung (only possible when
-    a caller pads past the cap on purpose) is rounded up to the multiple instead.
-    """
-    multiple = anchor_count_multiple(block_size)
-    count = max(count, 1)
-    if max_anchors_per_row is None:
-        rung = multiple
-        while rung < count:
-            rung *= 2
-        return rung
-    for rung in anchor_count_buckets(block_size, max_anchors_per_row):
-        if rung >= count:
-            return rung
-    return _round_up(count, multiple)
 
 
 def _rank_within_group(group_key: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

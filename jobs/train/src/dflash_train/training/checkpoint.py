@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dflash_shared.errors import ConfigError
+from dflash_shared.stage_identity import StageIdentity
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.parallel.distributed import DistEnv
 
@@ -86,6 +88,9 @@ class TrainState(_Frozen):
     scheduler: dict[str, Any] = Field(description="The LR scheduler's state_dict.")
     world_size: int = Field(ge=1, description="Ranks of the run that saved it.")
     metrics: dict[str, float] = Field(default_factory=dict, description="Last logged metrics.")
+    identity: StageIdentity | None = Field(
+        default=None, description="The settings and image of the run that saved it (dflash_train.config."
+        "settings_identity); None in checkpoints saved before they were recorded, which are not compared.")
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,9 @@ def find_resume(store: ObjectStore, output: str, resume: str) -> CheckpointRef |
     names = {u.rsplit("/", 1)[-1] for u in store.list(uri)}
     marker = _read_marker(store, uri, names) if match else None
     if marker is None:
-        raise FileNotFoundError(f"resume={resume}: not a complete checkpoint folder (step-NNNNNNNN with {COMPLETE})")
+        # A setting that names no checkpoint is a configuration mistake (exit 64), not a failure to retry.
+        raise ConfigError(f"resume={resume}: not a complete checkpoint folder (step-NNNNNNNN with {COMPLETE}); give "
+                          "a checkpoint URI under <output>/checkpoints/, auto or never")
     return CheckpointRef(uri, marker.step, marker)
 
 
@@ -294,6 +301,11 @@ def load_checkpoint(
     log.info("resumed from %s (step %d, saved by %d rank(s), now %d)", ref.uri, state.step, state.world_size,
              env.world_size)
     return state
+
+
+def read_state(store: ObjectStore, ref: CheckpointRef) -> TrainState:
+    """The trainer state stored with a checkpoint, read without its tensors (a resume's checks come first)."""
+    return TrainState.model_validate_json(store.read_bytes(join(ref.uri, STATE)))
 
 
 def read_config_json(store: ObjectStore, ref: CheckpointRef) -> dict[str, Any]:

@@ -19,6 +19,9 @@ upper bound there. `check` compares the peak with the memory this rank may use (
 from torch.cuda.mem_get_info; CPU: MemAvailable, the cgroup's room, shared by the node's ranks) and refuses
 a configuration that does not fit with a ConfigError (exit 64) naming the settings that would make it fit.
 `window_fits` plans one setup across training windows and GPU classes (bench/bench_memory_plan.py --windows).
+The pipeline plans the same way before it submits a run (`dflash_pipeline.fit`), where neither torch nor the
+weights are at hand: `TargetShape.from_config` counts the target from config.json alone, `run_inputs` maps the
+run's settings as `plan_for_run` does, `auto_parallelism` resolves `parallelism = auto` as the stage will.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import logging
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +45,9 @@ GIB = 2**30
 # Bytes per drafter parameter held all run long: fp32 weight, fp32 gradient, two fp32 AdamW moments
 # (the same figure `distributed.choose_parallelism` uses; repeated here so this module imports no torch).
 DRAFTER_STATE_BYTES = 16
+# `distributed.choose_parallelism`'s threshold for `parallelism = auto`: DDP when a whole replica takes less than
+# this share of the GPU's total memory (repeated for `auto_parallelism`, which needs no torch).
+REPLICA_MEMORY_FRACTION = 0.8
 # Allocator margin: CUDA's caching allocator and glibc both keep freed blocks that a later, differently
 # shaped tensor cannot reuse; 10% of the peak covers what was measured on CPU. CUDA adds workspaces that
 # no tensor accounts for (cuBLAS, NCCL buffers, Triton autotuning): a fixed 1 GiB.
@@ -100,6 +106,19 @@ class TargetShape:
                         vocab = int(shape[0])
         return cls(tuple(per_layer), whole, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), vocab)
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TargetShape:
+        """Parameter counts from a parsed config.json alone, no weight file read (`target_params`: dense Qwen3,
+        Qwen3.5/3.6 hybrids); equal to `from_checkpoint`'s on the checkpoints the tests build."""
+        from dflash_train.training.target_params import target_sizes
+
+        try:
+            sizes = target_sizes(config)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        return cls(sizes.layer_params, sizes.whole_params, sizes.hidden_size, sizes.intermediate_size,
+                   sizes.vocab_size)
+
 
 def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
     """(name, element count, shape) of each tensor: the file's 8-byte length, then its JSON header."""
@@ -127,7 +146,7 @@ def drafter_parameter_count(cfg: DrafterConfig) -> tuple[int, int]:
 def planned_anchor_count(cfg: DrafterConfig, max_length: int) -> int:
     """The largest N a step can use: one anchor per valid position (at most S - 1), at most the per-row cap,
     on the anchor-count ladder of `anchors` (the plan must hold for the widest step of the run)."""
-    from dflash_train.training.anchors import bucket_anchor_count
+    from dflash_train.training.anchor_ladder import bucket_anchor_count
 
     cap = cfg.max_anchors_per_row
     return bucket_anchor_count(min(max_length - 1, cap), cfg.block_size, cap)
@@ -380,17 +399,36 @@ def plan_for_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max
     from dflash_train.drafter.attention import resolve_backend
 
     mesh = env.mesh_shape  # (ranks,) on one node; (nodes, ranks per node) under HSDP: shards span a node
-    inputs = PlanInputs(
-        drafter=cfg, target=target if isinstance(target, TargetShape) else TargetShape.from_checkpoint(target),
-        max_length=max_length,
-        micro_batch_rows=config.micro_batch_rows, anchors=planned_anchor_count(cfg, max_length),
-        target_bytes=target_bytes, autocast_bf16=config.precision == "bf16",
-        backend=resolve_backend(cfg.attention_backend, env.device), device_type=env.device.type,
-        parallelism=parallelism, world_size=env.world_size, shard_size=int(mesh[-1]),
+    shape = target if isinstance(target, TargetShape) else TargetShape.from_checkpoint(target)
+    return plan_memory(run_inputs(config, cfg, shape, max_length, parallelism, device_type=env.device.type,
+                                  world_size=env.world_size, shard_size=int(mesh[-1]), target_bytes=target_bytes,
+                                  backend=resolve_backend(cfg.attention_backend, env.device)))
+
+
+def run_inputs(config: Any, cfg: DrafterConfig, target: TargetShape, max_length: int, parallelism: str, *,
+               device_type: str, world_size: int, shard_size: int, target_bytes: int, backend: Backend,
+               ) -> PlanInputs:
+    """The plan's inputs from a run's settings (config: TrainConfig, or anything with its micro_batch_rows,
+    precision, activation_checkpointing and chunk_tokens): the one mapping the train stage and the pipeline's
+    pre-submit check both use."""
+    return PlanInputs(
+        drafter=cfg, target=target, max_length=max_length, micro_batch_rows=config.micro_batch_rows,
+        anchors=planned_anchor_count(cfg, max_length), target_bytes=target_bytes,
+        autocast_bf16=config.precision == "bf16", backend=backend, device_type=device_type,
+        parallelism=parallelism, world_size=world_size, shard_size=shard_size,
         activation_checkpointing=config.activation_checkpointing, chunk_tokens=config.chunk_tokens,
         feature_noise=cfg.feature_noise_std > 0,
     )
-    return plan_memory(inputs)
+
+
+def auto_parallelism(requested: str, replica_bytes: int, drafter_params: int, total_memory: int) -> str:
+    """`distributed.choose_parallelism` on a CUDA device of `total_memory` bytes, without torch: ddp or fsdp as
+    given; `auto`: ddp when a replica (the target's weights plus the drafter's training state) takes less than
+    REPLICA_MEMORY_FRACTION of the GPU, else fsdp."""
+    if requested in ("ddp", "fsdp"):
+        return requested
+    need = replica_bytes + drafter_params * DRAFTER_STATE_BYTES
+    return "ddp" if need < REPLICA_MEMORY_FRACTION * total_memory else "fsdp"
 
 
 def check_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max_length: int, parallelism: str,
@@ -538,7 +576,17 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
     return lo
 
 
-def remedies(plan: MemoryPlan) -> list[str]:
+@dataclass(frozen=True)
+class Remedy:
+    """One change that makes a plan fit, checked by re-planning with it: `setting` is max_length,
+    micro_batch_rows, max_anchors_per_row (each: the largest value that fits), activation_checkpointing (True),
+    attention_backend ("flex"), parallelism ("fsdp") or fsdp_ranks (FSDP over that many ranks of one node)."""
+
+    setting: str
+    value: Any
+
+
+def remedy_settings(plan: MemoryPlan) -> list[Remedy]:
     """Settings that would make `plan` fit, each checked by re-planning with it changed."""
     i = plan.inputs
     out = []
@@ -550,11 +598,11 @@ def remedies(plan: MemoryPlan) -> list[str]:
 
     longest = _largest(32, i.max_length - 1, at_length) if i.max_length > 32 else None
     if longest is not None:
-        out.append(f"max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= {longest}")
+        out.append(Remedy("max_length", longest))
     if i.micro_batch_rows > 1:
         rows = _largest(1, i.micro_batch_rows - 1, lambda r: _fits(plan, micro_batch_rows=r))
         if rows is not None:
-            out.append(f"micro_batch_rows (--micro-batch-rows) <= {rows}")
+            out.append(Remedy("micro_batch_rows", rows))
     if i.anchors > 1:
         def at_cap(cap: int) -> bool:
             capped = cfg.model_copy(update={"max_anchors_per_row": cap})
@@ -562,26 +610,48 @@ def remedies(plan: MemoryPlan) -> list[str]:
 
         cap = _largest(1, i.anchors - 1, at_cap)
         if cap is not None:
-            out.append(f'max_anchors_per_row <= {cap} (--drafter-overrides \'{{"max_anchors_per_row": {cap}}}\')')
+            out.append(Remedy("max_anchors_per_row", cap))
     if not i.activation_checkpointing and _fits(plan, activation_checkpointing=True):
-        out.append("activation_checkpointing=true (--activation-checkpointing)")
+        out.append(Remedy("activation_checkpointing", True))
     if i.backend == "sdpa" and i.device_type == "cuda" and _fits(plan, backend="flex"):
-        out.append('attention_backend flex (--drafter-overrides \'{"attention_backend": "flex"}\')')
+        out.append(Remedy("attention_backend", "flex"))
     if i.parallelism == "ddp" and i.world_size > 1 and _fits(plan, parallelism="fsdp"):
-        out.append("parallelism=fsdp (--parallelism fsdp)")
+        out.append(Remedy("parallelism", "fsdp"))
     elif i.parallelism == "ddp" and i.world_size == 1 and i.device_type == "cuda":
         shards = 8
         if _fits(plan, parallelism="fsdp", world_size=shards, shard_size=shards):
-            out.append(f"parallelism=fsdp over {shards} ranks (torchrun --nproc-per-node {shards})")
+            out.append(Remedy("fsdp_ranks", shards))
     return out
 
 
-def refusal_message(plan: MemoryPlan) -> str:
+def _stage_flag(remedy: Remedy) -> str:
+    """A remedy as the train stage's command line and environment set it."""
+    value = remedy.value
+    return {
+        "max_length": f"max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= {value}",
+        "micro_batch_rows": f"micro_batch_rows (--micro-batch-rows) <= {value}",
+        "max_anchors_per_row": f'max_anchors_per_row <= {value} (--drafter-overrides \'{{"max_anchors_per_row": '
+                               f'{value}}}\')',
+        "activation_checkpointing": "activation_checkpointing=true (--activation-checkpointing)",
+        "attention_backend": 'attention_backend flex (--drafter-overrides \'{"attention_backend": "flex"}\')',
+        "parallelism": "parallelism=fsdp (--parallelism fsdp)",
+        "fsdp_ranks": f"parallelism=fsdp over {value} ranks (torchrun --nproc-per-node {value})",
+    }[remedy.setting]
+
+
+def remedies(plan: MemoryPlan) -> list[str]:
+    """Settings that would make `plan` fit, each checked by re-planning with it changed, as the stage's flags."""
+    return [_stage_flag(remedy) for remedy in remedy_settings(plan)]
+
+
+def refusal_message(plan: MemoryPlan, fixes: list[str] | None = None) -> str:
+    """Why `plan` does not fit and what would (`fixes`, phrased for where the setting is made; default: the
+    train stage's flags)."""
     assert plan.available is not None
     phase = max(plan.phases, key=lambda name: plan.phases[name])
     alive = [t for t in plan.terms if t.phase in ("resident", phase)]
     biggest = sorted(alive, key=lambda t: t.bytes, reverse=True)[:3]
-    fixes = remedies(plan)
+    fixes = remedies(plan) if fixes is None else fixes
     text = (f"predicted peak memory {_gib(plan.peak)} per rank does not fit the {_gib(plan.available)} available "
             f"({plan.available_source}); it peaks in the {phase}, whose largest terms are "
             + ", ".join(f"{t.name} {_gib(t.bytes)}" for t in biggest)

@@ -4,19 +4,34 @@ Each rank sums its micro-batch results over a logging window; at the end of the 
 all-reduced, so the logged numbers cover every rank. The expected acceptance length is derived from the
 per-slot accuracies (`loss.expected_acceptance_length`): what those accuracies would give a served
 drafter if slot errors were independent. Rank 0 writes one log line per window and the same scalars to
-TensorBoard event files, which are uploaded under `<output>/tensorboard/` at every checkpoint and at the end.
+TensorBoard event files, which are uploaded under `<output>/tensorboard/` every `progress_every_s` seconds, at
+every checkpoint and at the end. As often, it writes `<output>/progress.json` (step/total, tokens, loss, tau,
+tokens/s, ETA, the last checkpoint, when it was written), which `pipeline status` shows. Both go through a
+background thread (`dflash_shared.progress_report`): a slow store never holds up a step, a failed write is a
+warning.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
 import torch
 
 from dflash_shared.progress import human_count, human_duration
+from dflash_shared.progress_report import (
+    DEFAULT_INTERVAL_S,
+    SCHEMA_VERSION,
+    TRAIN_PROGRESS_NAME,
+    BackgroundWriter,
+    Every,
+    utc_stamp,
+    write_report,
+)
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.parallel.distributed import DistEnv, peak_memory_bytes
 from dflash_train.training.loss import expected_acceptance_length, per_position_accuracy
@@ -24,6 +39,8 @@ from dflash_train.training.step import StepOutput
 
 log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
+# The metrics a progress report carries (the per-slot accuracies and per-rank memory stay in TensorBoard).
+_REPORTED = ("loss", "tau", "accuracy", "lr", "tokens_per_s", "steps_per_s", "peak_memory_gib_max")
 
 
 class MetricWindow:
@@ -82,9 +99,16 @@ def format_line(step: int, total: int, m: dict[str, float], eta_s: float | None 
 
 
 class MetricsSink:
-    """Log lines and TensorBoard scalars on rank 0; nothing on the others."""
+    """Log lines, TensorBoard scalars and the progress report on rank 0; nothing on the others.
 
-    def __init__(self, env: DistEnv, local_dir: str, enabled_tensorboard: bool, run_tag: str) -> None:
+    With `store` and `output` the progress report and the TensorBoard files go to the store every
+    `progress_every_s` seconds (see the module docstring); `state` is what the last report says the run is
+    doing (training, then finished, stopped or failed, set by the trainer).
+    """
+
+    def __init__(self, env: DistEnv, local_dir: str, enabled_tensorboard: bool, run_tag: str,
+                 store: ObjectStore | None = None, output: str | None = None,
+                 progress_every_s: float = DEFAULT_INTERVAL_S, tokens_per_step: int = 0) -> None:
         self.env = env
         self.local_dir = os.path.join(local_dir, run_tag)
         self._writer: Any = None
@@ -94,6 +118,13 @@ class MetricsSink:
 
             os.makedirs(self.local_dir, exist_ok=True)
             self._writer = SummaryWriter(log_dir=self.local_dir, flush_secs=30)
+        self.store, self.output, self.tokens_per_step = store, output, tokens_per_step
+        self._reports = (BackgroundWriter("train progress report")
+                         if env.is_main and store is not None and output is not None else None)
+        self._due, self.every_s = Every(progress_every_s), progress_every_s
+        self.state = "training"
+        self.last_checkpoint: dict[str, Any] | None = None
+        self._latest: dict[str, Any] | None = None
 
     def write(self, step: int, total: int, metrics: dict[str, float]) -> None:
         if not self.env.is_main:
@@ -109,6 +140,54 @@ class MetricsSink:
             for name, value in metrics.items():
                 group = "perf" if name.startswith(("peak_", "tokens_", "label_", "steps_")) else "train"
                 self._writer.add_scalar(f"{group}/{name}", value, step)
+        self._latest = {"step": step, "total": total, "tokens": step * self.tokens_per_step,
+                        "eta_s": None if eta is None else round(eta, 1),
+                        **{k: round(metrics[k], 6) for k in _REPORTED if k in metrics}}
+        # A report still being written (a slow store) is not queued behind: the next window tries again.
+        if self._reports is not None and self._reports.idle and self._due.due():
+            self._reports.submit(self._publisher(self.record(), self._snapshot()))
+
+    def checkpoint_saved(self, step: int, uri: str) -> None:
+        """Name the newest complete checkpoint in the reports, and report it now (in the background) if idle."""
+        if not self.env.is_main:
+            return
+        self.last_checkpoint = {"step": step, "uri": uri, "saved": utc_stamp()}
+        if self._reports is not None and self._reports.idle and self._latest is not None:
+            self._reports.submit(self._publisher(self.record(), []))
+
+    def record(self) -> dict[str, Any]:
+        """The progress report as it stands: the last logged window, the state and the last checkpoint."""
+        return {"schema": SCHEMA_VERSION, "stage": "train", "state": self.state, **(self._latest or {}),
+                "last_checkpoint": self.last_checkpoint, "every_s": self.every_s, "updated": utc_stamp()}
+
+    def _snapshot(self) -> list[tuple[str, str]]:
+        """Copies of the event files as they are now, for an upload that cannot race the writer's appends."""
+        if self._writer is None or self.output is None:
+            return []
+        self._writer.flush()
+        folder = tempfile.mkdtemp(prefix="tensorboard-", dir=os.path.dirname(self.local_dir))
+        out = []
+        for name in sorted(os.listdir(self.local_dir)):
+            path = os.path.join(self.local_dir, name)
+            if os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(folder, name))
+                out.append((os.path.join(folder, name), join(self.output, TENSORBOARD_DIR, name)))
+        return out
+
+    def _publisher(self, record: dict[str, Any], events: list[tuple[str, str]]) -> Any:
+        store, output = self.store, self.output
+        assert store is not None and output is not None
+
+        def publish() -> None:
+            try:
+                for path, uri in events:
+                    store.upload_from(path, uri)
+            finally:
+                if events:
+                    shutil.rmtree(os.path.dirname(events[0][0]), ignore_errors=True)
+            write_report(store, join(output, TRAIN_PROGRESS_NAME), record)
+
+        return publish
 
     def upload(self, store: ObjectStore, output: str) -> None:
         """Copy the event files to `<output>/tensorboard/` (the whole file each time: S3 cannot append)."""
@@ -121,6 +200,15 @@ class MetricsSink:
                 store.upload_from(path, join(output, TENSORBOARD_DIR, name))
 
     def close(self, store: ObjectStore, output: str) -> None:
+        """The last uploads: the event files, and the progress report with the run's final state."""
+        if self._reports is not None:
+            self._reports.close()
+            if self._latest is not None:
+                try:
+                    write_report(store, join(output, TRAIN_PROGRESS_NAME), self.record())
+                except Exception as err:  # noqa: BLE001 - the report is for people; the run's outcome stands
+                    log.warning("train progress report: could not write the last one (%s)", err)
+            self._reports = None
         if self._writer is not None:
             self.upload(store, output)
             self._writer.close()

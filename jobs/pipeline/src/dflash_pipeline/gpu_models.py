@@ -1,0 +1,96 @@
+"""GPU products as clusters name them, and the memory each gives a process: what the pre-submit fit check
+(`fit`) compares a stage's predicted peak with.
+
+Names are the node label's (`nvidia.com/gpu.product`, as GPU feature discovery sets it: "NVIDIA-H200",
+"NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-80GB", ...); matching is liberal (case, spaces or underscores for
+dashes, an "NVIDIA" or "Tesla" prefix, form-factor words do not matter), but a name the table cannot place is
+unknown, never guessed. A MIG slice is unknown too: its memory is its profile's, not the card's.
+
+Two figures per product: `total`, the device memory nvidia-smi reports (what vLLM's gpu_memory_utilization and
+the train stage's `parallelism = auto` rule take fractions of), and `usable`, what torch.cuda.mem_get_info
+reports free on an idle GPU, the total less about 0.6 GiB of CUDA context (as `memory_plan.GPU_CLASSES`
+reasons; its two figures are used as they are for the 80 GB and 141 GB cards). `[plan] gpu_memory_gib` replaces
+the table's total for a GPU the table lacks or a driver that reports otherwise.
+
+| product (label) | nvidia-smi total | usable |
+|---|---|---|
+| NVIDIA-B200 | 183,359 MiB | 178.5 GiB |
+| NVIDIA-H200 (also NVL) | 143,771 MiB | 139.8 GiB |
+| NVIDIA-H100-NVL | 95,830 MiB | 93.0 GiB |
+| NVIDIA-H100-80GB-HBM3 (also PCIe) | 81,559 MiB | 79.0 GiB |
+| NVIDIA-A100-SXM4-80GB (also PCIe 80GB) | 81,559 MiB | 79.0 GiB |
+| NVIDIA-A100-SXM4-40GB (also PCIe 40GB) | 40,960 MiB | 39.4 GiB |
+| NVIDIA-L40S | 46,068 MiB | 44.4 GiB |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dflash_train.training.memory_plan import GIB, GPU_CLASSES
+
+MIB = 2**20
+# CUDA context and driver reservations of a process on an idle GPU: the gap between nvidia-smi's total and
+# mem_get_info's free that memory_plan.GPU_CLASSES takes off.
+CUDA_CONTEXT_BYTES = int(0.6 * GIB)
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """One GPU product: its label, its total memory, and what a process finds free on it."""
+
+    name: str
+    total: int  # bytes, as nvidia-smi reports
+    usable: int  # bytes torch.cuda.mem_get_info reports free on an idle GPU
+
+    @property
+    def a100(self) -> bool:
+        # vLLM picks smaller batch defaults on A100s whatever their memory (see fit's generation check).
+        return "A100" in self.name.upper()
+
+
+def _model(name: str, total_mib: int, gpu_class: str | None = None) -> GpuModel:
+    total = total_mib * MIB
+    return GpuModel(name, total, GPU_CLASSES[gpu_class] if gpu_class else total - CUDA_CONTEXT_BYTES)
+
+
+# First match wins: the patterns run over the normalised name (upper case, dashes, no vendor prefix).
+TABLE: tuple[tuple[str, GpuModel], ...] = (
+    (r"\bB200\b", _model("NVIDIA-B200", 183_359)),
+    (r"\bH200\b", _model("NVIDIA-H200", 143_771, "141 GB")),
+    (r"\bH100-NVL\b|\bH100-94GB\b", _model("NVIDIA-H100-NVL", 95_830)),
+    (r"\bH100\b", _model("NVIDIA-H100-80GB-HBM3", 81_559, "80 GB")),
+    (r"\bA100\b.*\b80GB?\b", _model("NVIDIA-A100-SXM4-80GB", 81_559, "80 GB")),
+    (r"\bA100\b.*\b40GB?\b", _model("NVIDIA-A100-SXM4-40GB", 40_960)),
+    (r"\bL40S\b", _model("NVIDIA-L40S", 46_068)),
+)
+
+
+def normalise(name: str) -> str:
+    text = re.sub(r"[\s_]+", "-", name.strip().upper())
+    return re.sub(r"^(NVIDIA-)?(TESLA-)?", "", text)
+
+
+def lookup(name: str) -> GpuModel | None:
+    """The table's entry for a product name (None: not in the table, or a MIG slice)."""
+    text = normalise(name)
+    if "MIG" in text.split("-"):
+        return None
+    for pattern, model in TABLE:
+        if re.search(pattern, text):
+            return model
+    return None
+
+
+def with_memory(name: str, gib: float) -> GpuModel:
+    """A GPU of `gib` GiB total memory (`[plan] gpu_memory_gib`), the CUDA context off for the usable figure."""
+    total = int(gib * GIB)
+    return GpuModel(name, total, max(0, total - CUDA_CONTEXT_BYTES))
+
+
+def fitting(need: int, usable: bool = True) -> list[GpuModel]:
+    """The table's GPUs on which `need` bytes fit (usable memory, or the total with usable=False), smallest
+    first: the "a bigger GPU" remedy."""
+    models = {model.name: model for _, model in TABLE}.values()
+    return sorted((m for m in models if need <= (m.usable if usable else m.total)), key=lambda m: m.total)

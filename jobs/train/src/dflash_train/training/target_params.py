@@ -1,0 +1,180 @@
+"""What a target's config.json alone says about its size: parameters per decoder layer, KV cache per token and
+recurrent state per sequence. No torch import: the pipeline's pre-submit fit check (`dflash_pipeline.fit`) reads
+it where no weights are at hand, and `memory_plan.TargetShape.from_config` builds the plan's target from it.
+
+The counts follow the modules transformers builds (models/qwen3/modeling_qwen3.py, models/qwen3_5/
+modeling_qwen3_5.py), parameter by parameter:
+
+- a dense Qwen3 decoder layer (Qwen3ForCausalLM): q/k/v/o projections (with biases under attention_bias), q_norm
+  and k_norm over head_dim, the SwiGLU MLP (gate, up, down), two RMSNorms over hidden;
+- a Qwen3.5/3.6 layer (Qwen3_5ForConditionalGeneration's language model, by `layer_types`): full_attention as
+  Qwen3's but with q_proj twice as wide (it also makes the output gate); linear_attention, Gated DeltaNet:
+  in_proj_qkv to 2K + V channels (K = key heads x key head dim, V = value heads x value head dim), in_proj_z to
+  V, in_proj_b and in_proj_a to one value per value head, a depthwise conv1d over the 2K + V channels with
+  linear_conv_kernel_dim taps and no bias, dt_bias and A_log per value head, a gated RMSNorm over the value
+  head dim, out_proj from V; both kinds with the same MLP and two RMSNorms;
+- outside the layers: the embedding (vocab x hidden), the final norm, the LM head unless tied. The vision tower
+  and the MTP weights of a Qwen3.5/3.6 checkpoint are not loaded, so not counted.
+
+Caches, as vLLM holds them per GPU of a `tp`-way tensor-parallel engine: K and V of every full-attention layer
+(KV heads split over the GPUs, replicated when there are fewer heads than GPUs); a linear-attention layer keeps
+no per-token cache but a fixed state per sequence, its conv state [(kernel - 1), (2K + V) / tp] and its
+delta-rule state [value heads / tp, key head dim, value head dim], both in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Architectures counted here: everything else is refused (ValueError naming it) rather than guessed.
+DENSE_MODEL_TYPES = frozenset({"qwen3"})
+HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Softmax-attention layer kinds. A sliding-window layer holds fewer keys than a full one; counting its cache as
+# full keeps the figure an upper bound.
+_ATTENTION = ("full_attention", "sliding_attention")
+
+
+def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's fields: a multimodal checkpoint's `text_config`, else the config itself, with
+    `layer_types` filled in the way transformers' Qwen3.5 config does when a file leaves it implicit."""
+    nested = raw.get("text_config")
+    text = dict(nested) if isinstance(nested, Mapping) else dict(raw)
+    text.setdefault("model_type", str(raw.get("model_type", "")))
+    if _is_hybrid(text) and not text.get("layer_types"):
+        interval = int(text.get("full_attention_interval", 4))
+        text["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
+                               for i in range(int(text["num_hidden_layers"]))]
+    return text
+
+
+def _is_hybrid(text: Mapping[str, Any]) -> bool:
+    return str(text.get("model_type", "")).startswith("qwen3_5") or "linear_attention" in (text.get("layer_types")
+                                                                                            or [])
+
+
+class ConfigView:
+    """A config.json read as an attribute object (`view.hidden_size`, `getattr(view, "head_dim", None)`), so the
+    drafter presets (`DrafterConfig.from_target`, which take a transformers config) can read a plain dict."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = self._data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        return ConfigView(value) if isinstance(value, Mapping) and name == "text_config" else value
+
+
+@dataclass(frozen=True)
+class TargetSizes:
+    """A target's parameter counts and cache shapes, from its config.json (see the module docstring)."""
+
+    architecture: str
+    layer_types: tuple[str, ...]
+    layer_params: tuple[int, ...]  # parameters of each decoder layer, in order
+    whole_params: int  # embedding, final norm, untied LM head
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_key_value_heads: int
+    head_dim: int
+    dtype_bytes: int  # of the stored weights (config dtype / torch_dtype; bf16 when unstated)
+    linear_key_dim: int = 0  # K: linear key heads x key head dim (0: no linear-attention layers)
+    linear_value_dim: int = 0  # V
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    conv_kernel: int = 0
+
+    @property
+    def params(self) -> int:
+        return sum(self.layer_params) + self.whole_params
+
+    @property
+    def full_attention_layers(self) -> int:
+        """Layers with a KV cache (sliding-window ones counted as full)."""
+        return sum(1 for kind in self.layer_types if kind in _ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> int:
+        return sum(1 for kind in self.layer_types if kind == "linear_attention")
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """K and V of one token in every full-attention layer, on one GPU of a `tp`-way engine."""
+        heads = max(1, self.num_key_value_heads // tp)
+        return 2 * self.full_attention_layers * heads * self.head_dim * dtype_bytes
+
+    def recurrent_bytes_per_sequence(self, dtype_bytes: int, tp: int = 1) -> int:
+        """The fixed state of one sequence in every linear-attention layer, on one GPU of a `tp`-way engine."""
+        if not self.linear_attention_layers:
+            return 0
+        conv = (self.conv_kernel - 1) * (2 * self.linear_key_dim + self.linear_value_dim) // tp
+        delta = max(1, self.linear_value_heads // tp) * self.linear_key_head_dim * self.linear_value_head_dim
+        return self.linear_attention_layers * (conv + delta) * dtype_bytes
+
+
+def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
+    """The sizes of the target whose config.json is `raw`; ValueError for an architecture not counted here."""
+    text = text_config(raw)
+    model_type = str(text.get("model_type", ""))
+    architecture = ",".join(raw.get("architectures") or []) or model_type or "unknown"
+    hybrid = _is_hybrid(text)
+    if not hybrid and model_type not in DENSE_MODEL_TYPES:
+        raise ValueError(f"config.json of a {architecture} (model_type {model_type!r}): only dense Qwen3 "
+                         "(Qwen3ForCausalLM) and Qwen3.5/3.6 (Qwen3_5ForConditionalGeneration) targets are counted")
+    if "num_experts" in text or "num_local_experts" in text:
+        raise ValueError(f"config.json of a {architecture}: mixture-of-experts targets are not counted")
+    try:
+        layers = int(text["num_hidden_layers"])
+        hidden = int(text["hidden_size"])
+        inter = int(text["intermediate_size"])
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        vocab = int(text["vocab_size"])
+    except KeyError as err:
+        raise ValueError(f"config.json of a {architecture} has no {err.args[0]}") from None
+    types = tuple(text.get("layer_types") or ["full_attention"] * layers)
+    if len(types) != layers:
+        raise ValueError(f"config.json: {len(types)} layer_types for {layers} layers")
+    bias = bool(text.get("attention_bias", False))
+    gate = 2 if hybrid else 1  # Qwen3.5's q_proj also produces the attention output gate
+    attention = (hidden * heads * head_dim * gate + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+                 + 2 * head_dim)
+    if bias:
+        attention += heads * head_dim * gate + 2 * kv_heads * head_dim + hidden
+    common = 3 * hidden * inter + 2 * hidden  # MLP, input and post-attention norms
+    linear = dict(k_heads=0, v_heads=0, k_dim=0, v_dim=0, kernel=0)
+    per_layer = []
+    for kind in types:
+        if kind in _ATTENTION:
+            per_layer.append(attention + common)
+        elif kind == "linear_attention":
+            linear = dict(k_heads=int(text["linear_num_key_heads"]), v_heads=int(text["linear_num_value_heads"]),
+                          k_dim=int(text["linear_key_head_dim"]), v_dim=int(text["linear_value_head_dim"]),
+                          kernel=int(text.get("linear_conv_kernel_dim", 4)))
+            key, value = linear["k_heads"] * linear["k_dim"], linear["v_heads"] * linear["v_dim"]
+            channels = 2 * key + value
+            delta_net = (hidden * channels + hidden * value + 2 * hidden * linear["v_heads"]
+                         + channels * linear["kernel"] + 2 * linear["v_heads"] + linear["v_dim"] + value * hidden)
+            per_layer.append(delta_net + common)
+        else:
+            raise ValueError(f"config.json: layer type {kind!r} is not counted ({', '.join(_ATTENTION)}, "
+                             "linear_attention)")
+    tied = bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+    whole = vocab * hidden * (1 if tied else 2) + hidden
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
+                or "bfloat16")
+    return TargetSizes(
+        architecture=architecture, layer_types=types, layer_params=tuple(per_layer), whole_params=whole,
+        hidden_size=hidden, intermediate_size=inter, vocab_size=vocab, num_key_value_heads=kv_heads,
+        head_dim=head_dim, dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
+        linear_key_dim=linear["k_heads"] * linear["k_dim"], linear_value_dim=linear["v_heads"] * linear["v_dim"],
+        linear_value_heads=linear["v_heads"], linear_key_head_dim=linear["k_dim"],
+        linear_value_head_dim=linear["v_dim"], conv_kernel=linear["kernel"],
+    )

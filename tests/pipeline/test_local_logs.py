@@ -1,0 +1,45 @@
+"""A local run keeps each shard's log where a pod keeps its log, so `pipeline logs` reads a local run too."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline import layout, parse_run_config
+from dflash_pipeline.config import read_run_file
+from dflash_pipeline.console import Console
+from dflash_pipeline.local import IMAGE_ENVIRONMENTS, StageFailedError, run_local
+from dflash_pipeline.run_logs import collect_logs
+from dflash_shared.storage import ObjectStore, join
+from tests.pipeline.k8s_support import EXAMPLE_RUN
+
+# Stands in for the stage environment's python: says what it runs, and fails the import with bad input (65).
+FAKE_PYTHON = """#!/bin/sh
+echo "running $2 $3 (shard $JOB_COMPLETION_INDEX)"
+echo "quality gate: 9 of 10 conversations are empty" >&2
+exit 65
+"""
+
+
+def test_a_local_run_keeps_each_shards_log_in_the_store_with_how_it_ended(tmp_path: Path) -> None:
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = str(tmp_path / "store")
+    run = parse_run_config(data)
+    python = tmp_path / "repo" / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    console = Console(io.StringIO(), is_tty=False)
+    with pytest.raises(StageFailedError) as failed:
+        run_local(run, tmp_path / "repo", environments=dict.fromkeys(IMAGE_ENVIRONMENTS, "env"), only=["import"],
+                  console=console, log_dir=tmp_path / "logs")
+    assert failed.value.code == 65
+    kept = ObjectStore().read_bytes(join(layout(run.root, run.run_id).logs("import"), "import-0.log")).decode()
+    assert kept.splitlines() == ["running dflash_generate import (shard 0)",
+                                 "quality gate: 9 of 10 conversations are empty",
+                                 "pod-log: dflash_generate exited 65 (BAD_INPUT)"]
+    assert kept == (tmp_path / "logs" / "import-0.log").read_text()
+    (log,), notes = collect_logs(run, ObjectStore(), "import")
+    assert (log.stage, log.pod, notes) == ("import", "import-0", [])

@@ -1,0 +1,97 @@
+"""The torch-free sizing the pipeline plans with before a run is submitted agrees with the train stage's own:
+parameter counts from config.json alone against the checkpoints' headers, the drafter built from a plain
+config.json against the one built from transformers' config, the anchor ladder and the `parallelism = auto` rule
+against the modules that import torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.parallel import distributed
+from dflash_train.training import anchor_ladder, anchors
+from dflash_train.training.memory_plan import (
+    DRAFTER_STATE_BYTES,
+    REPLICA_MEMORY_FRACTION,
+    TargetShape,
+    auto_parallelism,
+)
+from dflash_train.training.target_params import ConfigView, target_sizes, text_config
+from tests.support.published_configs import QWEN3_6_27B, QWEN3_8B
+from tests.support.tiny_target import build_tiny_target
+
+
+def test_from_config_equals_the_checkpoint_headers(target_arch: str) -> None:
+    """Exactly: per decoder layer, and outside the layers (a tied head counted once; the Qwen3.6 layout's vision
+    tower and MTP weights, which the headers list, not loaded and not counted)."""
+    target_dir = build_tiny_target(target_arch)  # type: ignore[arg-type]
+    raw = json.loads((target_dir / "config.json").read_text())
+    assert TargetShape.from_config(raw) == TargetShape.from_checkpoint(target_dir)
+    assert target_sizes(raw).params == sum(TargetShape.from_checkpoint(target_dir).layer_params) + \
+        TargetShape.from_checkpoint(target_dir).whole_params
+
+
+@pytest.mark.parametrize("config", [QWEN3_6_27B, QWEN3_8B], ids=["qwen3.6-27b", "qwen3-8b"])
+def test_from_config_equals_the_model_transformers_builds(config: dict[str, Any]) -> None:
+    """The published shapes, counted against the modules transformers builds (on the meta device: no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    layers = model.get_decoder().layers
+    shape = TargetShape.from_config(config)
+    assert shape.layer_params == tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    loaded = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
+    assert sum(shape.layer_params) + shape.whole_params == loaded
+
+
+def _drafters(raw: dict[str, Any], tmp_path: Path, **overrides: Any) -> tuple[DrafterConfig, DrafterConfig]:
+    """The drafter from_target builds from transformers' config (the train stage) and from config.json read as
+    a plain dict (the pipeline)."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    hf = getattr(hf, "text_config", None) or hf
+    stage = DrafterConfig.from_target(hf, mask_token_id=7, **overrides)
+    plain = DrafterConfig.from_target(ConfigView(text_config(raw)), mask_token_id=7, **overrides)
+    return stage, plain
+
+
+def test_the_drafter_from_a_plain_config_json_is_the_stages(target_arch: str, tmp_path: Path) -> None:
+    raw = json.loads((build_tiny_target(target_arch) / "config.json").read_text())  # type: ignore[arg-type]
+    stage, plain = _drafters(raw, tmp_path, target_layer_ids=[1, 2])
+    assert stage == plain
+    for published in (QWEN3_6_27B, QWEN3_8B):
+        stage, plain = _drafters(published, tmp_path, max_anchors_per_row=2048)
+        assert stage == plain
+
+
+def test_the_torch_free_anchor_ladder_is_the_samplers() -> None:
+    for block in (2, 3, 4, 8, 16, 32):
+        for cap in (1, 7, 64, 500, 512, 2048, None):
+            if cap is not None:
+                assert anchor_ladder.anchor_count_buckets(block, cap) == anchors.anchor_count_buckets(block, cap)
+            for count in (0, 1, 9, 255, 257, 511, 513, 2047, 4000):
+                assert anchor_ladder.bucket_anchor_count(count, block, cap) == \
+                    anchors.bucket_anchor_count(count, block, cap)
+
+
+def test_auto_parallelism_is_the_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert REPLICA_MEMORY_FRACTION == distributed.REPLICA_MEMORY_FRACTION
+    assert DRAFTER_STATE_BYTES == distributed.DRAFTER_BYTES_PER_PARAM
+    total = 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    env = SimpleNamespace(device=torch.device("cuda", 0))
+    for requested in ("auto", "ddp", "fsdp"):
+        for target_bytes in (10 * 2**30, 50 * 2**30, 70 * 2**30):
+            for drafter_params in (100_000_000, 1_730_000_000):
+                assert auto_parallelism(requested, target_bytes, drafter_params, total) == \
+                    distributed.choose_parallelism(requested, target_bytes, drafter_params, env)  # type: ignore[arg-type]
