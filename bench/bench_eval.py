@@ -191,13 +191,14 @@ def main() -> None:
         os.environ.setdefault(key, value)
     import torch
 
-    from dflash_generate.serve_check import REPORT_NAME, ServeCheckConfig, ServeCheckReport
-    from dflash_generate.serve_check import run as serve_check
+    from dflash_generate.serve_check.config import REPORT_NAME, ServeCheckConfig
+    from dflash_generate.serve_check.report import ServeCheckReport
+    from dflash_generate.serve_check.stage import run as serve_check
     from dflash_shared.errors import BadInputError
+    from dflash_shared.evaluation_report import REPORT_NAME as OFFLINE_REPORT
+    from dflash_shared.evaluation_report import OfflineReport
     from dflash_shared.storage import ObjectStore, join
     from dflash_train.evaluate.config import EvaluateConfig
-    from dflash_train.evaluate.stage import REPORT_NAME as OFFLINE_REPORT
-    from dflash_train.evaluate.stage import OfflineReport
     from dflash_train.evaluate.stage import run as evaluate
     from dflash_train.export.config import ExportConfig
     from dflash_train.export.stage import run_export

@@ -130,7 +130,7 @@ def engine_pass(engine: Any, speculative: dict[str, Any] | None, prompts: list[l
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from dflash_generate.serve_check import engine_acceptance, spec_counters, started_engine
+    from dflash_generate.serve_check.engine_passes import engine_acceptance, spec_counters, started_engine
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stops, detokenize=False)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]

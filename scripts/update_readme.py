@@ -39,7 +39,7 @@ CONFIGS = [
     ("train (`dflash-train run`)", "dflash_train.config", "TrainConfig"),
     ("export (`dflash-train export`)", "dflash_train.export.config", "ExportConfig"),
     ("evaluate (`dflash-train evaluate`)", "dflash_train.evaluate.config", "EvaluateConfig"),
-    ("serve check (`dflash-generate serve-check`)", "dflash_generate.serve_check", "ServeCheckConfig"),
+    ("serve check (`dflash-generate serve-check`)", "dflash_generate.serve_check.config", "ServeCheckConfig"),
 ]
 
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
+from dflash_shared.evaluation_report import OfflineReport
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.__main__ import main as train_main
-from dflash_train.evaluate.stage import OfflineReport, training_accuracies
+from dflash_train.evaluate.stage import training_accuracies
 
 
 def _report(run: Any) -> OfflineReport:

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from dflash_shared.errors import BadInputError, exit_code_for
+from dflash_shared.evaluation_report import OfflineReport
 from dflash_shared.lossless import DEFAULT_TIE_MARGIN
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import join
 from dflash_train.evaluate import speculate
-from dflash_train.evaluate.stage import OfflineReport
 from tests.support.lossy_verifiers import LossyVerifier, NearTieRule, RandomRule
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,10 @@ import pytest
 pytest.importorskip("vllm", reason="the serving check needs the generate environment (.venv-generate)")
 
 from dflash_generate import context_k_norm  # noqa: E402
-from dflash_generate import serve_check as sc  # noqa: E402
+from dflash_generate.serve_check import config as sc_config  # noqa: E402
+from dflash_generate.serve_check import engine_passes  # noqa: E402
+from dflash_generate.serve_check import report as sc_report  # noqa: E402
+from dflash_generate.serve_check import stage as sc_stage  # noqa: E402
 from dflash_generate.serve_steps import StepComparison  # noqa: E402
 from dflash_shared.storage import join  # noqa: E402
 from tests.evaluate.conftest import FIXTURES, _offline_chain, vllm_test_env  # noqa: E402
@@ -114,21 +117,21 @@ def served(arch: str, request: pytest.FixtureRequest, session_bucket: str,
     work = tmp_path_factory.mktemp(f"k-norm-{arch}")
     chain = _offline_chain(session_bucket, target_dir, negated_pairs(checkpoint, work / "checkpoint", NEGATED_LAYER),
                            lossless_prompts=0, name=f"run-{arch}-k-norm", **EVALUATE)
-    config = sc.ServeCheckConfig(evaluation=chain.evaluation, target=str(target_dir),
+    config = sc_config.ServeCheckConfig(evaluation=chain.evaluation, target=str(target_dir),
                                  output=join(chain.root, "evaluation"), gpu_memory_utilization=0.3, enforce_eager=True)
-    _, _, report = sc._inputs(chain.store, config)
-    engine = sc.engine_config(config, report, str(target_dir))
-    speculative = sc.speculative_config(sc._export_dir(chain.store, chain.export, str(work)), report)
+    _, _, report = sc_stage._inputs(chain.store, config)
+    engine = engine_passes.engine_config(config, report, str(target_dir))
+    speculative = engine_passes.speculative_config(sc_stage._export_dir(chain.store, chain.export, str(work)), report)
     out = {}
     for mode in MODES:
         log = work / f"engine-{mode}.log"
         with vllm_test_env(work / "vllm-cache"), pytest.MonkeyPatch.context() as mp, output_to(log):
             mp.setenv(context_k_norm.SWITCH, mode)
-            with sc.started_engine(engine, speculative) as (llm, _):
-                outputs = sc.generate(llm, report)
+            with engine_passes.started_engine(engine, speculative) as (llm, _):
+                outputs = engine_passes.generate(llm, report)
         engine_steps = [len(o.accepted or []) for o in outputs]
         out[mode] = Served(
-            steps=sc.step_comparison(report, outputs, config.max_step_mismatch_fraction),
+            steps=sc_report.step_comparison(report, outputs, config.max_step_mismatch_fraction),
             engine_tau=1 + sum(sum(o.accepted or []) for o in outputs) / sum(engine_steps),
             offline_tau=report.trained.tau, prompts=len(outputs),
             outputs_as_offline=sum(o.token_ids == r.output_token_ids

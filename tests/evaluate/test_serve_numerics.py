@@ -22,7 +22,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the serving check needs the generate environment (.venv-generate)")
 
-from dflash_generate import serve_check as sc  # noqa: E402
+from dflash_generate.serve_check import config as sc_config  # noqa: E402
+from dflash_generate.serve_check import engine_passes  # noqa: E402
+from dflash_generate.serve_check import report as sc_report  # noqa: E402
+from dflash_generate.serve_check import stage as sc_stage  # noqa: E402
 from dflash_shared.errors import BadInputError, exit_code_for  # noqa: E402
 from dflash_shared.lossless import DEFAULT_TIE_MARGIN, TOP_LOGPROBS, NumericsPolicy  # noqa: E402
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
@@ -56,7 +59,7 @@ def _in_process_engine(engine: Any, speculative: dict[str, Any] | None) -> Itera
     """The serving check's engine, its core in this process (started beside flask: see werkzeug_proxies_hidden)."""
     with contextlib.ExitStack() as stack:
         with werkzeug_proxies_hidden():
-            llm, _ = stack.enter_context(sc.started_engine(engine, speculative))
+            llm, _ = stack.enter_context(engine_passes.started_engine(engine, speculative))
         yield llm
 
 
@@ -69,11 +72,11 @@ def in_process_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def setting(bf16_run: Any, tiny_target_dir: Path, in_process_vllm: None) -> Any:
     """(serve-check config, offline report, engine config) of the bfloat16 chain."""
-    config = sc.ServeCheckConfig(evaluation=bf16_run.evaluation, target=str(tiny_target_dir),
+    config = sc_config.ServeCheckConfig(evaluation=bf16_run.evaluation, target=str(tiny_target_dir),
                                  output=join(bf16_run.root, "evaluation"), gpu_memory_utilization=0.3,
                                  enforce_eager=True)
-    _, _, report = sc._inputs(bf16_run.store, config)
-    engine = sc.engine_config(config, report, str(tiny_target_dir))
+    _, _, report = sc_stage._inputs(bf16_run.store, config)
+    engine = engine_passes.engine_config(config, report, str(tiny_target_dir))
     assert engine.dtype == report.dtype == "bfloat16"
     return config, report, engine
 
@@ -82,7 +85,7 @@ def setting(bf16_run: Any, tiny_target_dir: Path, in_process_vllm: None) -> Any:
 def plain(setting: Any) -> list[Any]:
     _, report, engine = setting
     with _in_process_engine(engine, None) as llm:
-        return sc.generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
+        return engine_passes.generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
 
 
 def _passes(setting: Any, plain: list[Any], chain: Any, export: str, rules: dict[str, Any],
@@ -91,11 +94,11 @@ def _passes(setting: Any, plain: list[Any], chain: Any, export: str, rules: dict
     _, report, engine = setting
     switch = _Switch()
     out = {}
-    speculative = sc.speculative_config(sc._export_dir(chain.store, export, str(scratch)), report)
+    speculative = engine_passes.speculative_config(sc_stage._export_dir(chain.store, export, str(scratch)), report)
     with _in_process_engine(engine, speculative) as llm, patched_vllm_rejection(switch):
         for label, rule in rules.items():
             switch.rule = rule
-            out[label] = (sc.speculative_pass(llm, report, plain, POLICY), rule)
+            out[label] = (engine_passes.speculative_pass(llm, report, plain, POLICY), rule)
     return out
 
 
@@ -140,8 +143,8 @@ def _commit(setting: Any, served: Any, chain: Any, output: Path) -> str:
     config = config.model_copy(update={"output": str(output)})
     offline = load_manifest(chain.store, chain.evaluation, Kind.evaluation)
     drafter = load_manifest(chain.store, chain.export, Kind.drafter)
-    return sc.commit(config, chain.store, sc.check_report(config, report, engine.dtype, served, {}), offline,
-                     drafter)
+    check = sc_report.check_report(config, report, engine.dtype, served, {})
+    return sc_stage.commit(config, chain.store, check, offline, drafter)
 
 
 def test_the_trained_drafter_passes(setting: Any, plain: list[Any], trained_passes: dict[str, Any], bf16_run: Any,
@@ -171,7 +174,8 @@ def test_a_lossy_engine_fails_the_serving_check(drafter: str, label: str, settin
     message = str(err.value)
     assert "greedy output with speculative decoding differs from output without it on" in message
     assert "(bfloat16: near-ties in both runs within 0.25 nats" in message and "speculative margin" in message
-    check = sc.ServeCheckReport.model_validate_json((tmp_path / "evaluation" / sc.REPORT_NAME).read_bytes())
+    written = (tmp_path / "evaluation" / sc_config.REPORT_NAME).read_bytes()
+    check = sc_report.ServeCheckReport.model_validate_json(written)
     assert check.outputs.mismatches and not (tmp_path / "evaluation" / "manifest.json").exists()
     # The engine's own log-probabilities rank the wrongly accepted token below the plain run's.
     first = check.outputs.mismatches[0]

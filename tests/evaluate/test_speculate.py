@@ -126,7 +126,7 @@ def test_compared_with_a_reference_the_loop_is_teacher_forced_past_a_near_tie(
     flipped = {runner_up: plain.logprobs[at][plain.tokens[at]], plain.tokens[at]: plain.logprobs[at][runner_up]}
     reference = Reference(tokens=[*plain.tokens[:at], runner_up, *tail.tokens],
                           logprobs=[*plain.logprobs[:at], flipped, *tail.logprobs])
-    wide = NumericsPolicy(dtype="bfloat16", tie_margin=100.0, max_parted_fraction=1.0)
+    wide = NumericsPolicy(dtype="bfloat16", tie_margin=100.0, max_near_tie_share=1.0)
     result = speculative_generate(trained_drafter, hooked_target, prompt, NEW_TOKENS, ef.STOP_IDS, 8,
                                   reference=reference, policy=wide, prompt_id="p0")
     assert result.tokens == reference.tokens

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from dflash_shared.evaluation_report import OfflineReport
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_train.evaluate import speculate
 from dflash_train.evaluate.speculate import HookedTarget, greedy_reference, speculative_generate
-from dflash_train.evaluate.stage import OfflineReport
 from tests.evaluate import eval_fixtures as ef
 
 NEW_TOKENS = 32

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dflash_generate.config import GenerateConfig
-from dflash_generate.serve_check import ServeCheckConfig
+from dflash_generate.serve_check.config import ServeCheckConfig
 from dflash_generate.target import TargetInfo
 from dflash_pipeline import parse_run_config, render_documents
 from dflash_pipeline.config import RunConfig, read_run_file

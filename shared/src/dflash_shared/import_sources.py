@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from dflash_shared.dataset_sources import hub_items, is_hub_source, parse_hub_source, saved_dataset_files
 from dflash_shared.errors import BadInputError, ConfigError
@@ -40,13 +41,14 @@ class ImportSource:
     """The work items of a source; `origin` is the stage manifest they were read through, if any."""
 
     items: list[str]
-    origin: LoadedManifest | None = None
+    origin: LoadedManifest[Any] | None = None
 
 
 def _read_through_manifest(store: ObjectStore, uri: str, kind: Kind) -> ImportSource:
     """The shards of a stage output's manifest, checked to hold conversations this import can use."""
     raw = store.read_bytes(uri)
-    loaded = LoadedManifest(uri=uri, sha256=hashlib.sha256(raw).hexdigest(), manifest=parse_manifest(uri, raw))
+    loaded: LoadedManifest[Any] = LoadedManifest(uri=uri, sha256=hashlib.sha256(raw).hexdigest(),
+                                                 manifest=parse_manifest(uri, raw))
     found = loaded.manifest.kind
     if found not in (Kind.prompts, Kind.completions):
         raise ConfigError(f"source {uri} is a {found.value} manifest, which holds no conversations: import reads "

@@ -14,11 +14,22 @@ import posixpath
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 from pydantic import ValidationError
 
-from dflash_shared.manifests import MANIFEST_NAME, SCHEMA_VERSION, InputRef, Kind, Manifest
+from dflash_shared.manifests import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    CompletionsSection,
+    DrafterSection,
+    EvaluationSection,
+    InputRef,
+    Kind,
+    Manifest,
+    PromptsSection,
+    TokenizedSection,
+)
 from dflash_shared.storage import ObjectStore, StorageError, join, relative_location, resolve_location
 
 
@@ -31,11 +42,22 @@ class ManifestError(ValueError):
         super().__init__(f"manifest {uri}: {message}")
 
 
+AnySection = PromptsSection | CompletionsSection | TokenizedSection | DrafterSection | EvaluationSection
+SectionT = TypeVar("SectionT", bound=AnySection, covariant=True)
+
+
 @dataclass(frozen=True)
-class LoadedManifest:
+class LoadedManifest(Generic[SectionT]):
+    """A manifest read and checked; `section` is typed by the kind it was loaded as (`load_manifest`'s overloads)."""
+
     uri: str
     sha256: str
     manifest: Manifest
+
+    @property
+    def section(self) -> SectionT:
+        # load_manifest refused any other kind, and the manifest's own validator ties kind to the section's type.
+        return cast(SectionT, self.manifest.section)
 
     def as_input(self) -> InputRef:
         """How an output manifest names this one among its inputs (lineage)."""
@@ -145,13 +167,36 @@ def verify_shards(uri: str, manifest: Manifest, store: ObjectStore, workers: int
         list(pool.map(check, manifest.shards))
 
 
+@overload
+def load_manifest(store: ObjectStore, prefix_or_uri: str, kind: Literal[Kind.prompts],
+                  expected: Mapping[str, Any] | None = ..., verify: bool = ...) -> LoadedManifest[PromptsSection]: ...
+@overload
+def load_manifest(store: ObjectStore, prefix_or_uri: str, kind: Literal[Kind.completions],
+                  expected: Mapping[str, Any] | None = ...,
+                  verify: bool = ...) -> LoadedManifest[CompletionsSection]: ...
+@overload
+def load_manifest(store: ObjectStore, prefix_or_uri: str, kind: Literal[Kind.tokenized],
+                  expected: Mapping[str, Any] | None = ..., verify: bool = ...) -> LoadedManifest[TokenizedSection]: ...
+@overload
+def load_manifest(store: ObjectStore, prefix_or_uri: str, kind: Literal[Kind.drafter],
+                  expected: Mapping[str, Any] | None = ..., verify: bool = ...) -> LoadedManifest[DrafterSection]: ...
+@overload
+def load_manifest(store: ObjectStore, prefix_or_uri: str, kind: Literal[Kind.evaluation],
+                  expected: Mapping[str, Any] | None = ...,
+                  verify: bool = ...) -> LoadedManifest[EvaluationSection]: ...
+@overload
+def load_manifest(store: ObjectStore, prefix_or_uri: str, kind: Kind,
+                  expected: Mapping[str, Any] | None = ..., verify: bool = ...) -> LoadedManifest[AnySection]: ...
+
+
 def load_manifest(
     store: ObjectStore,
     prefix_or_uri: str,
     kind: Kind,
     expected: Mapping[str, Any] | None = None,
     verify: bool = True,
-) -> LoadedManifest:
+) -> LoadedManifest[Any]:
+    """The manifest of `kind` at a prefix, checked (see the module's docstring); its `section` has that kind's type."""
     uri = manifest_uri(prefix_or_uri)
     try:
         raw = store.read_bytes(uri)

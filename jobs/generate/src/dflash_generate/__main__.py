@@ -8,7 +8,7 @@ from typing import NoReturn
 
 from dflash_generate.checks import build_preflight
 from dflash_generate.config import GenerateConfig
-from dflash_generate.serve_check import serve_check_command
+from dflash_generate.serve_check.stage import serve_check_command
 from dflash_generate.stage import STAGE, run, worker_shard
 from dflash_shared.cli import run_stage_main, select_command
 from dflash_shared.importing import import_command

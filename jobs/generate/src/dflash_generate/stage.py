@@ -30,7 +30,15 @@ from dflash_generate.target import read_target
 from dflash_shared import identity
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.manifest_io import LoadedManifest, load_manifest
-from dflash_shared.manifests import Accounting, CompletionsSection, Kind, Manifest, SpecialTokens, TargetIdentity
+from dflash_shared.manifests import (
+    Accounting,
+    CompletionsSection,
+    Kind,
+    Manifest,
+    PromptsSection,
+    SpecialTokens,
+    TargetIdentity,
+)
 from dflash_shared.provenance import producer
 from dflash_shared.quality import fix_hints
 from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, resolve_shard, run_shard
@@ -96,7 +104,7 @@ class Resolved:
     """Everything decided before work starts: the checked input, the target, its chunks and settings."""
 
     config: GenerateConfig
-    source: LoadedManifest
+    source: LoadedManifest[PromptsSection]
     model: ModelFiles
     target: TargetIdentity
     settings: GenerationSettings

@@ -244,7 +244,7 @@ EVALUATE = StageDef(
 # BAD_INPUT (training and serving differ) and the Job fails without retries.
 SERVE_CHECK = StageDef(
     name="serve-check", image="generator", command=(IMAGE_ENTRYPOINT, "serve-check"),
-    config_class="dflash_generate.serve_check:ServeCheckConfig",
+    config_class="dflash_generate.serve_check.config:ServeCheckConfig",
     input_kind=Kind.evaluation, output_kind=Kind.evaluation, wiring=_serve_check_wiring, sharded=False,
     output_folder=SERVING_FOLDER, copies_target=True,
 )

@@ -122,8 +122,9 @@ def stage_status(store: ObjectStore, stage: str, kind: Kind, prefix: str, expect
         status.detail = f"{len(manifest.shards)} file(s), written {manifest.created_at:%Y-%m-%d %H:%M} UTC"
         return status
 
-    markers = [u for u in store.list(join(prefix, MARKERS_DIR)) if _MARKER.search(u)]
-    counts = {int(_MARKER.search(u).group(2)) for u in markers}  # type: ignore[union-attr]
+    found = [m for m in map(_MARKER.search, store.list(join(prefix, MARKERS_DIR))) if m is not None]
+    markers = [m.string for m in found]
+    counts = {int(m.group(2)) for m in found}
     if len(counts) > 1:
         status.state, status.detail = "invalid", f"markers of several shard counts {sorted(counts)} under {prefix}"
         return status

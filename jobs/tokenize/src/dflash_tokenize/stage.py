@@ -79,7 +79,7 @@ class Resolved:
     """Everything decided before work starts: checked input, effective mode and thinking, target identity."""
 
     config: TokenizeConfig
-    source: LoadedManifest
+    source: LoadedManifest[CompletionsSection]
     tokenizer_dir: str
     chat: ChatFormat
     mode: str
@@ -104,8 +104,7 @@ class Resolved:
     @property
     def budget_cuts(self) -> bool:
         """Whether a "length" finish is the generate stage's own budget (see worker.WorkerSettings)."""
-        section = self.source.manifest.section
-        return self.mode == "token_exact" and isinstance(section, CompletionsSection) and section.target is not None
+        return self.mode == "token_exact" and self.source.section.target is not None
 
 
 def fetch_tokenizer(store: ObjectStore, location: str, scratch: str) -> str:
@@ -123,16 +122,15 @@ def fetch_tokenizer(store: ObjectStore, location: str, scratch: str) -> str:
     return local
 
 
-def open_source(store: ObjectStore, config: TokenizeConfig, chat: ChatFormat) -> tuple[LoadedManifest, bool]:
+def open_source(store: ObjectStore, config: TokenizeConfig, chat: ChatFormat,
+                ) -> tuple[LoadedManifest[CompletionsSection], bool]:
     """Load the completions manifest and check it was made with this tokenizer, template and thinking mode.
 
     Returns the manifest and the effective thinking mode. Each worker re-hashes the input shards it
     downloads (fetch_verified), so shards are not re-hashed here.
     """
     source = load_manifest(store, config.input, Kind.completions, verify=False)
-    section = source.manifest.section
-    assert isinstance(section, CompletionsSection)
-    generated = section.target
+    generated = source.section.target
     enable_thinking = config.enable_thinking
     if enable_thinking is None:
         enable_thinking = generated.enable_thinking if generated else True
@@ -150,8 +148,7 @@ def resolve(config: TokenizeConfig, store: ObjectStore, scratch: str) -> Resolve
     tokenizer_dir = fetch_tokenizer(store, config.tokenizer, scratch)
     chat = ChatFormat.from_dir(tokenizer_dir)
     source, enable_thinking = open_source(store, config, chat)
-    section = source.manifest.section
-    assert isinstance(section, CompletionsSection)
+    section = source.section
     generated = section.target
     mode = config.mode
     if mode == "auto":
@@ -352,7 +349,7 @@ def process_shard(ctx: ShardContext, resolved: Resolved) -> ShardOutcome:
     ctx.published.sort(key=lambda shard: order[shard.uri])
     gate = state.gate
     if gate_exceeded(gate, config.max_bad_fraction):
-        computed = hints.suggest(resolved.worker_settings(), resolved.chat, samples, resolved.source.manifest.section,
+        computed = hints.suggest(resolved.worker_settings(), resolved.chat, samples, resolved.source.section,
                                  config.max_bad_fraction)
         raise BadInputError(
             f"tokenize shard {ctx.index}: too much bad input (limit {config.max_bad_fraction:.0%}). " + gate.report()

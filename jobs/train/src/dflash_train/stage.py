@@ -55,7 +55,7 @@ _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 T = TypeVar("T")
 
 
-def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> LoadedManifest:
+def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> LoadedManifest[TokenizedSection]:
     """The tokenized manifest, refused (ManifestError naming the field) unless made with this target's
     tokenizer and chat template."""
     return load_manifest(store, config.input, Kind.tokenized, expected={
@@ -131,7 +131,7 @@ class Resolved:
     """Everything decided before the first step."""
 
     config: TrainConfig
-    source: LoadedManifest
+    source: LoadedManifest[TokenizedSection]
     target_dir: str
     drafter: DrafterConfig
     max_length: int
@@ -139,9 +139,7 @@ class Resolved:
 
     @property
     def section(self) -> TokenizedSection:
-        section = self.source.manifest.section
-        assert isinstance(section, TokenizedSection)
-        return section
+        return self.source.section
 
     @property
     def train_shards(self) -> list[Shard]:
@@ -151,8 +149,7 @@ class Resolved:
 
 def resolve(config: TrainConfig, store: ObjectStore, target_dir: str) -> Resolved:
     source = open_input(store, config, target_dir)
-    section = source.manifest.section
-    assert isinstance(section, TokenizedSection)
+    section = source.section
     if not source.manifest.split_shards("train"):
         raise BadInputError(f"{source.uri} holds no training shards (every record is held out for evaluation)")
     drafter = resolve_drafter(config, target_dir, section)

@@ -28,7 +28,7 @@ from dflash_shared.conversations import RecordError, parse_messages, parse_tools
 from dflash_shared.errors import BadInputError
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest
-from dflash_shared.manifests import Accounting, Kind
+from dflash_shared.manifests import Accounting, Kind, PromptsSection
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
 from dflash_shared.storage import ObjectStore
 
@@ -129,7 +129,7 @@ def load_prompts_manifest(store: ObjectStore, uri: str, identity: Any) -> Loaded
             if getattr(err, "field", None) == "kind":
                 continue
             raise
-        if kind is not Kind.prompts and getattr(loaded.manifest.section, "target", None) is not None:
+        if not isinstance(loaded.section, PromptsSection) and loaded.section.target is not None:
             # Prompts rendered under another template or thinking mode are not the served distribution.
             check_compatible(loaded.uri, loaded.manifest, {
                 "target.tokenizer_sha256": identity.tokenizer_sha256,

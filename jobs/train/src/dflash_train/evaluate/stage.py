@@ -34,13 +34,19 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from dflash_shared.errors import BadInputError
+from dflash_shared.evaluation_report import (
+    REPORT_NAME,
+    Acceptance,
+    OfflineReport,
+    PositionBucket,
+    PromptResult,
+    PromptSetReport,
+)
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.lossless import Comparing, Equivalence
 from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
-from dflash_shared.manifests import MANIFEST_NAME, Accounting, EvaluationSection, Kind, Manifest, Shard
+from dflash_shared.manifests import MANIFEST_NAME, Accounting, DrafterSection, EvaluationSection, Kind, Manifest, Shard
 from dflash_shared.progress import Progress
 from dflash_shared.provenance import producer
 from dflash_shared.runner import merge_accounting
@@ -59,80 +65,8 @@ from dflash_train.evaluate.prompts import (
 
 log = logging.getLogger(__name__)
 STAGE = "evaluate"
-REPORT_NAME = "evaluation.json"
 PACKAGES = ["dflash-train", "torch", "transformers", "safetensors"]
 _ACC_KEY = re.compile(r"^(?:train_)?acc(?:uracy)?_(?:pos_)?(\d+)$")
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class PositionBucket(_Frozen):
-    """Acceptance of the steps that drafted at context lengths within one bucket."""
-
-    tau: float = Field(description="Mean acceptance length of the bucket's steps.")
-    steps: int = Field(description="Verification steps in the bucket.")
-
-
-class Acceptance(_Frozen):
-    """Acceptance statistics of one drafter over a set of decoded prompts."""
-
-    tau: float = Field(description="Mean acceptance length: accepted draft tokens + 1, over all steps.")
-    steps: int = Field(description="Verification steps (drafts) counted.")
-    accepted_tokens: int = Field(description="Draft tokens accepted in all steps.")
-    acceptance_per_position: list[float] = Field(description="Fraction of steps accepted at least to slot k.")
-    tau_histogram: dict[str, int] = Field(description="Steps per acceptance length.")
-    generated_tokens: int = Field(description="Tokens generated over all prompts.")
-    target_forwards: int = Field(description="Target passes: one prefill per prompt plus one per step.")
-    tokens_per_target_forward: float = Field(description="generated_tokens / target_forwards.")
-    prompts: int = Field(description="Prompts decoded.")
-    by_position: dict[str, PositionBucket] = Field(
-        default_factory=dict, description="Acceptance by the context length at which each step drafted, e.g. "
-        "'0-4K', '4K-8K' (prompt + tokens generated before the step).")
-
-
-class PromptResult(_Frozen):
-    """One held-out prompt as the loop decoded it."""
-
-    id: str = Field(description="Record id of the prompt.")
-    prompt_token_ids: list[int] = Field(description="Prompt ids fed to the target (rendered, template applied).")
-    output_token_ids: list[int] = Field(description="Generated ids (stop token included when reached).")
-    accepted: list[int] = Field(description="Accepted draft tokens per verification step.")
-
-
-class PromptSetReport(_Frozen):
-    """Acceptance of the exported drafter on one user prompt set."""
-
-    uri: str = Field(description="The set's JSONL file.")
-    acceptance: Acceptance = Field(description="The exported drafter over the set's decoded prompts.")
-    bad_lines: list[str] = Field(description="Lines that could not be used, as 'file:line: why'.")
-
-
-class OfflineReport(_Frozen):
-    """Content of `evaluation.json`: settings, per-prompt results and summaries of the offline loop."""
-
-    block_size: int = Field(description="Block size B of the loop (num_speculative_tokens = B - 1).")
-    max_new_tokens: int = Field(description="Generation budget per prompt.")
-    stop_token_ids: list[int] = Field(description="Ids that end a generation (kept in the output).")
-    dtype: str = Field(description="Dtype of target and drafter.")
-    drafter_export: str = Field(description="Export directory the drafter was loaded from.")
-    prompt_split: Literal["heldout", "train", "all"] = Field(
-        description="Which prompts `results` are: a tokenized manifest's held-out or train split, or all of a "
-        "prompts or completions manifest.")
-    trained: Acceptance = Field(description="The exported drafter.")
-    untrained: Acceptance | None = Field(description="An untrained drafter of the same shape, first prompts.")
-    training_acceptance_per_position: list[float] = Field(description="Per-slot accuracy logged by training.")
-    training_expected_tau: float | None = Field(description="tau implied by the training accuracies.")
-    lossless_checked: int = Field(description="Prompts also decoded by the target alone.")
-    lossless_mismatches: list[str] = Field(
-        description="Ids of prompts whose outputs differ beyond the numerics policy (should be none).")
-    lossless: Equivalence | None = Field(
-        default=None, description="The exported drafter's output against the target's greedy output (lossless.py).")
-    lossless_untrained: Equivalence | None = Field(
-        default=None, description="The same check for the untrained drafter on its prompts.")
-    results: list[PromptResult] = Field(description="Per-prompt outputs and acceptance.")
-    prompt_sets: dict[str, PromptSetReport] = Field(default_factory=dict, description="Per user prompt set.")
 
 
 def bucket_name(position: int, width: int) -> str:
@@ -208,9 +142,9 @@ def local_dir(store: ObjectStore, uri: str, scratch: str, name: str) -> str:
     return dest
 
 
-def check_target_files(target_dir: str, drafter: LoadedManifest) -> None:
+def check_target_files(target_dir: str, drafter: LoadedManifest[DrafterSection]) -> None:
     """The target directory must have the tokenizer and template the drafter was trained with."""
-    identity = drafter.manifest.section.target  # type: ignore[union-attr]
+    identity = drafter.section.target
     checks = {"tokenizer_sha256": tokenizer_sha256(target_dir),
               "chat_template_sha256": chat_template_sha256(target_dir)}
     for name, have in checks.items():
@@ -288,7 +222,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
                 result = speculative_generate(which, target, ids, config.max_new_tokens, stop, block,
                                               reference=reference, policy=policy, prompt_id=rid)
                 if reference is not None:
-                    comparing.add(len(reference.tokens), result.partings)
+                    comparing.add(reference.logprobs, result.partings)
                 out.append(result)
                 progress.update(1, tokens=len(result.tokens))
         return out, comparing.result()
@@ -346,11 +280,11 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
         log.info("%s exists: evaluation already committed", out_manifest)
         return out_manifest
     drafter = load_manifest(store, config.drafter, Kind.drafter, verify=False)
-    section = drafter.manifest.section
-    export_uri = getattr(section, "export_uri", None)
+    section = drafter.section
+    export_uri = section.export_uri
     if not export_uri:
         raise BadInputError(f"drafter manifest {drafter.uri} names no export_uri: run `dflash-train export` first")
-    identity = section.target  # type: ignore[union-attr]
+    identity = section.target
     prompts_loaded = load_prompts_manifest(store, config.prompts, identity)
     split = prompt_split(prompts_loaded, config.split)
     if split == "all" and "split" in config.model_fields_set:
@@ -373,13 +307,14 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
             for line in source.bad:
                 log.warning("prompt set %s: unusable line %s", name, line)
         export_dir = local_dir(store, export_uri, scratch, "export")
-        report = evaluate_drafter(config, target_dir, export_dir, export_uri, section.final_metrics,  # type: ignore[union-attr]
+        report = evaluate_drafter(config, target_dir, export_dir, export_uri, section.final_metrics,
                                   picked, split, sets)
     return commit(config, store, report, drafter, prompts_loaded, merge_accounting(parts), identity)
 
 
-def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport, drafter: LoadedManifest,
-           prompts: LoadedManifest, accounting: Accounting, identity: Any) -> str:
+def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport,
+           drafter: LoadedManifest[DrafterSection], prompts: LoadedManifest[Any], accounting: Accounting,
+           identity: Any) -> str:
     """Write the report, apply the gate, then commit the manifest (the gate failing commits nothing)."""
     data = report.model_dump_json(indent=1).encode()
     report_uri = join(config.output, REPORT_NAME)

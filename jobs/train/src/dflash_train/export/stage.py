@@ -48,11 +48,11 @@ def run_export(config: ExportConfig, store: ObjectStore | None = None) -> str:
         log.info("%s exists: export already committed", done)
         return done
     loaded = load_manifest(store, config.drafter, Kind.drafter, verify=False)
-    section = loaded.manifest.section
-    checkpoint = config.checkpoint or section.checkpoint_uri  # type: ignore[union-attr]
+    section = loaded.section
+    checkpoint = config.checkpoint or section.checkpoint_uri
     drafter = load_checkpoint_drafter(store, checkpoint)
     cfg = drafter.config
-    recorded = (section.target_layer_ids, section.block_size, section.mask_token_id)  # type: ignore[union-attr]
+    recorded = (section.target_layer_ids, section.block_size, section.mask_token_id)
     have = (list(cfg.target_layer_ids), cfg.block_size, cfg.mask_token_id)
     if recorded != have:
         raise BadInputError(f"checkpoint {checkpoint} has (target_layer_ids, block_size, mask_token_id) {have}, "
@@ -64,7 +64,7 @@ def run_export(config: ExportConfig, store: ObjectStore | None = None) -> str:
     written = export_drafter(drafter, target_config, config.output, store, config.dtype)
     if config.speculators:
         with tempfile.TemporaryDirectory(prefix="dflash-speculators-") as tmp:
-            verifier = config.verifier or section.target.model_id  # type: ignore[union-attr]
+            verifier = config.verifier or section.target.model_id
             write_speculators_dir(drafter, target_config, tmp, verifier, config.dtype)
             for name in (WEIGHTS_NAME, CONFIG_NAME):
                 store.upload_from(os.path.join(tmp, name), join(config.output, "speculators", name))

@@ -230,7 +230,8 @@ def wrap_drafter(drafter: nn.Module, parallelism: Parallelism, env: DistEnv, bf1
     # Gathered weights in bf16 for compute, gradients reduced in fp32; the sharded masters stay fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else (
         MixedPrecisionPolicy())
-    for layer in drafter.layers:  # type: ignore[union-attr]
+    layers = drafter.get_submodule("layers")  # the decoder layers, each sharded on its own
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(drafter, mesh=mesh, mp_policy=policy)
     return drafter
