@@ -250,7 +250,7 @@ def test_qwen3_6_27b_target_gets_the_reference_drafter():
 
 
 def test_default_mask_token_of_a_qwen3_6_target(tmp_path):
-    from dflash_train.stage import default_mask_token
+    from dflash_train.drafter.mask_token import default_mask_token
 
     assert default_mask_token(str(tmp_path), _qwen3_6_27b_text_config()) == 248070
 

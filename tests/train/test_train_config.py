@@ -63,3 +63,15 @@ def test_num_target_features_needs_the_from_target_preset() -> None:
                                      '{"num_target_features": 2}'])
     config = parse_settings(TrainConfig, [*ARGS, "--drafter-overrides", '{"num_target_features": 2}'])
     assert config.drafter_overrides == {"num_target_features": 2}
+
+
+def test_a_field_of_the_nested_drafter_is_set_with_dots_or_double_underscores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What StageSettings' docstring promises: `--drafter.block-size` and DFLASH_TRAIN_DRAFTER__BLOCK_SIZE."""
+    assert DrafterConfig.debug().block_size != 4
+    dotted = parse_settings(TrainConfig, [*ARGS, "--drafter", _drafter_json(), "--drafter.block-size", "4"])
+    assert dotted.drafter is not None and dotted.drafter.block_size == 4
+    monkeypatch.setenv("DFLASH_TRAIN_DRAFTER", _drafter_json())
+    monkeypatch.setenv("DFLASH_TRAIN_DRAFTER__BLOCK_SIZE", "4")
+    from_env = parse_settings(TrainConfig, ARGS)
+    assert from_env.drafter is not None and from_env.drafter.block_size == 4

@@ -45,9 +45,10 @@ SECRET_NAME = re.compile(
 class StageSettings(BaseSettings):
     """Base of a stage config: immutable, unknown keys refused, flags in kebab case.
 
-    Subclasses set `model_config = SettingsConfigDict(env_prefix="DFLASH_<STAGE>_")`. Nested models
-    can be set from the environment with '__' (`DFLASH_TRAIN_OPTIM__LR=3e-4`) or from the command line
-    with dots (`--optim.lr 3e-4`). Booleans are flags (`--resume` / `--no-resume`) that also take a value
+    Subclasses set `model_config = SettingsConfigDict(env_prefix="DFLASH_<STAGE>_")`. A nested model (the
+    train stage's `drafter`) is given whole as JSON (`--drafter '{...}'`); one of its fields can then be changed
+    from the command line with dots (`--drafter.block-size 8`) or from the environment with '__'
+    (`DFLASH_TRAIN_DRAFTER__BLOCK_SIZE=8`). Booleans are flags (`--resume` / `--no-resume`) that also take a value
     (`--resume false`, `--resume=1`).
     """
 

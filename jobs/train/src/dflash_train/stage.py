@@ -14,15 +14,12 @@ continues from the last checkpoint.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
@@ -43,7 +40,16 @@ from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, join
 from dflash_shared.window import window_fraction
 from dflash_train.config import TrainConfig, settings_identity
-from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig, is_hybrid_family
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.mask_token import default_mask_token
+from dflash_train.parallel.rank0 import holds_rank0, on_rank0
+from dflash_train.target_model.sizes import target_replica_bytes
+
+if TYPE_CHECKING:
+    from dflash_train.data.loader import DataPlan, ShardCache
+    from dflash_train.parallel.distributed import DistEnv
+    from dflash_train.trainer import Trainer, TrainResult
+    from dflash_train.training.checkpoint import CheckpointRef
 
 log = logging.getLogger(__name__)
 STAGE = "train"
@@ -51,8 +57,6 @@ PACKAGES = ["dflash-train", "torch", "transformers", "safetensors", "pyarrow", "
 # What identity checks, the drafter config and a target skeleton need: preflight and the nodes without
 # rank 0 copy only these.
 TARGET_SMALL_FILES = IDENTITY_FILES
-_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-T = TypeVar("T")
 
 
 def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> LoadedManifest[TokenizedSection]:
@@ -86,44 +90,6 @@ def resolve_drafter(config: TrainConfig, target_dir: str, section: TokenizedSect
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid drafter config: {err}") from err
-
-
-def default_mask_token(target_dir: str, hf_config: Any) -> int:
-    """The reference drafters' mask token: Qwen3.5/3.6's 248070 on their vocabulary, else the first unused row."""
-    rows = int(hf_config.vocab_size)
-    if is_hybrid_family(hf_config) and rows == QWEN3_6_VOCAB_ROWS:
-        return QWEN3_6_MASK_TOKEN_ID
-    return first_unused_row(target_dir, rows)
-
-
-def first_unused_row(target_dir: str, embedding_rows: int) -> int:
-    """The reference drafters' mask token: the first embedding row past the tokenizer (Qwen3: 151669).
-
-    Only where the embedding has such padding rows; otherwise no row is known to be unused.
-    """
-    from tokenizers import Tokenizer
-
-    tokens = Tokenizer.from_file(os.path.join(target_dir, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
-    if tokens >= embedding_rows:
-        raise ConfigError(
-            f"no mask token id: the target's {embedding_rows} embedding rows are all tokenizer tokens; set "
-            "--mask-token-id (an existing token the data never uses), or record one in the tokenized manifest"
-        )
-    log.info("mask_token_id %d: the first of the target's embedding rows past its %d tokenizer tokens", tokens,
-             tokens)
-    return tokens
-
-
-def target_replica_bytes(target_dir: str, loaded_bytes_per_param: int) -> int:
-    """Estimated device bytes of the target's weights (file sizes rescaled to the dtype it is loaded in)."""
-    stored = 2
-    config_path = os.path.join(target_dir, "config.json")
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-        stored = _BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"), 2)
-    files = sum(p.stat().st_size for p in Path(target_dir).glob("*") if p.suffix in (".safetensors", ".bin"))
-    return files * loaded_bytes_per_param // stored
 
 
 @dataclass(frozen=True)
@@ -163,7 +129,7 @@ def resolve(config: TrainConfig, store: ObjectStore, target_dir: str) -> Resolve
     return Resolved(config, source, target_dir, drafter, max_length, rows_per_step)
 
 
-def trained_tokens(plan: Any, steps: int, rows_per_step: int) -> TrainedTokens | None:
+def trained_tokens(plan: DataPlan, steps: int, rows_per_step: int) -> TrainedTokens | None:
     """What the run's rows read of the train split (plan: data.DataPlan), or None for a plan saved before it
     was counted."""
     window = plan.window
@@ -180,7 +146,7 @@ def trained_tokens(plan: Any, steps: int, rows_per_step: int) -> TrainedTokens |
     )
 
 
-def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str, float],
+def build_manifest(resolved: Resolved, checkpoint: CheckpointRef, final_metrics: dict[str, float],
                    extra: dict[str, Any], data: TrainedTokens | None = None,
                    performance: dict[str, float] | None = None) -> Manifest:
     """The drafter manifest: final checkpoint, resolved config, target identity, lineage, final metrics."""
@@ -215,7 +181,7 @@ def build_manifest(resolved: Resolved, checkpoint: Any, final_metrics: dict[str,
     )
 
 
-def performance(trainer: Any, result: Any, world_size: int, planned_peak: int, target_params: int,
+def performance(trainer: Trainer, result: TrainResult, world_size: int, planned_peak: int, target_params: int,
                 drafter_params: int) -> dict[str, float]:
     """What this process measured, for the drafter manifest (`DrafterSection.performance`): the last logged
     window's rates (steady state: the first window also holds start-up), the peak memory over ranks against the
@@ -230,7 +196,7 @@ def performance(trainer: Any, result: Any, world_size: int, planned_peak: int, t
                     if name in last})
     if trainer.save_seconds is not None:
         out["checkpoint_save_seconds"] = trainer.save_seconds
-    if trainer.resume_seconds is not None:
+    if trainer.resume_seconds is not None and trainer.resumed_from is not None:  # both set by one resume
         out["resume_seconds"] = trainer.resume_seconds
         out["resumed_from_step"] = float(trainer.resumed_from)
     return out
@@ -240,29 +206,6 @@ def scratch_root(config: TrainConfig) -> str:
     """Node-local scratch shared by the ranks of a node (the target copy and the shard cache live there)."""
     base = config.scratch_dir or tempfile.gettempdir()
     return os.path.join(base, "dflash-train-" + hashlib.sha256(config.output.encode()).hexdigest()[:12])
-
-
-def holds_rank0(env: Any) -> bool:
-    """Whether this node runs global rank 0: torchrun numbers a node's ranks consecutively from its first,
-    so rank 0's node is the one whose ranks equal their local ranks (always true on one node)."""
-    return bool(env.rank == env.local_rank)
-
-
-def on_rank0(env: Any, read: Callable[[], T]) -> T:
-    """`read()` called on rank 0 only, its result on every rank; an error there is raised on every rank
-    (the same exception, so the exit code is the same) instead of leaving the others waiting."""
-    if not env.distributed:
-        return read()
-    result: tuple[T | None, BaseException | None] = (None, None)
-    if env.is_main:
-        try:
-            result = (read(), None)
-        except Exception as err:  # re-raised below, on every rank
-            result = (None, err)
-    value, error = env.broadcast_object(result)
-    if error is not None:
-        raise error
-    return value  # type: ignore[no-any-return]
 
 
 def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
@@ -292,7 +235,7 @@ def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
         distributed.shutdown(env)
 
 
-def plan_data(resolved: Resolved, store: ObjectStore, cache: Any, env: Any) -> Any:
+def plan_data(resolved: Resolved, store: ObjectStore, cache: ShardCache, env: DistEnv) -> DataPlan:
     """The run's data plan over the train split (counted by the ranks together, or read back on a resume)."""
     from dflash_train.data import loader as data
 
@@ -301,14 +244,14 @@ def plan_data(resolved: Resolved, store: ObjectStore, cache: Any, env: Any) -> A
                            env.world_size, env.all_gather_object)
 
 
-def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str | None:
+def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> str | None:
     import torch
 
     from dflash_train.data import loader as data
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.parallel import distributed
     from dflash_train.target_model.loading import load_target
-    from dflash_train.trainer import Trainer, refuse_other_settings
+    from dflash_train.trainer import Trainer, TrainerSetup, refuse_other_settings
     from dflash_train.training import checkpoint as ckpt
     from dflash_train.training import memory_plan, optim
     from dflash_train.training.metrics import MetricsSink
@@ -339,8 +282,9 @@ def _train(resolved: Resolved, store: ObjectStore, env: Any, root: str) -> str |
                              attn_implementation=config.target_attn_implementation, packing=config.target_packing)
         log.info("drafter %.1fM parameters, %s, %d step(s), target %s on %s", drafter_params / 1e6, parallelism,
                  steps, resolved.target_dir, env.device)
-        trainer = Trainer(config, cfg, target, plan, cache, env, store, scratch, parallelism, steps,
-                          resolved.rows_per_step)
+        setup = TrainerSetup(config=config, drafter=cfg, plan=plan, cache=cache, scratch=scratch,
+                             parallelism=parallelism, total_steps=steps, rows_per_step=resolved.rows_per_step)
+        trainer = Trainer(setup, target, env, store)
         if ref is not None:
             trainer.resume(ref)
         sink = MetricsSink(env, os.path.join(scratch, "tensorboard"), config.tensorboard, f"from-step-{trainer.step}",

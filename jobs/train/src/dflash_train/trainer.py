@@ -105,15 +105,30 @@ def refuse_other_settings(store: ObjectStore, ref: ckpt.CheckpointRef, config: T
                    "and the later stages' outputs), or write to a new output prefix (a new run_id)")
 
 
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What the stage decided before the first step, and the trainer is built from: its settings, the resolved
+    drafter, the data plan and cache, where it writes, how the drafter is distributed, and how long it trains."""
+
+    config: TrainConfig
+    drafter: DrafterConfig
+    plan: DataPlan
+    cache: ShardCache
+    scratch: str
+    parallelism: Parallelism
+    total_steps: int
+    rows_per_step: int
+
+
 class Trainer:
     """Owns the drafter, optimiser, scheduler, data loader and metrics of one run on one rank."""
 
-    def __init__(self, config: TrainConfig, drafter_cfg: DrafterConfig, target: FrozenTarget, plan: DataPlan,
-                 cache: ShardCache, env: DistEnv, store: ObjectStore, scratch: str, parallelism: Parallelism,
-                 total_steps: int, rows_per_step: int) -> None:
-        self.config, self.cfg, self.target, self.plan, self.cache = config, drafter_cfg, target, plan, cache
-        self.env, self.store, self.scratch = env, store, scratch
-        self.total_steps, self.rows_per_step = total_steps, rows_per_step
+    def __init__(self, setup: TrainerSetup, target: FrozenTarget, env: DistEnv, store: ObjectStore) -> None:
+        config, drafter_cfg, rows_per_step = setup.config, setup.drafter, setup.rows_per_step
+        self.config, self.cfg, self.target, self.plan, self.cache = config, drafter_cfg, target, setup.plan, setup.cache
+        self.env, self.store, self.scratch = env, store, setup.scratch
+        self.total_steps, self.rows_per_step = setup.total_steps, rows_per_step
+        parallelism, total_steps = setup.parallelism, setup.total_steps
         groups = rows_per_step // config.micro_batch_rows
         if rows_per_step % config.micro_batch_rows or groups % env.world_size:
             raise ConfigError(
