@@ -62,6 +62,45 @@ def reference() -> str:
 
 
 RUN_START, RUN_END = "<!-- run-file-reference:start -->", "<!-- run-file-reference:end -->"
+COMMANDS_START, COMMANDS_END = "<!-- stage-commands:start -->", "<!-- stage-commands:end -->"
+# The stage CLIs' command tables (dflash_shared.commands), in the pipeline's order: the reference in
+# docs/commands.md and the help each bin/ wrapper prints before its environment exists are written from them.
+PROGRAMS = [("dflash_tokenize.commands", "bin/dflash-tokenize"), ("dflash_generate.commands", "bin/dflash-generate"),
+            ("dflash_train.commands", "bin/dflash-train")]
+_BIN_HELP = re.compile(r"(cat <<'EOF'\n)(.*?)(\nEOF\n)", re.S)
+
+
+def _programs() -> list[tuple[Any, Path]]:
+    return [(importlib.import_module(module).PROGRAM, REPO / wrapper) for module, wrapper in PROGRAMS]
+
+
+def commands_reference() -> str:
+    """Every stage command from its table: what it is for, its settings, how it shards, what it checks first."""
+    from dflash_shared.commands import SHARDING
+
+    rows = ["| command | what it is for | settings | shards | start checks |", "|---|---|---|---|---|"]
+    for program, _ in _programs():
+        for c in program.commands:
+            checks = "every check (it is the check)" if c.name == "preflight" else (
+                f"`{c.start_checks.partition(':')[2]}` in `{c.start_checks.partition(':')[0]}`"
+                if c.start_checks else "none")
+            rows.append(f"| `{program.prog} {c.name}` | {c.about} | `{c.config.partition(':')[2]}` | "
+                        f"{SHARDING[c.sharding]} | {checks} |")
+    return "\n".join([COMMANDS_START, "", "Generated from the command tables (`dflash_<stage>/commands.py`) by "
+                      "`make docs`; do not edit by hand.", "", *rows, "", COMMANDS_END])
+
+
+def bin_help_stale(write: bool) -> list[Path]:
+    """The bin/ wrappers whose built-in help differs from their table's usage (rewritten with `write`)."""
+    stale = []
+    for program, wrapper in _programs():
+        text = wrapper.read_text()
+        updated = _BIN_HELP.sub(lambda m: m.group(1) + program.usage() + m.group(3), text, count=1)  # noqa: B023
+        if updated != text:
+            stale.append(wrapper)
+            if write:
+                wrapper.write_text(updated)
+    return stale
 
 # (heading, module, class, note): the run file's tables, top level first, then each nested table in file order.
 RUN_FILE_MODELS = [
@@ -177,7 +216,7 @@ def pages() -> list[Path]:
 def markers() -> list[tuple[str, str]]:
     """Each generated part's start and end marker; every part is in exactly one page."""
     demo = [(f"<!-- demo-figures:{t}:start -->", f"<!-- demo-figures:{t}:end -->") for t in DEMO_TARGETS]
-    return [(START, END), (RUN_START, RUN_END), *demo]
+    return [(START, END), (RUN_START, RUN_END), (COMMANDS_START, COMMANDS_END), *demo]
 
 
 def misplaced(texts: dict[Path, str]) -> list[str]:
@@ -195,9 +234,10 @@ def fill_reference(text: str, table: str, start: str = START, end: str = END) ->
     return re.compile(re.escape(start) + ".*?" + re.escape(end), re.S).sub(lambda _: table, text)
 
 
-def fill_references(text: str, table: str, run_table: str) -> str:
-    """The page with its stage configuration reference and its run file reference current."""
-    return fill_reference(fill_reference(text, table), run_table, RUN_START, RUN_END)
+def fill_references(text: str, table: str, run_table: str, commands_table: str) -> str:
+    """The page with its stage configuration reference, run file reference and command reference current."""
+    text = fill_reference(fill_reference(text, table), run_table, RUN_START, RUN_END)
+    return fill_reference(text, commands_table, COMMANDS_START, COMMANDS_END)
 
 
 def fill_demo_figures(text: str, out: Path) -> str:
@@ -218,18 +258,21 @@ def main() -> int:
     args = parser.parse_args()
     texts = {path: path.read_text() for path in pages()}
     problems = misplaced(texts)
-    table, run_table = reference(), run_file_reference()
-    stale = [path for path, text in texts.items() if fill_references(text, table, run_table) != text]
+    table, run_table, commands_table = reference(), run_file_reference(), commands_reference()
+    stale = [path for path, text in texts.items() if fill_references(text, table, run_table, commands_table) != text]
     if args.check:
         problems += [f"{path.relative_to(REPO).as_posix()}: a configuration reference is out of date: run "
                      "`make docs`" for path in stale]
+        problems += [f"{path.relative_to(REPO).as_posix()}: its help differs from its command table: run `make docs`"
+                     for path in bin_help_stale(write=False)]
         for problem in problems:
             print(problem, file=sys.stderr)
         return 1 if problems else 0
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
+    bin_help_stale(write=True)
     for path, text in texts.items():
-        updated = fill_demo_figures(fill_references(text, table, run_table), REPO / "demo-output")
+        updated = fill_demo_figures(fill_references(text, table, run_table, commands_table), REPO / "demo-output")
         if updated != text:
             path.write_text(updated)
     return 0

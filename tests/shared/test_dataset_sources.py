@@ -16,12 +16,14 @@ from dflash_shared.conversations import RecordError
 from dflash_shared.dataset_sources import HubDataset, load_hub, parse_hub_source
 from dflash_shared.errors import BadInputError, ConfigError, exit_code_for
 from dflash_shared.exit_codes import ExitCode
-from dflash_shared.importing import ImportConfig, import_command, list_sources, run_import
+from dflash_shared.importing import ImportConfig, import_share, list_sources, run_import
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.layouts import Layout
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind, Producer
 from dflash_shared.records import CompletionRecord, PromptRecord
+from dflash_shared.runner import config_shard
+from dflash_shared.settings import parse_settings
 from dflash_shared.storage import ObjectStore, join
 
 PRODUCER = Producer(stage="import")
@@ -206,8 +208,9 @@ def test_hub_dataset_is_loaded_pinned_with_the_token_and_sharded(
     assert run(store, source, out, index=0, count=2) is None
     load_hub.cache_clear()  # the second worker is another process, started by the CLI
     caplog.set_level(logging.INFO)
-    import_command(["--source", source, "--output", out, "--run-id", "r", "--shard-index", "1", "--num-shards", "2"],
-                   Kind.completions, "dflash-tokenize import", ["dflash-shared"])
+    config = parse_settings(ImportConfig, ["--source", source, "--output", out, "--run-id", "r", "--shard-index", "1",
+                                           "--num-shards", "2"])
+    import_share(config, store, Kind.completions, ["dflash-shared"], config_shard(config))
     load_hub.cache_clear()
     assert calls[0] == (("org/name", None), {"revision": "v1.0", "split": "train", "token": "hf_not_a_real_token"})
     assert len(calls) == 2  # once per worker: listing and reading share the load

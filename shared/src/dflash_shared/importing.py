@@ -541,22 +541,17 @@ def run_import(
                     lambda merged: build_import_manifest(spec, producer, merged, source.origin), identity=identity)
 
 
-def import_command(argv: list[str], kind: Kind, prog: str, packages: list[str]) -> None:
-    """The `import` subcommand of a stage CLI: parse ImportConfig, import this worker's share."""
-    # Imported here: the CLI helpers pull in logging setup that library users of this module do not need.
-    from dflash_shared.logs import setup_logging
+def import_share(config: ImportConfig, store: ObjectStore, kind: Kind, packages: list[str],
+                 shard: tuple[int, int] = (0, 1)) -> str | None:
+    """The `import` command of a stage CLI (dflash_shared.commands): this worker's share into a `kind` output,
+    recorded as made by `packages` (the image's own)."""
     from dflash_shared.provenance import producer
-    from dflash_shared.runner import resolve_shard
-    from dflash_shared.settings import parse_settings, public_dict
+    from dflash_shared.settings import public_dict
     from dflash_shared.stage_identity import stage_identity
 
-    config = parse_settings(ImportConfig, argv, prog=prog)
-    index, count = resolve_shard(config.shard_index, config.num_shards)
-    setup_logging("import", shard=index)
     made = producer("import", public_dict(config), packages)
-    store = ObjectStore()
-    start_checks(config, store).check(quiet=True)  # before a record is read
-    run_import(store, config.spec(kind), made, index, count, identity=stage_identity(config))
+    index, count = shard
+    return run_import(store, config.spec(kind), made, index, count, identity=stage_identity(config))
 
 
 def start_checks(config: ImportConfig, store: ObjectStore) -> Preflight:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import posixpath
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,8 @@ from dflash_shared.manifests import (
     TokenizedSection,
 )
 from dflash_shared.storage import ObjectStore, StorageError, join, relative_location, resolve_location
+
+log = logging.getLogger(__name__)
 
 
 class ManifestError(ValueError):
@@ -67,6 +70,18 @@ class LoadedManifest(Generic[SectionT]):
 def manifest_uri(prefix_or_uri: str) -> str:
     """Accept either a stage prefix or the manifest URI itself."""
     return prefix_or_uri if prefix_or_uri.endswith(".json") else join(prefix_or_uri, MANIFEST_NAME)
+
+
+def committed(store: ObjectStore, output: str, stage: str) -> str | None:
+    """The output's manifest URI when it exists (the stage's output is committed: a rerun does nothing), else None.
+
+    The one "already done" test of every single-manifest stage: the CLI entry (dflash_shared.commands) asks it
+    before any work, and each stage's run asks it again for callers that use the run function directly."""
+    done = manifest_uri(output)
+    if not store.exists(done):
+        return None
+    log.info("%s exists: %s is committed, nothing to do", done, stage)
+    return done
 
 
 def _map_locations(manifest: Manifest, move: Callable[[str], str]) -> Manifest:

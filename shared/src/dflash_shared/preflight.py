@@ -254,6 +254,7 @@ class Preflight:
         uri: str,
         kind: Kind,
         expected: Mapping[str, Any] | None = None,
+        name: str = "input_manifest",
     ) -> Preflight:
         """The input manifest exists, parses, is of `kind` and agrees with `expected` (shards not re-hashed)."""
 
@@ -272,7 +273,7 @@ class Preflight:
                 f"{m.total_records:,} records{checked}"
             )
 
-        return self.add("input_manifest", check)
+        return self.add(name, check)
 
     def credentials(self, uri: str) -> Preflight:
         """For s3:// URIs, the standard AWS chain yields credentials (never printed beyond 4 key chars)."""
@@ -372,6 +373,23 @@ class Preflight:
         if code == ExitCode.BAD_INPUT:
             raise BadInputError(f"preflight {self.stage} failed: {failed}")
         raise PreflightError(f"preflight {self.stage} failed: {failed}")
+
+
+def io_checks(stage: str, store: ObjectStore, output: str, inputs: Mapping[str, tuple[str, Kind]],
+              locations: Sequence[str] = ()) -> Preflight:
+    """A stage's start checks (dflash_shared.commands): what its run needs before any work, each failing in a
+    second with the exit code of its kind: credentials for its s3:// locations (69), each input manifest present,
+    parsed and of its kind (65; a storage fault 69), and a probe written and deleted under the output (69).
+
+    `inputs` maps a check name (e.g. "drafter_manifest") to (prefix or manifest URI, kind); `locations` are other
+    places the run reads (a target model), listed only for the credentials check."""
+    checks = Preflight(stage, store)
+    s3_uris = [uri for uri in (*(uri for uri, _ in inputs.values()), output, *locations) if is_s3(uri)]
+    if s3_uris:
+        checks.credentials(s3_uris[0])
+    for name, (uri, kind) in inputs.items():
+        checks.input_manifest(store, uri, kind, name=name)
+    return checks.storage_write(output)
 
 
 # ---------------------------------------------------------------------- command line

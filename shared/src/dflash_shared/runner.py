@@ -96,6 +96,11 @@ def resolve_shard(cli_index: int | None, cli_count: int | None) -> tuple[int, in
     return index, count
 
 
+def config_shard(config: Any) -> tuple[int, int]:
+    """(index, count) of a stage config with shard_index / num_shards fields (resolve_shard's sources)."""
+    return resolve_shard(config.shard_index, config.num_shards)
+
+
 def assign(items: Sequence[str], index: int, count: int) -> list[str]:
     """This shard's items: ``sorted(items)[index::count]``, independent of the listing order."""
     if count < 1 or not 0 <= index < count:

@@ -22,7 +22,7 @@ from dflash_shared import identity
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import Kind
-from dflash_shared.preflight import CheckError, Preflight
+from dflash_shared.preflight import CheckError, Preflight, io_checks
 from dflash_shared.storage import ObjectStore, is_s3
 
 REQUIRED = ["dflash_generate", "dflash_shared", "vllm", "torch", "transformers", "tokenizers"]
@@ -37,6 +37,12 @@ def _missing_model_files(names: Iterable[str]) -> list[str]:
     if "chat_template.jinja" not in present and "tokenizer_config.json" not in present:
         missing.append("a chat template (chat_template.jinja or tokenizer_config.json)")
     return missing
+
+
+def start_checks(config: GenerateConfig, store: ObjectStore) -> Preflight:
+    """What `run` checks before the engine starts or a weight is copied: credentials, the prompts manifest and a
+    writable output (the cheap part of `build_preflight`)."""
+    return io_checks(STAGE, store, config.output, {"input_manifest": (config.input, Kind.prompts)}, [config.model])
 
 
 def build_preflight(config: GenerateConfig, store: ObjectStore | None = None) -> Preflight:

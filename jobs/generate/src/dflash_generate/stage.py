@@ -252,9 +252,11 @@ def window_fields(settings: GenerationSettings, totals: dict[str, Any], output_t
     }
 
 
-def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEngine | None = None) -> str | None:
+def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEngine | None = None,
+        shard: tuple[int, int] | None = None) -> str | None:
     """Run this worker's share (or, with data_parallel_size > 1, the pod's engine processes).
 
+    `shard` is (worker index, worker count) as the CLI entry resolved it (default: `worker_shard(config)`).
     Returns the manifest URI once the last worker is done, else None.
     """
     if config.data_parallel_size > 1 and config.data_parallel_rank is None:
@@ -262,7 +264,7 @@ def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEn
 
         return run_engines(config, store or ObjectStore())
     store = store or ObjectStore()
-    index, count = worker_shard(config)
+    index, count = shard or worker_shard(config)
     scratch = tempfile.mkdtemp(prefix="dflash-generate-", dir=config.scratch_dir)
     try:
         resolved = resolve(config, store, scratch)

@@ -428,10 +428,11 @@ def fingerprint(resolved: Resolved) -> str:
     return hashlib.sha256(json.dumps(effective, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def run(config: TokenizeConfig, store: ObjectStore | None = None) -> str | None:
-    """Run this worker's shard; returns the manifest URI once the last shard is done."""
+def run(config: TokenizeConfig, store: ObjectStore | None = None, shard: tuple[int, int] | None = None) -> str | None:
+    """Run this worker's shard (`shard`: (index, count) as the CLI entry resolved it, default from the config and
+    the environment); returns the manifest URI once the last shard is done."""
     store = store or ObjectStore()
-    index, count = resolve_shard(config.shard_index, config.num_shards)
+    index, count = shard or resolve_shard(config.shard_index, config.num_shards)
     scratch = make_scratch("dflash-tokenize-", config.scratch_dir)  # removes what killed runs left behind
     try:
         resolved = resolve(config, store, scratch)

@@ -18,11 +18,13 @@ from typing import Any
 
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
-from dflash_shared.manifests import TokenizedSection
+from dflash_shared.manifests import Kind
 from dflash_shared.model_copy import fetch_model
-from dflash_shared.preflight import CheckError, CheckWarning, Preflight
+from dflash_shared.preflight import CheckError, CheckWarning, Preflight, io_checks
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
+from dflash_train.evaluate.config import EvaluateConfig
+from dflash_train.export.config import ExportConfig
 from dflash_train.stage import STAGE, TARGET_SMALL_FILES, open_input
 
 REQUIRED = ["dflash_train", "dflash_shared", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
@@ -84,6 +86,25 @@ def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
     return f"{detail} (CPU run: the fast kernels are GPU kernels)"
 
 
+def start_checks(config: TrainConfig, store: ObjectStore) -> Preflight:
+    """What `run` checks on every rank before the process group forms or the target is copied: credentials, the
+    tokenized manifest and a writable output (the cheap part of `build_preflight`)."""
+    return io_checks(STAGE, store, config.output, {"input_manifest": (config.input, Kind.tokenized)}, [config.target])
+
+
+def export_start_checks(config: ExportConfig, store: ObjectStore) -> Preflight:
+    """What `export` checks before it reads a checkpoint: the drafter manifest and a writable output."""
+    return io_checks("export", store, config.output, {"drafter_manifest": (config.drafter, Kind.drafter)},
+                     [config.target])
+
+
+def evaluate_start_checks(config: EvaluateConfig, store: ObjectStore) -> Preflight:
+    """What `evaluate` checks before it copies the target: the exported drafter's manifest and a writable output
+    (the prompts' manifest may be of three kinds; the stage names a wrong one before loading a model)."""
+    return io_checks("evaluate", store, config.output, {"drafter_manifest": (config.drafter, Kind.drafter)},
+                     [config.target, config.prompts])
+
+
 def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Preflight:
     store = store or ObjectStore()
     checks = Preflight(STAGE, store).imports(REQUIRED + (["tensorboard"] if config.tensorboard else []))
@@ -108,9 +129,7 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
             except ManifestError as err:
                 field = f" (field: {err.field})" if err.field else ""
                 raise CheckError(f"{err}{field}", ExitCode.BAD_INPUT) from err
-        m = source.manifest
-        section = m.section
-        assert isinstance(section, TokenizedSection)
+        m, section = source.manifest, source.section
         heldout = section.heldout.records if section.heldout else 0
         return (f"tokenized {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records "
                 f"({heldout:,} held out for evaluation), {section.total_tokens:,} tokens; tokenizer and chat template "

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
-from dflash_shared.logs import setup_logging
-from dflash_shared.manifest_io import LoadedManifest, load_manifest, manifest_uri, write_manifest
+from dflash_shared.manifest_io import LoadedManifest, committed, load_manifest, write_manifest
 from dflash_shared.manifests import (
     Accounting,
     DrafterSection,
@@ -214,11 +213,8 @@ def run(config: TrainConfig, store: ObjectStore | None = None) -> str | None:
 
     store = store or ObjectStore()
     env = distributed.init_distributed(config.device)
-    setup_logging(STAGE, rank=env.rank)
     try:
-        done = manifest_uri(config.output)
-        if store.exists(done):
-            log.info("%s exists: this run is complete, nothing to do", done)
+        if done := committed(store, config.output, STAGE):
             return done if env.is_main else None
         root = scratch_root(config)
         os.makedirs(root, exist_ok=True)

@@ -82,7 +82,7 @@ def started_engine(engine: EngineConfig, speculative: dict[str, Any] | None) -> 
     if speculative and speculative.get("method") == "dflash":
         context_k_norm.ensure_registered()
     began = time.monotonic()
-    per_request = {"per_request_spec_decode_metrics": "detailed"} if speculative else {}
+    per_request: dict[str, Any] = {"per_request_spec_decode_metrics": "detailed"} if speculative else {}
     llm = LLM(**engine.llm_kwargs(), speculative_config=speculative, disable_log_stats=False, **per_request)
     try:
         yield llm, time.monotonic() - began

@@ -23,13 +23,21 @@ from dflash_shared.errors import BadInputError
 from dflash_shared.evaluation_report import REPORT_NAME as OFFLINE_REPORT_NAME
 from dflash_shared.evaluation_report import OfflineReport, parse_report
 from dflash_shared.lossless import TOP_LOGPROBS
-from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
+from dflash_shared.manifest_io import LoadedManifest, committed, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, DrafterSection, EvaluationSection, Kind, Manifest, Shard
+from dflash_shared.preflight import Preflight, io_checks
 from dflash_shared.provenance import producer
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
 
 log = logging.getLogger(__name__)
+
+
+def start_checks(config: ServeCheckConfig, store: ObjectStore) -> Preflight:
+    """What the check verifies before the target is copied or an engine starts: the offline evaluation's manifest
+    and a writable output."""
+    return io_checks(STAGE, store, config.output, {"evaluation_manifest": (config.evaluation, Kind.evaluation)},
+                     [config.target])
 
 
 def _export_dir(store: ObjectStore, uri: str, scratch: str) -> str:
@@ -62,9 +70,7 @@ def _inputs(store: ObjectStore, config: ServeCheckConfig,
 def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
     """Run the serving check; returns the committed evaluation manifest URI."""
     store = store or ObjectStore()
-    done = join(config.output, MANIFEST_NAME)
-    if store.exists(done):
-        log.info("%s exists: serving check already committed", done)
+    if done := committed(store, config.output, STAGE):
         return done
     offline, drafter, report = _inputs(store, config)
     log.info("replaying the %d %s prompts of %s", len(report.results), report.prompt_split or "offline", offline.uri)
@@ -135,13 +141,3 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
     )
     write_manifest(store, config.output, manifest)
     return join(config.output, MANIFEST_NAME)
-
-
-def serve_check_command(argv: list[str]) -> None:
-    """Entry of `dflash-generate serve-check` (the caller wraps it in run_stage_main)."""
-    from dflash_shared.logs import setup_logging
-    from dflash_shared.settings import parse_settings
-
-    config = parse_settings(ServeCheckConfig, argv, prog="dflash-generate serve-check")
-    setup_logging(STAGE)
-    run(config)

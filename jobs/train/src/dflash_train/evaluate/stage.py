@@ -45,7 +45,7 @@ from dflash_shared.evaluation_report import (
 )
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
 from dflash_shared.lossless import Comparing, Equivalence
-from dflash_shared.manifest_io import LoadedManifest, load_manifest, write_manifest
+from dflash_shared.manifest_io import LoadedManifest, committed, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, DrafterSection, EvaluationSection, Kind, Manifest, Shard
 from dflash_shared.progress import Progress
 from dflash_shared.provenance import producer
@@ -275,10 +275,8 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
 def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
     """Run the evaluation; returns the URI of the evaluation manifest (existing one: nothing is redone)."""
     store = store or ObjectStore()
-    out_manifest = join(config.output, MANIFEST_NAME)
-    if store.exists(out_manifest):
-        log.info("%s exists: evaluation already committed", out_manifest)
-        return out_manifest
+    if done := committed(store, config.output, STAGE):
+        return done
     drafter = load_manifest(store, config.drafter, Kind.drafter, verify=False)
     section = drafter.section
     export_uri = section.export_uri
@@ -364,13 +362,3 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport,
     )
     write_manifest(store, config.output, manifest)
     return join(config.output, MANIFEST_NAME)
-
-
-def evaluate_command(argv: list[str]) -> None:
-    """Entry of `dflash-train evaluate` (the caller wraps it in run_stage_main)."""
-    from dflash_shared.logs import setup_logging
-    from dflash_shared.settings import parse_settings
-
-    config = parse_settings(EvaluateConfig, argv, prog="dflash-train evaluate")
-    setup_logging(STAGE)
-    run(config)

@@ -37,15 +37,13 @@ def check_against_target(cfg: DrafterConfig, target_config: Any, where: str) -> 
 
 def run_export(config: ExportConfig, store: ObjectStore | None = None) -> str:
     """`dflash-train export`: checkpoint -> export directory + a drafter manifest naming it (written last)."""
-    from dflash_shared.manifest_io import load_manifest, write_manifest
-    from dflash_shared.manifests import MANIFEST_NAME, Accounting, Kind, Manifest, Shard
+    from dflash_shared.manifest_io import committed, load_manifest, write_manifest
+    from dflash_shared.manifests import Accounting, Kind, Manifest, Shard
     from dflash_shared.provenance import producer
     from dflash_shared.settings import public_dict
 
     store = store or ObjectStore()
-    done = join(config.output, MANIFEST_NAME)
-    if store.exists(done):
-        log.info("%s exists: export already committed", done)
+    if done := committed(store, config.output, "export"):
         return done
     loaded = load_manifest(store, config.drafter, Kind.drafter, verify=False)
     section = loaded.section
@@ -82,13 +80,3 @@ def run_export(config: ExportConfig, store: ObjectStore | None = None) -> str:
     log.info("exported %s (%s, %d layers, block %d) to %s", checkpoint, config.dtype, cfg.num_layers,
              cfg.block_size, config.output)
     return done
-
-
-def export_command(argv: list[str]) -> None:
-    """Entry of `dflash-train export` (the caller wraps it in run_stage_main)."""
-    from dflash_shared.logs import setup_logging
-    from dflash_shared.settings import parse_settings
-
-    config = parse_settings(ExportConfig, argv, prog="dflash-train export")
-    setup_logging("export")
-    run_export(config)
