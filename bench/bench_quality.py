@@ -12,7 +12,9 @@ The offline speculative loop's tau (the evaluate stage's) is printed beside the 
 
 Default setting (CPU, minutes): the speaking target (`tests.support.speaking_target`: a small Qwen3 trained by
 the project on the Python standard library's docstrings), prompts that neither it nor the drafter trained on,
-and a debug-size drafter trained here on the target's answers to the other prompts (cached). On a GPU, the same
+and a debug-size drafter made by the product itself from the other prompts: the demo's run file with them as its
+source, its import, generate, tokenize, train (`dflash-train run`) and export stages run by `dflash-pipeline local`
+(resumed with `--work-dir`). On a GPU, the same
 script measures a real target and drafter:
 
     python bench/bench_quality.py --target /models/Qwen3-8B --drafter /exports/dflash-qwen3-8b \\
@@ -174,9 +176,54 @@ def offline_tau(target_dir: Path, export_dir: Path, prompts: list[list[int]], ma
     return (accepted + steps) / steps if steps else float("nan")
 
 
+# The stages that make the drafter, as `make demo` and a cluster run them; evaluate and the serving check are what
+# this script measures itself, on its own held-out prompts.
+PRODUCT_STAGES = ("import", "generate", "tokenize", "train", "export")
+
+
+def product_drafter(target_dir: Path, train_questions: list[str], work: Path) -> Path:
+    """The export of a drafter made by the product itself: the demo's run file for the speaking target (its
+    generate, tokenize, train and export settings, as `make demo` runs them), with these questions as its source,
+    run stage by stage by `dflash-pipeline local` (each stage in its own environment, through its own CLI). The
+    target regenerates its answers, the tokenize stage holds a part out, `dflash-train run` trains on the rest.
+    A rerun with the same work dir resumes (committed stages are skipped)."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "demo"))
+    from run_demo import run_file
+
+    from dflash_shared.manifest_io import load_manifest
+    from dflash_shared.manifests import Kind
+    from dflash_shared.storage import ObjectStore
+
+    root = work / "store"
+    source = root / "sources-bench-quality"
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "prompts.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q}], "topic": "stdlib"}) + "\n"
+        for q in train_questions), encoding="utf-8")
+    config = run_file(target_dir, str(root), {}, "speaking")
+    config.update(run_id="bench-quality", source={"kind": "prompts", "uri": str(source)})
+    run_path = work / "run.json"
+    run_path.write_text(json.dumps(config, indent=2) + "\n")
+    stages = [arg for stage in PRODUCT_STAGES for arg in ("--stage", stage)]
+    print(f"  drafter: the product's stages ({', '.join(PRODUCT_STAGES)}) on {len(train_questions)} questions, "
+          f"train settings {config['stages']['train']['config']}; logs in {work / 'logs'}", flush=True)
+    subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "dflash_pipeline", "local", "--config",
+                    str(run_path), "--log-dir", str(work / "logs"), *stages], cwd=REPO, check=True)
+    drafter = load_manifest(ObjectStore(), str(root / "bench-quality" / "export"), Kind.drafter, verify=False)
+    section = drafter.section
+    metrics = section.final_metrics
+    print(f"  drafter trained by `dflash-train run`: loss {metrics.get('loss', float('nan')):.3f}, "
+          f"training tau {metrics.get('tau', float('nan')):.2f}; export {section.export_uri}")
+    assert section.export_uri is not None
+    return Path(section.export_uri)
+
+
 def trained_drafter(target_dir: Path, train_questions: list[str], max_new_tokens: int, steps: int,
                     work: Path) -> tuple[Path, Path]:
-    """Export directories of a drafter trained on the target's answers (cached) and of its untrained twin."""
+    """Export directories of a drafter trained by a test fixture's own loop on the target's answers (cached) and
+    of its untrained twin (`--fixture-drafter`: the figures before the product trained bench-quality's drafter)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -249,7 +296,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=None, help="held-out prompts, JSONL (with --target)")
     parser.add_argument("--heldout", type=int, default=48, help="held-out prompts")
     parser.add_argument("--train-prompts", type=int, default=4200, help="prompts whose answers train the drafter")
-    parser.add_argument("--train-steps", type=int, default=1200, help="drafter training steps (default setting)")
+    parser.add_argument("--train-steps", type=int, default=1200, help="--fixture-drafter: its training steps")
+    parser.add_argument("--fixture-drafter", action="store_true",
+                        help="train the drafter with the test fixture's loop instead of the product's stages")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -291,7 +340,11 @@ def main() -> None:
     if args.drafter is None:
         if args.target is not None:
             sys.exit("--target needs --drafter (an exported drafter directory)")
-        trained, untrained = trained_drafter(target_dir, train_q, args.max_new_tokens, args.train_steps, work)
+        if args.fixture_drafter:
+            trained, untrained = trained_drafter(target_dir, train_q, args.max_new_tokens, args.train_steps, work)
+        else:
+            trained = product_drafter(target_dir, train_q, work)
+            untrained = untrained_twin(trained, target_dir, work)
     else:
         trained, untrained = args.drafter, untrained_twin(args.drafter, target_dir, work)
     setup_seconds = time.monotonic() - began

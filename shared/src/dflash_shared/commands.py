@@ -133,3 +133,20 @@ def run_preflight(config: Any, store: Any, build: str) -> int:
     """The `preflight` command of a stage: its checks built by `build` ("module:function(config, store)"), all
     run, one line each; the exit code of the worst failure (0, 64, 65 or 69)."""
     return int(load(build)(config, store).run())
+
+
+def import_command(kind: Any, package: str) -> StageCommand:
+    """The `import` command both the tokenizer and the generator image carry: conversations into a `kind` output
+    (completions for tokenize, prompts for generate), recorded as made by the image's `package`."""
+    return StageCommand(
+        name="import", log_as="import", sharding="workers",
+        about=f"read conversations (JSONL, Parquet, a saved or Hub dataset) into a {kind.value} manifest",
+        config="dflash_shared.importing:ImportConfig", run="dflash_shared.importing:import_share",
+        run_kwargs={"kind": kind, "packages": [package]}, start_checks="dflash_shared.importing:start_checks")
+
+
+def preflight_command(stage: str, config: str, build: str, about: str) -> StageCommand:
+    """A stage's `preflight` command: every check `build` ("module:function(config, store)") assembles, run on the
+    node before a run (there is no output to skip and nothing to check first: it is the check)."""
+    return StageCommand(name="preflight", log_as=stage, output=None, about=about, config=config,
+                        run="dflash_shared.commands:run_preflight", run_kwargs={"build": build})

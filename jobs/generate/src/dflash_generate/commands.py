@@ -3,24 +3,17 @@ reading it imports neither vLLM nor torch."""
 
 from __future__ import annotations
 
-from dflash_shared.commands import StageCommand, StageProgram
+from dflash_shared.commands import StageCommand, StageProgram, import_command, preflight_command
 from dflash_shared.manifests import Kind
 
 PROGRAM = StageProgram(
     prog="dflash-generate",
     stage="generate",
     commands=(
-        StageCommand(
-            name="import", log_as="import", sharding="workers",
-            about="read conversations (JSONL, Parquet, a saved or Hub dataset) into a prompts manifest",
-            config="dflash_shared.importing:ImportConfig", run="dflash_shared.importing:import_share",
-            run_kwargs={"kind": Kind.prompts, "packages": ["dflash-generate"]},
-            start_checks="dflash_shared.importing:start_checks"),
-        StageCommand(
-            name="preflight", log_as="generate", output=None,
-            about="check the engine stack, GPUs, /dev/shm, storage and the input before a run; exit 0, 64, 65 or 69",
-            config="dflash_generate.config:GenerateConfig", run="dflash_shared.commands:run_preflight",
-            run_kwargs={"build": "dflash_generate.checks:build_preflight"}),
+        import_command(Kind.prompts, "dflash-generate"),
+        preflight_command(
+            "generate", "dflash_generate.config:GenerateConfig", "dflash_generate.checks:build_preflight",
+            "check the engine stack, GPUs, /dev/shm, storage and the input before a run; exit 0, 64, 65 or 69"),
         StageCommand(
             name="run", log_as="generate", sharding="workers", shard="dflash_generate.stage:worker_shard",
             about="generate the target's completions of the prompts with vLLM",

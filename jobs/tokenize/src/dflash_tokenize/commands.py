@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-from dflash_shared.commands import StageCommand, StageProgram
+from dflash_shared.commands import StageCommand, StageProgram, import_command, preflight_command
 from dflash_shared.manifests import Kind
 
 PROGRAM = StageProgram(
     prog="dflash-tokenize",
     stage="tokenize",
     commands=(
-        StageCommand(
-            name="import", log_as="import", sharding="workers",
-            about="read conversations (JSONL, Parquet, a saved or Hub dataset) into a completions manifest",
-            config="dflash_shared.importing:ImportConfig", run="dflash_shared.importing:import_share",
-            run_kwargs={"kind": Kind.completions, "packages": ["dflash-tokenize"]},
-            start_checks="dflash_shared.importing:start_checks"),
-        StageCommand(
-            name="preflight", log_as="tokenize", output=None,
-            about="check storage, the tokenizer, the input manifest and disk before a run; exit 0, 64, 65 or 69",
-            config="dflash_tokenize.config:TokenizeConfig", run="dflash_shared.commands:run_preflight",
-            run_kwargs={"build": "dflash_tokenize.checks:build_preflight"}),
+        import_command(Kind.completions, "dflash-tokenize"),
+        preflight_command(
+            "tokenize", "dflash_tokenize.config:TokenizeConfig", "dflash_tokenize.checks:build_preflight",
+            "check storage, the tokenizer, the input manifest and disk before a run; exit 0, 64, 65 or 69"),
         StageCommand(
             name="run", log_as="tokenize", sharding="workers",
             about="tokenize completions into loss-masked Arrow shards and a tokenized manifest",

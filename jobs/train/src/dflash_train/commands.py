@@ -3,17 +3,15 @@ and a wrong flag answer before torch loads."""
 
 from __future__ import annotations
 
-from dflash_shared.commands import StageCommand, StageProgram
+from dflash_shared.commands import StageCommand, StageProgram, preflight_command
 
 PROGRAM = StageProgram(
     prog="dflash-train",
     stage="train",
     commands=(
-        StageCommand(
-            name="preflight", log_as="train", output=None,
-            about="check GPUs, storage, the tokenized input and the target before training; exit 0, 64, 65 or 69",
-            config="dflash_train.config:TrainConfig", run="dflash_shared.commands:run_preflight",
-            run_kwargs={"build": "dflash_train.checks:build_preflight"}),
+        preflight_command(
+            "train", "dflash_train.config:TrainConfig", "dflash_train.checks:build_preflight",
+            "check GPUs, storage, the tokenized input and the target before training; exit 0, 64, 65 or 69"),
         StageCommand(
             name="run", log_as="train", sharding="ranks",
             about="train (or resume) a drafter on tokenized shards; torchrun for several GPUs",
