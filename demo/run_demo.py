@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.config import load_run_config
-from dflash_pipeline.layout import layout
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
 
@@ -116,6 +114,10 @@ def source_folder(target: str) -> str:
 
 def summary_input(run_path: Path) -> str:
     """The run's prefixes for demo/summary.py (JSON), which runs where the orchestration is not installed."""
+    # Imported here: bench/bench_quality.py reuses run_file from an environment without the orchestration.
+    from dflash_pipeline.config import load_run_config
+    from dflash_pipeline.layout import layout
+
     run = load_run_config(run_path)
     lay = layout(run.root, run.run_id)
     # The serving check writes a second evaluation: the offline figures with the engine's tau beside them.
@@ -216,6 +218,7 @@ def main() -> int:
 def run_pilot(run_path: Path, logs: Path, verbose: bool) -> int:
     """The pilot of the demo's run: `local --pilot` (which prints and writes the report), then the full run
     re-planned from that report (`plan --from-pilot`)."""
+    from dflash_pipeline.config import load_run_config
     from dflash_pipeline.pilot import derive_pilot
     from dflash_pipeline.pilot_report import report_uri
 
