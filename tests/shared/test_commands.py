@@ -129,3 +129,34 @@ def test_stage_main_exits_with_the_failures_code_and_one_error_line(tmp_path: Pa
     with pytest.raises(SystemExit) as done:
         stage_main(PROGRAM, ["run", "--no-such-flag"])
     assert done.value.code == 64
+
+
+# Each stage command that reads a manifest, with its settings pointing at an input that does not exist: the start
+# checks must refuse it (exit 65, naming the manifest) before the run function is even imported, and write nothing.
+MISSING_INPUT = [
+    ("dflash_generate.commands", "run", ["--input", "{missing}", "--output", "{out}", "--model", "m"]),
+    ("dflash_generate.commands", "serve-check", ["--evaluation", "{missing}", "--target", "t", "--output", "{out}"]),
+    ("dflash_train.commands", "run", ["--input", "{missing}", "--output", "{out}", "--target", "t"]),
+    ("dflash_train.commands", "export", ["--drafter", "{missing}", "--output", "{out}", "--target", "t"]),
+    ("dflash_train.commands", "evaluate", ["--drafter", "{missing}", "--prompts", "p", "--target", "t",
+                                           "--output", "{out}"]),
+]
+
+
+@pytest.mark.parametrize(("table", "name", "args"), MISSING_INPUT, ids=[f"{t.split('.')[0]}-{n}"
+                                                                       for t, n, _ in MISSING_INPUT])
+def test_each_stage_command_refuses_a_missing_input_before_any_work(
+        table: str, name: str, args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    program = importlib.import_module(table).PROGRAM
+    command = program.commands[[c.name for c in program.commands].index(name)]
+    loaded: list[str] = []
+    import dflash_shared.commands as commands
+
+    real_load = commands.load
+    monkeypatch.setattr(commands, "load", lambda ref: loaded.append(ref) or real_load(ref))
+    missing, out = tmp_path / "missing", tmp_path / "out"
+    argv = [a.format(missing=missing, out=out) for a in args]
+    with pytest.raises(BadInputError, match=rf"manifest {missing}/manifest\.json: cannot be read"):
+        execute(program, command, argv)
+    assert command.run not in loaded  # the run (and torch or vLLM with it) was never reached
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))  # the probe write was removed; nothing else written

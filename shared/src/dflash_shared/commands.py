@@ -19,6 +19,7 @@ in an environment that has neither.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -47,18 +48,16 @@ class StageCommand:
     """One subcommand of a stage CLI."""
 
     name: str
-    about: str = field(metadata={"doc": "One line for --help and the command reference."})
-    config: str = field(metadata={"doc": "module:Class of its StageSettings model."})
-    run: str = field(metadata={"doc": "module:function called as run(config, store, **run_kwargs), plus "
-                                      "shard=(index, count) where the command shards by workers."})
-    log_as: str = field(metadata={"doc": "The stage name its log lines and its error line carry."})
+    about: str  # one line for --help and the command reference
+    config: str  # module:Class of its StageSettings model
+    # module:function, called as run(config, store, **run_kwargs), plus shard=(index, count) when sharded by workers
+    run: str
+    log_as: str  # the stage name its log lines carry
     sharding: Sharding = "none"
-    shard: str = "dflash_shared.runner:config_shard"
-    start_checks: str | None = field(default=None, metadata={
-        "doc": "module:function(config, store) -> Preflight, run before any work."})
-    output: str | None = field(default="output", metadata={
-        "doc": "The config field of the output prefix whose manifest means done (None: nothing to skip)."})
-    wrapper: str | None = field(default=None, metadata={"doc": "module:context manager around the run."})
+    shard: str = "dflash_shared.runner:config_shard"  # module:function(config) -> (index, count), for "workers"
+    start_checks: str | None = None  # module:function(config, store) -> Preflight, run before any work
+    output: str | None = "output"  # config field of the output prefix whose manifest means done (None: no skip)
+    wrapper: str | None = None  # module:context manager around the whole command
     run_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -70,9 +69,6 @@ class StageProgram:
     stage: str  # the image's stage, first word of every error line ("train export failed, exit ...")
     commands: tuple[StageCommand, ...]
     examples: tuple[str, ...] = ()
-
-    def command(self, name: str) -> StageCommand:
-        return next(c for c in self.commands if c.name == name)
 
     @property
     def about(self) -> dict[str, str]:
@@ -124,7 +120,7 @@ def stage_main(program: StageProgram, argv: Sequence[str] | None = None) -> NoRe
     args = list(sys.argv[1:] if argv is None else argv)
     name, rest = (args[0], args[1:]) if args else ("", [])
     commands: dict[str, Callable[[], int | None]] = {
-        c.name: (lambda c=c: execute(program, c, rest)) for c in program.commands}  # type: ignore[misc]
+        c.name: functools.partial(execute, program, c, rest) for c in program.commands}
     chosen = select_command(program.prog, commands, name, program.about, program.examples)
     run_stage_main(f"{program.stage} {name}", chosen)
 
