@@ -10,12 +10,14 @@ The methods:
 - plain decoding: the reference for wall-clock tokens/s.
 The offline speculative loop's tau (the evaluate stage's) is printed beside the engine's for both drafters.
 
-Default setting (CPU, minutes): the speaking target (`tests.support.speaking_target`: a small Qwen3 trained by
-the project on the Python standard library's docstrings), prompts that neither it nor the drafter trained on,
-and a debug-size drafter made by the product itself from the other prompts: the demo's run file with them as its
-source, its import, generate, tokenize, train (`dflash-train run`) and export stages run by `dflash-pipeline local`
-(resumed with `--work-dir`). On a GPU, the same
-script measures a real target and drafter:
+Default setting (CPU, about an hour the first time): both speaking targets (`tests.support.speaking_target`:
+small Qwen3s trained by the project on the Python standard library), the docstring target (answers of 7-9
+tokens) and the long-answer target (function bodies from their signature and docstring, about 112 tokens);
+for each, prompts that neither it nor the drafter trained on, and a debug-size drafter made by the product
+itself from the other prompts: the demo's run file with them as its source, its import, generate, tokenize,
+train (`dflash-train run`) and export stages run by `dflash-pipeline local` (resumed with `--work-dir`).
+`--speaking docs` or `--speaking code` measures one. Each target has its goals (`SPEAKING_BENCHES`), printed as
+met or missed and by how much. On a GPU, the same script measures a real target and drafter:
 
     python bench/bench_quality.py --target /models/Qwen3-8B --drafter /exports/dflash-qwen3-8b \\
         --prompts prompts.jsonl --device cuda --dtype bfloat16
@@ -47,7 +49,49 @@ sys.path.insert(0, str(REPO))
 # fewer drafted tokens waste less verification when a match runs out. The best setting by tokens per step is
 # the n-gram row of the comparison.
 NGRAM_SWEEP = ((1, 2, 3), (1, 4, 3), (2, 4, 3), (1, 2, 7), (2, 4, 7), (3, 6, 7))
-HELDOUT_EVERY = 10  # held-out prompts are every 10th of the target's held-out questions (spread over modules)
+HELDOUT_EVERY = 10  # held-out prompts are at most every 10th of the target's held-out questions (spread over modules)
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A figure the trained drafter should reach: its engine tau or tokens per step, alone (`against` None) or
+    as a ratio over the best n-gram setting or the untrained drafter."""
+
+    figure: str  # "tau" or "tok/step"
+    target: float
+    against: str | None = None  # "n-gram", "untrained" or None
+
+    def label(self) -> str:
+        return f"trained {self.figure}" + (f" / {self.against} {self.figure}" if self.against else "")
+
+
+@dataclass(frozen=True)
+class SpeakingBench:
+    """One speaking target's bench: which target, how long its answers may run, what its drafter's run file
+    changes of the demo's, and the goals."""
+
+    key: str  # speaking_target.TARGETS' key
+    max_new_tokens: int
+    overrides: dict[str, dict[str, Any]]
+    goals: tuple[Goal, ...]
+
+
+_RATIO_GOALS = (Goal("tau", 1.5, "n-gram"), Goal("tok/step", 1.5, "n-gram"),
+                Goal("tau", 2.0, "untrained"), Goal("tok/step", 2.0, "untrained"))
+SPEAKING_BENCHES = {
+    # The demo's own run file, unchanged: bench-quality's figures for it are the demo's drafter's.
+    "docs": SpeakingBench("docs", 64, {}, _RATIO_GOALS),
+    # Answers of about 112 tokens (up to 330): generate up to 256, 128 prompts in the engine at once (the demo's
+    # 16 leave the CPU engine idle between short batches), train on rows of prompt and answer (up to 512),
+    # 16 anchors per row as each row holds many blocks, and 600 steps for the longer answers.
+    "code": SpeakingBench(
+        "code", 256,
+        {"generate": {"max_new_tokens": 256, "chunk_records": 128},
+         "train": {"max_length": 512, "max_steps": 600, "drafter_overrides": {"num_anchors": 16}}},
+        (Goal("tau", 3.0), Goal("tok/step", 2.0, "n-gram"), Goal("tau", 2.5, "untrained"),
+         Goal("tok/step", 2.5, "untrained")),
+    ),
+}
 
 
 @dataclass
@@ -81,16 +125,16 @@ class MethodRun:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def speaking_prompts(heldout: int, train: int) -> tuple[list[str], list[str]]:
-    """Held-out and drafter-training questions: none of them in the target's own training split."""
-    from tests.support import stdlib_corpus
-
-    target_heldout = [p.question for p in stdlib_corpus.split_pairs("heldout")]
-    evaluation = target_heldout[::HELDOUT_EVERY][:heldout]
+def speaking_prompts(corpus: Any, heldout: int, train: int) -> tuple[list[str], list[str]]:
+    """Held-out and drafter-training questions of a target's corpus: none of the held-out ones in the target's
+    own training split, nor in the drafter's."""
+    target_heldout = [p.question for p in corpus.split_pairs("heldout")]
+    every = max(1, min(HELDOUT_EVERY, len(target_heldout) // heldout))
+    evaluation = target_heldout[::every][:heldout]
     chosen = set(evaluation)
     rest = [q for q in target_heldout if q not in chosen]
     # The target's training questions too: the drafter should see the target's answers to many prompts.
-    rest += [p.question for p in stdlib_corpus.split_pairs("train")]
+    rest += [p.question for p in corpus.split_pairs("train")]
     return evaluation, rest[:train]
 
 
@@ -181,12 +225,14 @@ def offline_tau(target_dir: Path, export_dir: Path, prompts: list[list[int]], ma
 PRODUCT_STAGES = ("import", "generate", "tokenize", "train", "export")
 
 
-def product_drafter(target_dir: Path, train_questions: list[str], work: Path) -> Path:
+def product_drafter(target_dir: Path, train_questions: list[str], work: Path,
+                    overrides: dict[str, dict[str, Any]]) -> Path:
     """The export of a drafter made by the product itself: the demo's run file for the speaking target (its
     generate, tokenize, train and export settings, as `make demo` runs them), with these questions as its source,
     run stage by stage by `dflash-pipeline local` (each stage in its own environment, through its own CLI). The
     target regenerates its answers, the tokenize stage holds a part out, `dflash-train run` trains on the rest.
-    A rerun with the same work dir resumes (committed stages are skipped)."""
+    `overrides` change the run file's stage settings (as `make demo --overrides` does). A rerun with the same
+    work dir resumes (committed stages are skipped)."""
     import subprocess
 
     sys.path.insert(0, str(REPO / "demo"))
@@ -202,7 +248,7 @@ def product_drafter(target_dir: Path, train_questions: list[str], work: Path) ->
     (source / "prompts.jsonl").write_text("".join(
         json.dumps({"messages": [{"role": "user", "content": q}], "topic": "stdlib"}) + "\n"
         for q in train_questions), encoding="utf-8")
-    config = run_file(target_dir, str(root), {}, "speaking")
+    config = run_file(target_dir, str(root), overrides, "speaking")
     config.update(run_id="bench-quality", source={"kind": "prompts", "uri": str(source)})
     run_path = work / "run.json"
     run_path.write_text(json.dumps(config, indent=2) + "\n")
@@ -288,18 +334,122 @@ def print_table(runs: list[MethodRun], best_ngram: MethodRun, prompts: int, max_
           + (f" (differ: {', '.join(differing)})" if differing else ""))
 
 
+def figure(run: MethodRun, name: str) -> float:
+    return run.tokens_per_step if name == "tok/step" else float(run.tau or 0.0)
+
+
+def print_goals(goals: tuple[Goal, ...], trained: MethodRun, best_ngram: MethodRun, untrained: MethodRun) -> None:
+    """Each goal as measured: met or missed, and by how much of the goal."""
+    others = {"n-gram": best_ngram, "untrained": untrained}
+    print("\n  goals (engine figures)")
+    for goal in goals:
+        value = figure(trained, goal.figure)
+        if goal.against is not None:
+            value /= figure(others[goal.against], goal.figure)
+        unit = "x" if goal.against else ""
+        margin = value / goal.target - 1
+        verdict = f"met by {margin:.0%}" if margin >= 0 else f"MISSED by {-margin:.0%}"
+        print(f"  {goal.label():<36}{value:>7.2f}{unit:<2} goal >= {goal.target}{unit}: {verdict}")
+    # Acceptance is a prefix: drafting only the first k positions would have given 1 + the first k rates.
+    cumulative = [1 + sum(trained.accepted_per_position[: k + 1]) for k in range(len(trained.accepted_per_position))]
+    print("  trained tau by drafted positions (1 + accepted rates up to k): "
+          + " ".join(f"{k + 1}:{t:.2f}" for k, t in enumerate(cumulative)))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A target and drafter pair to measure: where they are, the held-out prompts, their decoding budget."""
+
+    name: str
+    target_dir: Path
+    conversations: list[list[dict[str, str]]]
+    trained: Path
+    untrained: Path
+    max_new_tokens: int
+    stops: list[int]
+    goals: tuple[Goal, ...]
+
+
+def measure(m: Measured, device: str, dtype: str, skip_offline: bool) -> list[MethodRun]:
+    """Every method over the held-out prompts in the same engine settings; prints the table and the goals."""
+    from dflash_generate.engine import EngineConfig, engine_flavour
+    from dflash_generate.target import read_target
+    from dflash_train.export.format import config_from_export
+
+    block_size = config_from_export(json.loads((m.trained / "config.json").read_text())).block_size
+    prompts = chat_ids(m.target_dir, m.conversations)
+    longest = max(len(p) for p in prompts)
+    engine = EngineConfig(model=str(m.target_dir), dtype=dtype, max_model_len=longest + m.max_new_tokens + 32,
+                          gpu_memory_utilization=0.3 if device == "cpu" else 0.85,
+                          enforce_eager=device == "cpu").for_target(read_target(str(m.target_dir)), engine_flavour())
+
+    def dflash(export: Path) -> dict[str, Any]:
+        return {"method": "dflash", "model": str(export), "num_speculative_tokens": block_size - 1}
+
+    def run(speculative: dict[str, Any] | None, method: str, settings: str) -> MethodRun:
+        return engine_pass(engine, speculative, prompts, m.max_new_tokens, m.stops, method, settings)
+
+    runs = [run(None, "plain decoding", "-"), run(dflash(m.trained), "DFlash, trained", f"{block_size - 1} drafted")]
+    ngram_runs = [run({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low,
+                       "prompt_lookup_max": high}, "n-gram", f"min {low} max {high}, {k} drafted")
+                  for low, high, k in NGRAM_SWEEP]
+    runs += ngram_runs
+    runs.append(run(dflash(m.untrained), "DFlash, untrained", f"{block_size - 1} drafted"))
+    if not skip_offline:
+        for measured, export in ((runs[1], m.trained), (runs[-1], m.untrained)):
+            measured.offline_tau = offline_tau(m.target_dir, export, prompts, m.max_new_tokens, m.stops, device,
+                                               dtype)
+    best_ngram = max(ngram_runs, key=lambda r: r.tokens_per_step)
+    print(f"\n=== {m.name} ===")
+    print_table(runs, best_ngram, len(prompts), m.max_new_tokens, device)
+    trained_run, untrained_run = runs[1], runs[-1]
+    assert trained_run.tau and best_ngram.tau and untrained_run.tau
+    print_goals(m.goals, trained_run, best_ngram, untrained_run)
+    print(f"  engine start-up: {sum(r.start_seconds for r in runs):.0f} s over {len(runs)} engines")
+    return runs
+
+
+def speaking_measured(bench: SpeakingBench, args: argparse.Namespace, work: Path) -> Measured:
+    """A speaking target (built or cached), its held-out prompts, and its drafter made by the product."""
+    from tests.evaluate import eval_fixtures as ef
+    from tests.support.speaking_target import TARGETS, build_speaking_target, target_metrics
+
+    spec = TARGETS[bench.key]
+    target_dir = build_speaking_target(spec)
+    t = target_metrics(target_dir)
+    print(f"speaking target '{bench.key}' ({t['corpus']['source']}): held-out loss {t['heldout_loss']:.3f} "
+          f"(perplexity {t['heldout_perplexity']:.1f}), {t['corpus']['train_pairs']} training pairs of "
+          f"{t['corpus']['mean_answer_tokens']} answer tokens on average; its greedy answers: "
+          f"{t['mean_answer_tokens']} tokens, distinct-token ratio {t['distinct_token_ratio']:.3f}, repeated "
+          f"4-gram share {t['repeated_4gram_share']:.3f} (real text: {t['reference']['distinct_token_ratio']:.3f}, "
+          f"{t['reference']['repeated_4gram_share']:.3f})", flush=True)
+    heldout_q, train_q = speaking_prompts(spec.corpus, args.heldout, args.train_prompts)
+    own = work / bench.key
+    if args.fixture_drafter:
+        trained, untrained = trained_drafter(target_dir, train_q, bench.max_new_tokens, args.train_steps, own)
+    else:
+        trained = product_drafter(target_dir, train_q, own, bench.overrides)
+        untrained = untrained_twin(trained, target_dir, own)
+    return Measured(f"speaking target '{bench.key}'", target_dir, [[{"role": "user", "content": q}] for q in heldout_q],
+                    trained, untrained, args.max_new_tokens or bench.max_new_tokens, list(ef.stop_ids(target_dir)),
+                    bench.goals)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=None, help="target directory (default: speaking target)")
+    parser.add_argument("--target", type=Path, default=None, help="target directory (default: speaking targets)")
+    parser.add_argument("--speaking", choices=["both", *SPEAKING_BENCHES], default="both",
+                        help="which speaking target(s) to measure without --target (default: both)")
     parser.add_argument("--drafter", type=Path, default=None,
-                        help="exported drafter directory (default: train one on the target's answers, cached)")
+                        help="exported drafter directory (with --target)")
     parser.add_argument("--prompts", type=Path, default=None, help="held-out prompts, JSONL (with --target)")
     parser.add_argument("--heldout", type=int, default=48, help="held-out prompts")
     parser.add_argument("--train-prompts", type=int, default=4200, help="prompts whose answers train the drafter")
     parser.add_argument("--train-steps", type=int, default=1200, help="--fixture-drafter: its training steps")
     parser.add_argument("--fixture-drafter", action="store_true",
                         help="train the drafter with the test fixture's loop instead of the product's stages")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens per prompt (default: the speaking target's, 64 or 256; 64 with --target)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="engine and offline dtype (default: float32 on cpu, bfloat16 on cuda)")
@@ -312,85 +462,29 @@ def main() -> None:
         os.environ.setdefault(key, value)
     import torch
 
-    from dflash_generate.engine import EngineConfig, engine_flavour
-    from dflash_generate.target import read_target
-    from dflash_train.export.format import config_from_export
-
     if args.device == "cpu":
         torch.set_num_threads(1)  # two shared cores: thread spinning costs more than the second thread gains
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
-    began = time.monotonic()
-    if args.target is None:
-        from tests.support.speaking_target import build_speaking_qwen3, target_metrics
-
-        target_dir = build_speaking_qwen3()
-        m = target_metrics(target_dir)
-        print(f"speaking target: held-out loss {m['heldout_loss']:.3f} (perplexity {m['heldout_perplexity']:.1f}), "
-              f"distinct-token ratio of its greedy answers {m['distinct_token_ratio']:.3f} "
-              f"(threshold {m['min_distinct_token_ratio']}), {m['corpus']['train_pairs']} training pairs")
-        heldout_q, train_q = speaking_prompts(args.heldout, args.train_prompts)
-        conversations = [[{"role": "user", "content": q}] for q in heldout_q]
+    if args.target is not None:
+        if args.prompts is None or args.drafter is None:
+            sys.exit("--target needs --prompts (a JSONL file of held-out prompts) and --drafter (an exported drafter)")
+        pairs = [Measured(str(args.target), args.target, prompts_from_file(args.prompts, args.heldout),
+                          args.drafter, untrained_twin(args.drafter, args.target, work), args.max_new_tokens or 64,
+                          _stop_ids(args.target), _RATIO_GOALS)]
     else:
-        if args.prompts is None:
-            sys.exit("--target needs --prompts (a JSONL file of held-out prompts)")
-        target_dir, train_q = args.target, []
-        conversations = prompts_from_file(args.prompts, args.heldout)
-    if args.drafter is None:
-        if args.target is not None:
-            sys.exit("--target needs --drafter (an exported drafter directory)")
-        if args.fixture_drafter:
-            trained, untrained = trained_drafter(target_dir, train_q, args.max_new_tokens, args.train_steps, work)
-        else:
-            trained = product_drafter(target_dir, train_q, work)
-            untrained = untrained_twin(trained, target_dir, work)
-    else:
-        trained, untrained = args.drafter, untrained_twin(args.drafter, target_dir, work)
-    setup_seconds = time.monotonic() - began
-    block_size = config_from_export(json.loads((trained / "config.json").read_text())).block_size
-
-    from tests.evaluate import eval_fixtures as ef
-
-    prompts = chat_ids(target_dir, conversations)
-    stops = list(ef.stop_ids(target_dir)) if args.target is None else _stop_ids(target_dir)
-    target = read_target(str(target_dir))
-    longest = max(len(p) for p in prompts)
-    engine = EngineConfig(model=str(target_dir), dtype=dtype, max_model_len=longest + args.max_new_tokens + 32,
-                          gpu_memory_utilization=0.3 if args.device == "cpu" else 0.85,
-                          enforce_eager=args.device == "cpu").for_target(target, engine_flavour())
-
-    def dflash(export: Path) -> dict[str, Any]:
-        return {"method": "dflash", "model": str(export), "num_speculative_tokens": block_size - 1}
-
-    runs = [engine_pass(engine, None, prompts, args.max_new_tokens, stops, "plain decoding", "-")]
-    runs.append(engine_pass(engine, dflash(trained), prompts, args.max_new_tokens, stops, "DFlash, trained",
-                            f"{block_size - 1} drafted"))
-    ngram_runs = []
-    for low, high, k in NGRAM_SWEEP:
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
-        ngram_runs.append(engine_pass(engine, spec, prompts, args.max_new_tokens, stops, "n-gram",
-                                      f"min {low} max {high}, {k} drafted"))
-    runs += ngram_runs
-    runs.append(engine_pass(engine, dflash(untrained), prompts, args.max_new_tokens, stops, "DFlash, untrained",
-                            f"{block_size - 1} drafted"))
-    if not args.skip_offline:
-        for run, export in ((runs[1], trained), (runs[-1], untrained)):
-            run.offline_tau = offline_tau(target_dir, export, prompts, args.max_new_tokens, stops, args.device,
-                                          dtype)
-    best_ngram = max(ngram_runs, key=lambda r: r.tokens_per_step)
-    print_table(runs, best_ngram, len(prompts), args.max_new_tokens, args.device)
-    trained_run, untrained_run = runs[1], runs[-1]
-    assert trained_run.tau and best_ngram.tau and untrained_run.tau
-    print("\n  ratios               engine tau  tok/step")
-    for label, other, goal in (("trained / n-gram", best_ngram, 1.5), ("trained / untrained", untrained_run, 2.0)):
-        per_step = trained_run.tokens_per_step / other.tokens_per_step
-        print(f"  {label:<21}{trained_run.tau / other.tau:>9.2f}x{per_step:>9.2f}x   (goal >= {goal}x)")
-    print(f"  setup (target, drafter data and training; cached after the first run): {setup_seconds:.0f} s")
-    print(f"  engine start-up: {sum(r.start_seconds for r in runs):.0f} s over {len(runs)} engines")
+        keys = list(SPEAKING_BENCHES) if args.speaking == "both" else [args.speaking]
+        pairs = []
+        for key in keys:  # every target and drafter first: the engines then run back to back
+            began = time.monotonic()
+            pairs.append(speaking_measured(SPEAKING_BENCHES[key], args, work))
+            print(f"  setup of '{key}' (target, drafter data and training; cached after the first run): "
+                  f"{time.monotonic() - began:.0f} s", flush=True)
+    figures = {m.name: measure(m, args.device, dtype, args.skip_offline) for m in pairs}
     if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in vars(r).items() if k != "outputs"} for r in runs],
-                                        indent=1) + "\n")
+        args.json.write_text(json.dumps({name: [{k: v for k, v in vars(r).items() if k != "outputs"} for r in runs]
+                                         for name, runs in figures.items()}, indent=1) + "\n")
 
 
 def _stop_ids(target_dir: Path) -> list[int]:

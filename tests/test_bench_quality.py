@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,3 +42,55 @@ def test_a_bad_prompts_file_names_the_line(tmp_path: Path, content: str, message
     path.write_text(content)
     with pytest.raises(SystemExit, match=message):
         _bench().prompts_from_file(path, 10)
+
+
+def test_each_speaking_bench_drafts_from_a_run_file_the_stages_accept(tmp_path: Path) -> None:
+    """The long-answer bench changes the demo's run file (longer answers, rows and training): every changed
+    setting must be a field of its stage's config model, as a cluster run's render checks it."""
+    from dflash_pipeline import parse_run_config, render_documents
+    from dflash_shared.errors import ConfigError
+
+    sys.path.insert(0, str(REPO / "demo"))
+    from run_demo import run_file
+
+    def rendered(overrides: dict[str, dict[str, object]]) -> list[dict[str, object]]:
+        config = run_file(tmp_path, "s3://bench/quality", overrides, "speaking")  # a local target: sized by its files
+        return render_documents(parse_run_config({**config, "images": {"tag": "bench"}}))
+
+    bench = _bench()
+    assert set(bench.SPEAKING_BENCHES) == {"docs", "code"}
+    for speaking in bench.SPEAKING_BENCHES.values():
+        assert rendered(speaking.overrides)
+    code = bench.SPEAKING_BENCHES["code"].overrides
+    with pytest.raises(ConfigError, match="max_lenght"):
+        rendered({**code, "train": {**code["train"], "max_lenght": 512}})
+
+
+def test_the_long_answer_prompts_are_held_out_of_the_target_and_the_drafter() -> None:
+    from tests.support import stdlib_code
+
+    heldout, train = _bench().speaking_prompts(stdlib_code, 48, 4200)
+    target_heldout = {p.question for p in stdlib_code.split_pairs("heldout")}
+    assert len(heldout) == 48 and set(heldout) <= target_heldout
+    assert not set(heldout) & set(train)
+    assert len(train) == len(stdlib_code.code_pairs()) - 48  # every other question trains the drafter
+
+
+def _run(bench: Any, tau: float, per_step: float, per_position: list[float] | None = None) -> Any:
+    # tokens_per_step follows from tokens, accepted and drafts: 100 tokens, 0 drafts beyond the prompts.
+    accepted = round(100 - 100 / per_step)
+    return bench.MethodRun(method="m", settings="s", tau=tau, drafts=0, accepted_per_position=per_position or [],
+                           accepted=accepted, tokens=100, seconds=1.0, start_seconds=0.0, outputs=[], prompts=1)
+
+
+def test_goals_print_met_or_missed_and_by_how_much(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    trained = _run(bench, 3.3, 2.5, [0.8, 0.6, 0.4])
+    ngram, untrained = _run(bench, 1.5, 1.25), _run(bench, 1.0, 1.0)
+    goals = (bench.Goal("tau", 3.0), bench.Goal("tok/step", 2.0, "n-gram"), bench.Goal("tau", 4.0, "untrained"))
+    bench.print_goals(goals, trained, ngram, untrained)
+    out = capsys.readouterr().out
+    assert "trained tau" in out and "3.30   goal >= 3.0: met by 10%" in out
+    assert "trained tok/step / n-gram tok/step" in out and "2.00x  goal >= 2.0x: met by 0%" in out
+    assert "3.30x  goal >= 4.0x: MISSED by 18%" in out
+    assert "1:1.80 2:2.40 3:2.80" in out  # tau by drafted positions: 1 + the first k acceptance rates

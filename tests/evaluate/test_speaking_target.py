@@ -3,14 +3,15 @@ saw, and the checkpoint vLLM loads is the model that was trained (the small-voca
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.support import speaking_target as st
 from tests.support import stdlib_corpus
+from tests.support.unigram import unigram_heldout_loss
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +41,7 @@ def test_its_greedy_answers_do_not_loop_and_it_beats_a_unigram_model(speaking: P
     # A unigram model of the training answers: the floor any language model must clear on held-out text.
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(speaking)
-    counts: Counter[int] = Counter()
-    for pair in stdlib_corpus.split_pairs("train"):
-        counts.update(tokenizer(pair.answer, add_special_tokens=False)["input_ids"])
-    total = sum(counts.values())
-    held = [t for p in stdlib_corpus.split_pairs("heldout")
-            for t in tokenizer(p.answer, add_special_tokens=False)["input_ids"]]
-    unigram = -sum(math.log((counts[t] + 1) / (total + len(counts))) for t in held) / len(held)
+    unigram = unigram_heldout_loss(AutoTokenizer.from_pretrained(speaking), stdlib_corpus)
     assert metrics["heldout_loss"] < unigram - 0.5, (metrics["heldout_loss"], unigram)
 
 
@@ -88,6 +82,9 @@ def test_the_saved_checkpoint_is_the_trained_model(speaking: Path) -> None:
     assert abs(float(full) - float(exact)) < 1e-4
 
 
-def test_the_cache_key_follows_the_recipe() -> None:
-    assert st._cache_key(st.Recipe()) == st._cache_key(st.Recipe())
-    assert st._cache_key(st.Recipe()) != st._cache_key(st.Recipe(steps=st.Recipe().steps + 1))
+def test_the_cache_key_follows_the_recipe_and_the_target() -> None:
+    docs = st.DOCS_TARGET
+    assert st._cache_key(docs) == st._cache_key(docs)
+    longer = dataclasses.replace(docs, recipe=dataclasses.replace(docs.recipe, steps=docs.recipe.steps + 1))
+    assert st._cache_key(docs) != st._cache_key(longer)
+    assert st._cache_key(docs) != st._cache_key(st.CODE_TARGET)

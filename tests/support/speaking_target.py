@@ -1,11 +1,15 @@
-"""A small Qwen3 target that really speaks: trained by the project on the standard library's docstrings.
+"""Small Qwen3 targets that really speak: trained by the project on the standard library's own text.
 
 A random target loops ("wb wb wb ..."): a prompt lookup then predicts it better than any drafter, and the
 drafter's figures say nothing about whether training works. This target is a real language model at toy
 size, with the real Qwen3 vocabulary and chat template: asked "What does `json.dumps(obj, ...)` do?" it
 answers in the docstrings' English and ends its turn (`tests.support.stdlib_corpus` has the text and its
-licence). Its held-out loss and the distinct-token ratio of its greedy answers are written beside the weights
-(`speaking_target.json`) and checked against `MIN_DISTINCT_TOKEN_RATIO`: a looping target fails the build.
+licence). Those answers are 7-9 tokens, one or two drafted blocks; the long-answer target (`CODE_TARGET`) is
+the same model trained on the library's function bodies, asked for by signature and docstring
+(`tests.support.stdlib_code`), whose answers run to a hundred tokens and more. Each target's held-out loss and
+a repetition probe of its greedy answers (the distinct-token ratio, and the share of 4-grams an answer repeats
+from itself, beside the same figures of the real held-out text) are written beside the weights
+(`speaking_target.json`) and checked against the target's own bound: a looping target fails the build.
 
 Why it trains in minutes on 2 CPU cores: the corpus uses about 10K of the 151,936 vocabulary rows, and the
 LM head over all rows would cost 15x the rest of the model. The tied embedding therefore keeps only the rows
@@ -14,10 +18,11 @@ cross-entropy all the same: logsumexp over the used rows' logits and `n_unused` 
 of log n_unused). The saved checkpoint scatters the trained rows into the full matrix, so vLLM and
 transformers load the very model that was trained.
 
-Deterministic: one thread, a fixed seed, a fixed order; cached under `$DFLASH_CACHE/speaking-qwen3/` by a key
+Deterministic: one thread, a fixed seed, a fixed order; cached under `$DFLASH_CACHE/<target folder>/` by a key
 of the recipe, the corpus digest, this file and the library versions, so a change of any rebuilds it.
 
-CLI: `python -m tests.support.speaking_target OUT_DIR` (prints the metrics); needs torch and transformers.
+CLI: `python -m tests.support.speaking_target [--corpus code] OUT_DIR` (prints the metrics); needs torch and
+transformers.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ import json
 import math
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from tests.support import qwen_assets, stdlib_corpus
+from tests.support import qwen_assets, stdlib_code, stdlib_corpus
 from tests.support.qwen_assets import build_tokenizer_dir, qwen_embedding_rows, qwen_special_ids
 from tests.support.tiny_target import cached_model_build, finish_model_dir
 
@@ -64,18 +70,67 @@ class Recipe:
     # Held-out answers decoded greedily for the distinct-token ratio.
     probe_prompts: int = 24
     probe_new_tokens: int = 48
+    # Torch threads while training: 1 gives the same bits on every machine; the long-answer target's build, four
+    # times the docstring target's tokens per step, takes 2 (the same bits on every machine with 2 threads).
+    threads: int = 1
 
 
-def _cache_key(recipe: Recipe) -> str:
+class Pair(Protocol):
+    """A question and the answer the target learns for it (`stdlib_corpus.DocPair`, `stdlib_code.CodePair`)."""
+
+    @property
+    def question(self) -> str: ...
+    @property
+    def answer(self) -> str: ...
+
+
+class Corpus(Protocol):
+    """What a target is trained on: a module such as `stdlib_corpus` or `stdlib_code`."""
+
+    DESCRIPTION: str
+
+    def split_pairs(self, split: stdlib_corpus.Split) -> Sequence[Pair]: ...
+    def corpus_digest(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    """One speaking target: its cache folder, its corpus, its recipe, and the repetition bounds its build enforces."""
+
+    folder: str
+    corpus: Corpus
+    recipe: Recipe
+    min_distinct_token_ratio: float | None = None
+    max_repeated_4gram_share: float | None = None
+
+
+# The docstring target: 7-9 token answers of prose, where a loop shows as few distinct tokens.
+DOCS_TARGET = TargetSpec("speaking-qwen3", stdlib_corpus, Recipe(), min_distinct_token_ratio=MIN_DISTINCT_TOKEN_RATIO)
+# The long-answer target: the same model shape (the demo's drafter preset fits both), trained on function bodies
+# (about 112 tokens each). Code repeats its own tokens by nature (indentation, names), so the distinct-token
+# ratio says little (0.54 for real held-out bodies cut to 256 tokens); a loop shows as an answer repeating its
+# own 4-grams, which real held-out bodies do for 6.6% of theirs and a loop for nearly all (the metrics'
+# `reference` holds the real bodies' figures).
+CODE_TARGET = TargetSpec(
+    "speaking-code-qwen3", stdlib_code,
+    # 800 steps (loss 3.20, still falling) left greedy answers repeating 73% of their 4-grams.
+    Recipe(steps=2000, batch_size=16, probe_prompts=24, probe_new_tokens=256, threads=2),
+    max_repeated_4gram_share=0.5,
+)
+TARGETS = {"docs": DOCS_TARGET, "code": CODE_TARGET}
+
+
+def _cache_key(spec: TargetSpec) -> str:
     import torch
     import transformers
 
     h = hashlib.sha256()
-    h.update(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode())
+    h.update(json.dumps(dataclasses.asdict(spec.recipe), sort_keys=True).encode())
+    h.update(spec.folder.encode())  # the bounds judge the weights, they do not decide them
     # The release, not the build: the CPU and CUDA wheels of one torch release (the train and generate
     # environments) train the same model on a CPU, and both should find it in the cache.
     release = torch.__version__.split("+")[0]
-    h.update(f"{release}|{transformers.__version__}|{stdlib_corpus.corpus_digest()}".encode())
+    h.update(f"{release}|{transformers.__version__}|{spec.corpus.corpus_digest()}".encode())
     # The corpus enters by its digest (pairs and splits), not its module's source: its CLI may change freely.
     for source in (Path(__file__), Path(qwen_assets.__file__), qwen_assets.CHAT_TEMPLATE_PATHS["qwen3"]):
         h.update(source.read_bytes())
@@ -88,7 +143,7 @@ class _Example:
     weights: list[float]  # loss weight of predicting ids[i + 1] from ids[:i + 1]
 
 
-def _examples(tokenizer: Any, pairs: list[stdlib_corpus.DocPair], recipe: Recipe) -> list[_Example]:
+def _examples(tokenizer: Any, pairs: Sequence[Pair], recipe: Recipe) -> list[_Example]:
     im_end = qwen_special_ids("qwen3")["im_end"]
     out = []
     for pair in pairs:
@@ -242,6 +297,40 @@ def distinct_token_ratio(tokens: list[int]) -> float:
     return len(set(tokens)) / len(tokens) if tokens else 0.0
 
 
+def repeated_ngram_share(tokens: list[int], n: int = 4) -> float:
+    """The share of an answer's n-grams that it already said: near 1 for a loop, whatever its period."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for gram in grams:
+        repeats += gram in seen
+        seen.add(gram)
+    return repeats / len(grams) if grams else 0.0
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def repetition_probe(answers: list[list[int]]) -> dict[str, float]:
+    """The loop figures of greedy answers (or of the real text, for reference)."""
+    return {"distinct_token_ratio": round(_mean([distinct_token_ratio(a) for a in answers]), 4),
+            "repeated_4gram_share": round(_mean([repeated_ngram_share(a) for a in answers]), 4),
+            "mean_answer_tokens": round(_mean([len(a) for a in answers]), 1)}
+
+
+def probe_failures(spec: TargetSpec, probe: dict[str, float]) -> list[str]:
+    """Why a target's greedy answers count as looping, by its own bounds (none: it speaks)."""
+    failures = []
+    if spec.min_distinct_token_ratio is not None and probe["distinct_token_ratio"] < spec.min_distinct_token_ratio:
+        failures.append(f"distinct-token ratio {probe['distinct_token_ratio']} is under "
+                        f"{spec.min_distinct_token_ratio}")
+    if spec.max_repeated_4gram_share is not None and probe["repeated_4gram_share"] > spec.max_repeated_4gram_share:
+        failures.append(f"repeated 4-gram share {probe['repeated_4gram_share']} is over "
+                        f"{spec.max_repeated_4gram_share}")
+    return failures
+
+
 def probe_generations(model_dir: Path, questions: list[str], new_tokens: int) -> list[list[int]]:
     """Greedy answers (float32, transformers) to `questions`, without the end-of-turn token."""
     import torch
@@ -260,21 +349,22 @@ def probe_generations(model_dir: Path, questions: list[str], new_tokens: int) ->
     return answers
 
 
-def _write(out_dir: Path, recipe: Recipe, log: Any) -> None:
+def _write(out_dir: Path, spec: TargetSpec, log: Any) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    torch.set_num_threads(1)  # one thread: the same bits on every machine, and 2 shared cores gain little
+    recipe = spec.recipe
+    torch.set_num_threads(recipe.threads)
     began = time.monotonic()
     build_tokenizer_dir(out_dir, "qwen3")
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    train = _examples(tokenizer, stdlib_corpus.split_pairs("train"), recipe)
-    heldout_pairs = stdlib_corpus.split_pairs("heldout")
+    train = _examples(tokenizer, spec.corpus.split_pairs("train"), recipe)
+    heldout_pairs = spec.corpus.split_pairs("heldout")
     heldout = _examples(tokenizer, heldout_pairs, recipe)
     special = qwen_special_ids("qwen3")
     used = sorted({t for e in train + heldout for t in e.ids} | {special["endoftext"], special["im_end"]})
     model = _SmallVocabLM(recipe, used)
-    log(f"speaking target: {len(train)} training pairs ({sum(len(e.ids) for e in train)} tokens), "
+    log(f"speaking target {spec.folder}: {len(train)} training pairs ({sum(len(e.ids) for e in train)} tokens), "
         f"{len(heldout)} held out, {len(used)} of {model.config.vocab_size} vocabulary rows used")
     losses = _train(model, train, recipe, special["endoftext"], log)
     heldout_loss = _heldout_loss(model, heldout, special["endoftext"])
@@ -286,36 +376,49 @@ def _write(out_dir: Path, recipe: Recipe, log: Any) -> None:
     full.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     finish_model_dir(out_dir, special)
 
-    questions = [p.question for p in heldout_pairs[: recipe.probe_prompts]]
-    answers = probe_generations(out_dir, questions, recipe.probe_new_tokens)
-    ratios = [distinct_token_ratio(a) for a in answers]
+    probed = heldout_pairs[: recipe.probe_prompts]
+    answers = probe_generations(out_dir, [p.question for p in probed], recipe.probe_new_tokens)
+    probe = repetition_probe(answers)
+    # The same figures of the real answers, cut to the probe's length: what text of this kind looks like.
+    real = [tokenizer(p.answer, add_special_tokens=False)["input_ids"][: recipe.probe_new_tokens] for p in probed]
     metrics = {
         "recipe": dataclasses.asdict(recipe),
-        "corpus": {"source": "Python standard library docstrings (Python Software Foundation License)",
-                   "python_stdlib": str(stdlib_corpus.stdlib_root()), "digest": stdlib_corpus.corpus_digest(),
-                   "train_pairs": len(train), "heldout_pairs": len(heldout), "vocabulary_rows_used": len(used)},
+        "corpus": {"source": spec.corpus.DESCRIPTION, "python_stdlib": str(stdlib_corpus.stdlib_root()),
+                   "digest": spec.corpus.corpus_digest(), "train_pairs": len(train), "heldout_pairs": len(heldout),
+                   "vocabulary_rows_used": len(used),
+                   "mean_answer_tokens": round(_mean([sum(w == 1.0 for w in e.weights) - 1 for e in train]), 1)},
         "final_train_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
         "heldout_loss": round(heldout_loss, 4),
         "heldout_perplexity": round(math.exp(heldout_loss), 2),
-        "distinct_token_ratio": round(sum(ratios) / len(ratios), 4),
-        "min_distinct_token_ratio": MIN_DISTINCT_TOKEN_RATIO,
-        "mean_answer_tokens": round(sum(len(a) for a in answers) / len(answers), 1),
-        "sample": {"question": questions[0], "answer": tokenizer.decode(answers[0])},
+        **probe,
+        # Answers that ended their turn inside the probe's budget (the rest were cut at probe_new_tokens).
+        "ended_turn_share": round(_mean([len(a) < recipe.probe_new_tokens for a in answers]), 4),
+        "reference": repetition_probe(real),
+        "min_distinct_token_ratio": spec.min_distinct_token_ratio,
+        "max_repeated_4gram_share": spec.max_repeated_4gram_share,
+        "sample": {"question": probed[0].question, "answer": tokenizer.decode(answers[0])},
         "build_seconds": round(time.monotonic() - began, 1),
     }
     (out_dir / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
     (out_dir / METRICS_NAME).chmod(0o644)
-    if metrics["distinct_token_ratio"] < MIN_DISTINCT_TOKEN_RATIO:
-        raise RuntimeError(f"speaking target loops: distinct-token ratio {metrics['distinct_token_ratio']} of its "
-                           f"greedy answers is under {MIN_DISTINCT_TOKEN_RATIO} (see {out_dir / METRICS_NAME})")
+    failures = probe_failures(spec, probe)
+    if failures:  # the build's folder goes with the failure: its figures stay in the log
+        log(json.dumps({k: v for k, v in metrics.items() if k != "recipe"}, indent=1))
+        raise RuntimeError(f"speaking target {spec.folder} loops: of its greedy answers, {'; '.join(failures)} "
+                           f"(see {out_dir / METRICS_NAME})")
+
+
+def build_speaking_target(spec: TargetSpec, out_dir: Path | None = None, log: Any = print) -> Path:
+    """Directory of a trained speaking target (built once per recipe and corpus, then cached)."""
+    key = _cache_key(spec)
+    return cached_model_build(qwen_assets.cache_root() / spec.folder / key, key,
+                              lambda tmp: _write(tmp, spec, log), out_dir)
 
 
 def build_speaking_qwen3(out_dir: Path | None = None, recipe: Recipe | None = None, log: Any = print) -> Path:
-    """Directory of the trained speaking target (built once per recipe and corpus, then cached)."""
-    recipe = recipe or Recipe()
-    key = _cache_key(recipe)
-    return cached_model_build(qwen_assets.cache_root() / "speaking-qwen3" / key, key,
-                              lambda tmp: _write(tmp, recipe, log), out_dir)
+    """Directory of the docstring target (`recipe`: another recipe of it, as tests use)."""
+    spec = DOCS_TARGET if recipe is None else dataclasses.replace(DOCS_TARGET, recipe=recipe)
+    return build_speaking_target(spec, out_dir, log)
 
 
 def target_metrics(model_dir: Path) -> dict[str, Any]:
@@ -325,8 +428,10 @@ def target_metrics(model_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, nargs="?", default=None, help="copy the model here (default: cache)")
+    parser.add_argument("--corpus", choices=sorted(TARGETS), default="docs",
+                        help="docs: docstring answers of 7-9 tokens (default); code: function bodies of about 112")
     args = parser.parse_args(argv)
-    model_dir = build_speaking_qwen3(args.out_dir)
+    model_dir = build_speaking_target(TARGETS[args.corpus], args.out_dir)
     print(json.dumps({k: v for k, v in target_metrics(model_dir).items() if k != "recipe"}, indent=2))
     print(model_dir)
 

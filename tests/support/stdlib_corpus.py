@@ -58,7 +58,7 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _module_files(root: Path) -> Iterator[tuple[str, Path]]:
+def module_files(root: Path) -> Iterator[tuple[str, Path]]:
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if any(part in _SKIP_DIRS or part.startswith(("_", ".")) and part != "__init__.py" for part in rel.parts):
@@ -121,7 +121,7 @@ def _pair(name: str, signature: str, node: ast.AST) -> Iterator[DocPair]:
 def doc_pairs() -> tuple[DocPair, ...]:
     """Every pair, sorted by name; the same interpreter gives the same tuple."""
     seen: dict[str, DocPair] = {}
-    for module, path in _module_files(stdlib_root()):
+    for module, path in module_files(stdlib_root()):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         except (SyntaxError, UnicodeDecodeError, ValueError):  # a few stdlib files are templates or latin-1
