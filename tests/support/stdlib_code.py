@@ -22,7 +22,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tests.support.stdlib_corpus import HELDOUT_EVERY, Split, module_files, stdlib_root
+from tests.support.stdlib_corpus import Split, module_files, split_of, stdlib_root
 
 DESCRIPTION = "Python standard library function bodies (Python Software Foundation License)"
 # A body of 256-1024 characters is about 35-330 Qwen tokens, 112 on average (code packs about 3 characters
@@ -50,8 +50,7 @@ class CodePair:
 
     @property
     def split(self) -> Split:
-        digest = hashlib.sha256(self.name.encode()).digest()
-        return "heldout" if digest[0] % HELDOUT_EVERY == 0 else "train"
+        return split_of(self.name)
 
 
 def _summary(doc: str) -> str | None:
