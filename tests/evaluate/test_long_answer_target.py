@@ -61,3 +61,12 @@ def test_the_long_answer_target_answers_at_length_without_looping_and_beats_a_un
     assert st.probe_failures(st.CODE_TARGET, metrics) == []
     unigram = unigram_heldout_loss(AutoTokenizer.from_pretrained(target), stdlib_code)
     assert metrics["heldout_loss"] < unigram - 1.0, (metrics["heldout_loss"], unigram)
+
+
+@pytest.mark.parametrize("name", sorted(st.TARGETS))
+def test_every_targets_corpus_has_what_the_build_reads(name: str) -> None:
+    # The build reads these only after minutes of training: a corpus module without one of them failed there.
+    corpus = st.TARGETS[name].corpus
+    assert isinstance(corpus.DESCRIPTION, str) and corpus.DESCRIPTION
+    assert corpus.split_pairs("heldout") and corpus.split_pairs("train")
+    assert isinstance(corpus.corpus_digest(), str) and corpus.corpus_digest()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+DESCRIPTION = "Python standard library docstrings (Python Software Foundation License)"
 # Test suites, the IDLE GUI, the retired 2to3 and vendored packages are not the library's own API docs.
 _SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
                         "turtledemo", "__pycache__", "tkinter", "pydoc_data"})
