@@ -115,8 +115,8 @@ def source_folder(target: str) -> str:
 def summary_input(run_path: Path) -> str:
     """The run's prefixes for demo/summary.py (JSON), which runs where the orchestration is not installed."""
     # Imported here: bench/bench_quality.py reuses run_file from an environment without the orchestration.
-    from dflash_pipeline.config import load_run_config
-    from dflash_pipeline.layout import layout
+    from dflash_pipeline.run.config import load_run_config
+    from dflash_pipeline.run.layout import layout
 
     run = load_run_config(run_path)
     lay = layout(run.root, run.run_id)
@@ -218,9 +218,9 @@ def main() -> int:
 def run_pilot(run_path: Path, logs: Path, verbose: bool) -> int:
     """The pilot of the demo's run: `local --pilot` (which prints and writes the report), then the full run
     re-planned from that report (`plan --from-pilot`)."""
-    from dflash_pipeline.config import load_run_config
-    from dflash_pipeline.pilot import derive_pilot
-    from dflash_pipeline.pilot_report import report_uri
+    from dflash_pipeline.pilot.derive import derive_pilot
+    from dflash_pipeline.pilot.report import report_uri
+    from dflash_pipeline.run.config import load_run_config
 
     pilot = derive_pilot(load_run_config(run_path))
     started = time.monotonic()

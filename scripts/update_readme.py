@@ -104,20 +104,20 @@ def bin_help_stale(write: bool) -> list[Path]:
 
 # (heading, module, class, note): the run file's tables, top level first, then each nested table in file order.
 RUN_FILE_MODELS = [
-    ("Top level", "dflash_pipeline.config", "RunConfig", ""),
-    ("`[images]`", "dflash_pipeline.config", "ImageSettings", ""),
-    ("`[target]`", "dflash_pipeline.config", "TargetModel", ""),
-    ("`[source]`", "dflash_pipeline.config", "SourceData", ""),
-    ("`[storage]`", "dflash_pipeline.config", "StorageAccess", ""),
-    ("`[scheduling]`", "dflash_pipeline.config", "SchedulingSettings", ""),
-    ("`[stages]`", "dflash_pipeline.config", "StagesSettings",
+    ("Top level", "dflash_pipeline.run.config", "RunConfig", ""),
+    ("`[images]`", "dflash_pipeline.run.config", "ImageSettings", ""),
+    ("`[target]`", "dflash_pipeline.run.config", "TargetModel", ""),
+    ("`[source]`", "dflash_pipeline.run.config", "SourceData", ""),
+    ("`[storage]`", "dflash_pipeline.run.config", "StorageAccess", ""),
+    ("`[scheduling]`", "dflash_pipeline.run.config", "SchedulingSettings", ""),
+    ("`[stages]`", "dflash_pipeline.run.config", "StagesSettings",
      "Each stage is a `[stages.<stage>]` table of the settings below; a stage's defaults (next table) are merged "
      "under what the run file sets."),
-    ("`[stages.<stage>]`", "dflash_pipeline.config", "JobSettings",
+    ("`[stages.<stage>]`", "dflash_pipeline.run.config", "JobSettings",
      "The defaults here are those of a stage that `STAGE_DEFAULTS` leaves alone; each stage's own are below."),
-    ("`tolerations` entries (`[[stages.<stage>.tolerations]]`)", "dflash_pipeline.config", "Toleration", ""),
-    ("`[plan]`", "dflash_pipeline.plan_inputs", "PlanInputs", ""),
-    ("`[pilot]`", "dflash_pipeline.pilot_settings", "PilotSettings", ""),
+    ("`tolerations` entries (`[[stages.<stage>.tolerations]]`)", "dflash_pipeline.run.config", "Toleration", ""),
+    ("`[plan]`", "dflash_pipeline.run.plan_inputs", "PlanInputs", ""),
+    ("`[pilot]`", "dflash_pipeline.run.pilot_settings", "PilotSettings", ""),
 ]
 
 

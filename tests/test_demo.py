@@ -61,8 +61,8 @@ def _run_demo_module():
 def test_every_demo_targets_run_file_is_valid_with_its_stage_settings(tmp_path: Path) -> None:
     """The run file each `--target` writes loads with the real stage configs (a mistyped setting fails here,
     not minutes into `make demo`); the speaking target's serving check runs the n-gram baseline."""
-    from dflash_pipeline.config import load_run_config
-    from dflash_pipeline.stages import plan, stage_config
+    from dflash_pipeline.run.config import load_run_config
+    from dflash_pipeline.run.stages import plan, stage_config
 
     demo = _run_demo_module()
     for target in demo.TARGETS:
@@ -77,8 +77,8 @@ def test_every_demo_targets_run_file_is_valid_with_its_stage_settings(tmp_path: 
 def test_a_mistyped_stage_setting_is_refused(tmp_path: Path) -> None:
     import pytest
 
-    from dflash_pipeline.config import load_run_config
-    from dflash_pipeline.stages import SERVE_CHECK, stage_config
+    from dflash_pipeline.run.config import load_run_config
+    from dflash_pipeline.run.stages import SERVE_CHECK, stage_config
     from dflash_shared.errors import ConfigError
 
     demo = _run_demo_module()

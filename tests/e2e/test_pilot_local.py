@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.pilot_report import PilotReport
+from dflash_pipeline.pilot.report import PilotReport
 from dflash_shared.storage import ObjectStore, join
 from tests.e2e.test_demo_pipeline import demo_env, require_environments
 

@@ -83,7 +83,7 @@ class KustomizeError(RuntimeError):
 
 def jobs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Stage name -> the Job the run driver creates from the stage's template (a suspended CronJob)."""
-    from dflash_pipeline.kube import template_from_cronjob
+    from dflash_pipeline.drive.kube import template_from_cronjob
 
     templates = [template_from_cronjob(d) for d in docs if d["kind"] == "CronJob"
                  and d["metadata"]["labels"].get("dflash-pipeline/role") == "stage-template"]

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import load_run_config, parse_run_config, render_documents
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.driver_objects import NEVER, STAGE_FAILED
-from dflash_pipeline.kube import template_from_cronjob
-from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL
+from dflash_pipeline.drive.kube import template_from_cronjob
+from dflash_pipeline.render.driver_objects import NEVER, STAGE_FAILED
+from dflash_pipeline.render.scheduling import PRIORITY_LABEL, QUEUE_LABEL
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.exit_codes import ExitCode
 from tests.pipeline.k8s_support import EXAMPLE_RUN, OVERLAYS, failure_action, jobs, kustomize_build, schema_errors
 

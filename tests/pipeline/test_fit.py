@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import parse_run_config
-from dflash_pipeline.config import RunConfig, read_run_file
-from dflash_pipeline.fit import FitReport, StageFit, check_before_submit, check_fit
-from dflash_pipeline.gpu_models import lookup
-from dflash_pipeline.plan import build_plan, format_plan, plan_json
+from dflash_pipeline.plan.fit import FitReport, StageFit, check_before_submit, check_fit
+from dflash_pipeline.plan.gpu_models import lookup
+from dflash_pipeline.plan.run_plan import build_plan, format_plan, plan_json
+from dflash_pipeline.run.config import RunConfig, read_run_file
 from dflash_shared.errors import ConfigError
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.training.memory_plan import GIB, GPU_CLASSES

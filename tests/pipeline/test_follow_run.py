@@ -15,14 +15,14 @@ import pytest
 
 from dflash_generate.worker_status import WorkerStatus
 from dflash_pipeline import RunConfig, layout, render_documents
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.driver import StageFailedError
-from dflash_pipeline.kube import Cluster as KubeCluster
-from dflash_pipeline.kube import ClusterAccessError
-from dflash_pipeline.resume import resume_run
-from dflash_pipeline.run_logs import collect_logs, format_logs
-from dflash_pipeline.run_state import RunState, write_run_state
-from dflash_pipeline.status import format_status, run_status
+from dflash_pipeline.drive.driver import StageFailedError
+from dflash_pipeline.drive.kube import Cluster as KubeCluster
+from dflash_pipeline.drive.kube import ClusterAccessError
+from dflash_pipeline.drive.resume import resume_run
+from dflash_pipeline.drive.run_logs import collect_logs, format_logs
+from dflash_pipeline.drive.run_state import RunState, write_run_state
+from dflash_pipeline.drive.status import format_status, run_status
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.progress_report import write_report
 from dflash_shared.storage import ObjectStore, join

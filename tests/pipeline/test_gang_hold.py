@@ -1,6 +1,6 @@
 """How long a rank that never comes back keeps the other GPUs of a multi-node gang, from the rendered objects.
 
-`dflash_pipeline.gang_hold` adds the hold up from the rules; here a second-by-second emulation of the Job
+`dflash_pipeline.plan.gang_hold` adds the hold up from the rules; here a second-by-second emulation of the Job
 controller (each surviving index on its own: pod start, rendezvous timeout, exit code, the podFailurePolicy's
 action, the per-index backoff, maxFailedIndexes, the deadline) runs the rendered Job and must end where the
 model says, for the headline run and with the settings changed.
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import parse_run_config
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.gang_hold import COLLECTIVE_TIMEOUT_S, POD_START_S, dead_rank_hold
-from dflash_pipeline.run_objects import stage_objects
-from dflash_pipeline.stages import TRAIN
+from dflash_pipeline.plan.gang_hold import COLLECTIVE_TIMEOUT_S, POD_START_S, dead_rank_hold
+from dflash_pipeline.render.run_objects import stage_objects
+from dflash_pipeline.run.config import read_run_file
+from dflash_pipeline.run.stages import TRAIN
 from dflash_shared.exit_codes import ExitCode
 from tests.pipeline.k8s_support import REPO_ROOT, failure_action
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import parse_run_config, render_documents
-from dflash_pipeline.config import read_run_file
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.errors import ConfigError
 from tests.pipeline.crd_schema import crd_errors
 from tests.pipeline.k8s_support import REPO_ROOT, jobs, schema_errors
@@ -56,7 +56,7 @@ def test_the_example_admission_policy_is_valid_and_names_what_the_example_run_re
     import yaml
 
     from dflash_pipeline import load_run_config
-    from dflash_pipeline.namespace_setup import setup_documents
+    from dflash_pipeline.render.namespace_setup import setup_documents
     from tests.pipeline.k8s_support import EXAMPLE_RUN
 
     docs = list(yaml.safe_load_all((REPO_ROOT / "k8s" / "examples" / "admission-policy.yaml").read_text()))

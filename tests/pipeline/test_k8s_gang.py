@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from dflash_pipeline import parse_run_config, render_documents
-from dflash_pipeline.config import read_run_file
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, Kind

@@ -18,10 +18,10 @@ import pytest
 from kubernetes_validate.utils import ValidationError
 
 from dflash_pipeline import parse_run_config, render_documents
-from dflash_pipeline.base import write_base
-from dflash_pipeline.config import quantity_value, read_run_file
-from dflash_pipeline.jobs import TMP_SIZE, stage_jobs
-from dflash_pipeline.scheduling import PRIORITY_LABEL, QUEUE_LABEL, target_disk_bytes
+from dflash_pipeline.render.base import write_base
+from dflash_pipeline.render.jobs import stage_jobs
+from dflash_pipeline.render.scheduling import PRIORITY_LABEL, QUEUE_LABEL, TMP_SIZE, target_disk_bytes
+from dflash_pipeline.run.config import quantity_value, read_run_file
 from dflash_shared.errors import ConfigError
 from tests.pipeline.k8s_support import EXAMPLE_RUN, OVERLAYS, env_of, jobs, kustomize_build, schema_errors
 

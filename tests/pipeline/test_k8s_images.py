@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import load_run_config, parse_run_config, render_documents
-from dflash_pipeline.base import write_base
-from dflash_pipeline.config import read_run_file
+from dflash_pipeline.render.base import write_base
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.errors import ConfigError
 from tests.pipeline.k8s_support import EXAMPLE_RUN, OVERLAYS, containers, jobs, kustomize_build
 
@@ -91,7 +91,7 @@ def test_the_digests_file_build_images_writes_is_what_a_run_file_reads(tmp_path:
     """docker/build-images.sh's own writer (its functions, run by bash) over per-image records, then read back."""
     import subprocess
 
-    from dflash_pipeline.config import read_digests_file
+    from dflash_pipeline.run.config import read_digests_file
     from tests.pipeline.k8s_support import REPO_ROOT
 
     for name, digest in DIGESTS.items():

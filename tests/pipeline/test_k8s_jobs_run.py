@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline import RunConfig, layout, parse_run_config, render_documents
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.status import run_status
+from dflash_pipeline.drive.status import run_status
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind

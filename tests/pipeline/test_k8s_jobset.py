@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import parse_run_config, render_documents
-from dflash_pipeline.base import base_files
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.jobs import RENDEZVOUS_PORT
+from dflash_pipeline.render.base import base_files
+from dflash_pipeline.render.rendezvous import RENDEZVOUS_PORT
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from tests.pipeline.crd_schema import crd_errors
@@ -184,3 +184,14 @@ def test_the_default_stays_the_indexed_job() -> None:
     docs = render_documents(parse_run_config(data))
     assert not [d for d in docs if d["kind"] == "JobSet"]
     assert [d for d in docs if d["kind"] == "Service"]
+
+
+def test_every_pod_of_the_jobset_pulls_with_the_run_files_pull_secrets() -> None:
+    # The wait pod pulls the orchestration image from the same private registry as the gang's pods: without the
+    # secret it would sit in ImagePullBackOff and the gang would never start.
+    data = run_data()
+    data["images"]["pull_secrets"] = ["regcred"]
+    jobs = replicated(jobset_of(data))
+    for name, job in jobs.items():
+        spec = job["template"]["spec"]["template"]["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}], name

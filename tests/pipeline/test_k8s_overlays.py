@@ -120,8 +120,8 @@ def test_a_name_prefix_overlay_keeps_the_rendezvous_and_the_run_object_reachable
     and the name torchrun resolves follow the renamed Service, and the driver reads the renamed run object (the
     base's kustomizeconfig.yaml teaches kustomize these references)."""
     from dflash_pipeline import parse_run_config
-    from dflash_pipeline.base import write_base
-    from dflash_pipeline.config import read_run_file
+    from dflash_pipeline.render.base import write_base
+    from dflash_pipeline.run.config import read_run_file
     from tests.pipeline.k8s_support import EXAMPLE_RUN
     from tests.pipeline.pod_emulation import expand_references
 

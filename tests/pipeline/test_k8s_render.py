@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from dflash_pipeline import load_run_config, parse_run_config, render_documents
-from dflash_pipeline.base import GENERATED, PLACEHOLDER, base_files, example_secret, setup_files
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.namespace_setup import setup_documents
-from dflash_pipeline.pods import HOME_DIR, RUN_AS, SCRATCH_DIR
-from dflash_pipeline.stages import (
+from dflash_pipeline.render.base import GENERATED, PLACEHOLDER, base_files, example_secret, setup_files
+from dflash_pipeline.render.namespace_setup import setup_documents
+from dflash_pipeline.render.pods import HOME_DIR, RUN_AS, SCRATCH_DIR
+from dflash_pipeline.render.yaml_out import dump_all
+from dflash_pipeline.run.config import read_run_file
+from dflash_pipeline.run.stages import (
     EVALUATE,
     EXPORT,
     GENERATE,
@@ -28,7 +29,6 @@ from dflash_pipeline.stages import (
     TOKENIZE,
     TRAIN,
 )
-from dflash_pipeline.yaml_out import dump_all
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from tests.pipeline.k8s_support import (

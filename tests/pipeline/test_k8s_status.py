@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline import layout, parse_run_config
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.status import stage_status
-from dflash_pipeline.wait import wait_for_manifest
+from dflash_pipeline.drive.status import stage_status
+from dflash_pipeline.drive.wait import wait_for_manifest
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import Accounting, Kind, Manifest, Producer, PromptsSection

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import parse_run_config, render_documents
-from dflash_pipeline.base import base_files
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.jobs import RENDEZVOUS_PORT
+from dflash_pipeline.render.base import base_files
+from dflash_pipeline.render.rendezvous import RENDEZVOUS_PORT
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import load_manifest

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline.config import parse_run_config, read_run_file
-from dflash_pipeline.restart import restart_prefixes, restart_stage
+from dflash_pipeline.drive.restart import restart_prefixes, restart_stage
+from dflash_pipeline.run.config import parse_run_config, read_run_file
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifests import MANIFEST_NAME

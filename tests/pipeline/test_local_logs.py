@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline import layout, parse_run_config
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.console import Console
-from dflash_pipeline.local import IMAGE_ENVIRONMENTS, StageFailedError, run_local
-from dflash_pipeline.run_logs import collect_logs
+from dflash_pipeline.drive.run_logs import collect_logs
+from dflash_pipeline.local.console import Console
+from dflash_pipeline.local.runner import IMAGE_ENVIRONMENTS, StageFailedError, run_local
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.storage import ObjectStore, join
 from tests.pipeline.k8s_support import EXAMPLE_RUN
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline.config import load_run_config, parse_run_config
-from dflash_pipeline.pilot import derive_pilot, pilot_cost
-from dflash_pipeline.plan import build_plan
-from dflash_pipeline.run_objects import render_documents
+from dflash_pipeline.pilot.derive import derive_pilot, pilot_cost
+from dflash_pipeline.plan.run_plan import build_plan
+from dflash_pipeline.render.run_objects import render_documents
+from dflash_pipeline.run.config import load_run_config, parse_run_config
 from dflash_shared.errors import ConfigError
 from tests.pipeline.k8s_support import containers, env_of, jobs
 
@@ -147,8 +147,8 @@ def test_the_pilots_run_object_carries_its_config_for_the_report(runs: tuple[Any
 
 
 def _report(full: Any, measured: dict[str, float]) -> Any:
-    from dflash_pipeline.pilot_report import PilotReport
-    from dflash_pipeline.plan import plan_json
+    from dflash_pipeline.pilot.report import PilotReport
+    from dflash_pipeline.plan.run_plan import plan_json
 
     pilot = derive_pilot(full)
     return PilotReport(run_id=pilot.run_id, pilot_of=full.run_id, gpu_model="NVIDIA-H200", stages=[],
@@ -156,7 +156,7 @@ def _report(full: Any, measured: dict[str, float]) -> Any:
 
 
 def test_replan_puts_the_measured_rates_in_place_of_the_assumptions_and_names_each(runs: tuple[Any, Any]) -> None:
-    from dflash_pipeline.replan import format_moved, replan
+    from dflash_pipeline.pilot.replan import format_moved, replan
 
     full, _ = runs
     before = build_plan(full)
@@ -180,7 +180,7 @@ def test_replan_puts_the_measured_rates_in_place_of_the_assumptions_and_names_ea
 
 
 def test_replan_refuses_another_runs_report(runs: tuple[Any, Any]) -> None:
-    from dflash_pipeline.replan import replan
+    from dflash_pipeline.pilot.replan import replan
 
     full, _ = runs
     report = _report(full, {}).model_copy(update={"pilot_of": "someone-else"})
@@ -192,7 +192,7 @@ def test_submit_warns_without_a_pilot_report_and_stops_warning_once_there_is_one
         tmp_path: Path, s3_bucket: str, store: Any) -> None:
     import os
 
-    from dflash_pipeline.pilot_report import pilot_report_uri
+    from dflash_pipeline.pilot.report import pilot_report_uri
 
     data = json.loads(load_run_config(HEADLINE).model_dump_json(by_alias=True, exclude_none=True))
     data["root"] = f"{s3_bucket}/runs"

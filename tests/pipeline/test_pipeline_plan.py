@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import layout, parse_run_config
-from dflash_pipeline.config import RunConfig, read_run_file
-from dflash_pipeline.plan import START_SECONDS, build_plan, format_plan, gpu_model_warnings, plan_json
+from dflash_pipeline.plan.run_plan import START_SECONDS, build_plan, format_plan, gpu_model_warnings, plan_json
+from dflash_pipeline.run.config import RunConfig, read_run_file
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import (
@@ -236,7 +236,7 @@ def test_a_budget_capped_to_the_window_generates_nothing_unread() -> None:
 
 
 def test_the_pipeline_passes_the_training_window_to_generate_and_tokenize() -> None:
-    from dflash_pipeline.stages import GENERATE, TOKENIZE, stage_config
+    from dflash_pipeline.run.stages import GENERATE, TOKENIZE, stage_config
 
     run = headline()
     for stage, name in ((GENERATE, "training_window"), (TOKENIZE, "max_length")):
@@ -301,7 +301,7 @@ def test_the_gpu_cluster_overlay_schedules_the_gpu_the_plan_assumes(tmp_path: Pa
     GPU, and the overlay pins no other product."""
     import shutil
 
-    from dflash_pipeline.base import write_base
+    from dflash_pipeline.render.base import write_base
     from tests.pipeline.k8s_support import OVERLAYS, jobs, kustomize_build
 
     run = headline()

@@ -24,12 +24,12 @@ import boto3
 import pytest
 
 from dflash_pipeline import RunConfig, parse_run_config, render_documents
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.driver import RunDriver, StageFailedError
-from dflash_pipeline.kube import Cluster as KubeCluster
-from dflash_pipeline.kube import ClusterAccessError, ClusterRejectedError
-from dflash_pipeline.run_state import read_run_state
-from dflash_pipeline.wait import wait_for_manifest
+from dflash_pipeline.drive.driver import RunDriver, StageFailedError
+from dflash_pipeline.drive.kube import Cluster as KubeCluster
+from dflash_pipeline.drive.kube import ClusterAccessError, ClusterRejectedError
+from dflash_pipeline.drive.run_state import read_run_state
+from dflash_pipeline.drive.wait import wait_for_manifest
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.errors import exit_code_for
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.storage import ObjectStore, join
@@ -408,8 +408,8 @@ def applied(run: RunConfig) -> Iterator[FakeKubeApi]:
 
 def test_a_pilots_driver_writes_its_report_when_the_run_ends(s3_bucket: str, store: ObjectStore) -> None:
     """The pilot's run object carries its config; the driver builds the report from it and the manifests."""
-    from dflash_pipeline.pilot import derive_pilot
-    from dflash_pipeline.pilot_report import pilot_report_uri, read_report
+    from dflash_pipeline.pilot.derive import derive_pilot
+    from dflash_pipeline.pilot.report import pilot_report_uri, read_report
 
     pilot = derive_pilot(example_run(s3_bucket))
     with applied(pilot) as fake:
@@ -425,8 +425,8 @@ def test_a_pilots_driver_writes_its_report_when_the_run_ends(s3_bucket: str, sto
 
 
 def test_a_failed_pilot_reports_the_stage_that_would_not_fit(s3_bucket: str, store: ObjectStore) -> None:
-    from dflash_pipeline.pilot import derive_pilot
-    from dflash_pipeline.pilot_report import pilot_report_uri, read_report
+    from dflash_pipeline.pilot.derive import derive_pilot
+    from dflash_pipeline.pilot.report import pilot_report_uri, read_report
 
     pilot = derive_pilot(example_run(s3_bucket))
     with applied(pilot) as fake:

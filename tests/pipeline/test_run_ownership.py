@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 
 from dflash_pipeline import RunConfig, parse_run_config, render_documents
-from dflash_pipeline.cancel import cancel_run
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.driver import RunDriver
-from dflash_pipeline.kube import Cluster as KubeCluster
-from dflash_pipeline.kube import job_view
-from dflash_pipeline.namespace_setup import setup_documents
-from dflash_pipeline.pods import RUN_LABEL
-from dflash_pipeline.run_state import read_run_state
+from dflash_pipeline.drive.cancel import cancel_run
+from dflash_pipeline.drive.driver import RunDriver
+from dflash_pipeline.drive.kube import Cluster as KubeCluster
+from dflash_pipeline.drive.kube import job_view
+from dflash_pipeline.drive.run_state import read_run_state
+from dflash_pipeline.render.namespace_setup import setup_documents
+from dflash_pipeline.render.pods import RUN_LABEL
+from dflash_pipeline.run.config import read_run_file
 from dflash_shared.storage import ObjectStore
 from tests.pipeline.fake_kube_api import FakeKubeApi
 from tests.pipeline.k8s_support import EXAMPLE_RUN, REPO_ROOT
@@ -159,7 +159,7 @@ def test_deleting_the_run_object_as_kubectl_delete_k_does_collects_the_stage_job
     owner = {"apiVersion": "v1", "kind": "ConfigMap", "name": "dflash-example-run", "uid": "gone"}
     (template,) = [d for d in render_documents(run) if d["kind"] == "CronJob"
                    and d["metadata"]["name"] == "example-tokenize"]
-    from dflash_pipeline.kube import template_from_cronjob
+    from dflash_pipeline.drive.kube import template_from_cronjob
 
     assert KubeCluster(NS, api.api_client()).create_job(template_from_cronjob(template).body, owner)
     assert "dflash-example-tokenize" not in api.names("jobs")
@@ -228,7 +228,7 @@ def test_a_job_held_for_a_missing_local_queue_says_so(api: FakeKubeApi, store: O
     apply(api, run)
     (template,) = [d for d in render_documents(run) if d["kind"] == "CronJob"
                    and d["metadata"]["name"] == "example-import"]
-    from dflash_pipeline.kube import template_from_cronjob
+    from dflash_pipeline.drive.kube import template_from_cronjob
 
     # Kueue suspended the import Job on creation and cannot admit it: its queue does not exist.
     body = template_from_cronjob(template).body

@@ -19,9 +19,9 @@ from dflash_generate.config import GenerateConfig
 from dflash_generate.serve_check.config import ServeCheckConfig
 from dflash_generate.target import TargetInfo
 from dflash_pipeline import parse_run_config, render_documents
-from dflash_pipeline.config import RunConfig, read_run_file
-from dflash_pipeline.plan import build_plan
-from dflash_pipeline.stages import (
+from dflash_pipeline.plan.run_plan import build_plan
+from dflash_pipeline.run.config import RunConfig, read_run_file
+from dflash_pipeline.run.stages import (
     EVALUATE,
     EXPORT,
     GENERATE,
@@ -142,7 +142,7 @@ class Refuse:
         if name.partition(".")[0] in HEAVY:
             raise ImportError(f"{{name}} is not in the pipeline image", name=name)
 sys.meta_path.insert(0, Refuse())
-from dflash_pipeline import stages
+from dflash_pipeline.run import stages
 for stage in (stages.IMPORT_PROMPTS, stages.GENERATE, stages.TOKENIZE, stages.TRAIN, stages.EXPORT,
               stages.EVALUATE, stages.SERVE_CHECK):
     assert stage.config_fields(), stage.name

@@ -1,4 +1,5 @@
-"""`stage-model` (dflash_pipeline.stage_model) against a real S3 endpoint (the moto server of tests/conftest.py).
+"""`stage-model` (dflash_pipeline.staging.stage_model) against a real S3 endpoint (the moto server of
+tests/conftest.py).
 
 A tiny model folder is made per test: config.json, two safetensors shards (one above the 5 MiB part size, so its
 upload is multipart) with their index, tokenizer.json and a chat template.
@@ -20,9 +21,9 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from dflash_pipeline.config import read_run_file
-from dflash_pipeline.model_listing import LISTING_NAME, PARTIAL_NAME
-from dflash_pipeline.stage_model import run_stage_model, stage_model_dir
+from dflash_pipeline.run.config import read_run_file
+from dflash_pipeline.staging.model_listing import LISTING_NAME, PARTIAL_NAME
+from dflash_pipeline.staging.stage_model import run_stage_model, stage_model_dir
 from dflash_shared.errors import BadInputError, ConfigError, exit_code_for
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.model_copy import COMPLETE_MARKER, fetch_model

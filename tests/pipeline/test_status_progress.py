@@ -7,9 +7,9 @@ from pathlib import Path
 
 from dflash_generate.chunks import ChunkReceipt, plan_chunks, receipt_uri
 from dflash_pipeline import layout, parse_run_config
-from dflash_pipeline.config import RunConfig, read_run_file
-from dflash_pipeline.run_state import RunState, write_run_state
-from dflash_pipeline.status import format_status, run_status
+from dflash_pipeline.drive.run_state import RunState, write_run_state
+from dflash_pipeline.drive.status import format_status, run_status
+from dflash_pipeline.run.config import RunConfig, read_run_file
 from dflash_shared.manifest_io import write_manifest
 from dflash_shared.manifests import Accounting, Kind, Manifest, Producer, PromptsSection, Shard
 from dflash_shared.storage import ObjectStore, join

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.console import Console, classify, run_logged
+from dflash_pipeline.local.console import Console, classify, run_logged
 
 OWN = "2026-12-01T12:25:05Z {level} [tokenize shard=0] {logger}: {message}"
 

@@ -17,7 +17,7 @@
 
 `render` prints the run's objects as a multi-document stream (or writes a kustomize base with --out);
 `submit` pipes the same stream to `kubectl apply -f -` (`--setup`: the namespace's one-time setup instead);
-`pilot` submits the run's pilot (the full run at full shape, its counts reduced: `dflash_pipeline.pilot`),
+`pilot` submits the run's pilot (the full run at full shape, its counts reduced: `dflash_pipeline.pilot.derive`),
 whose report (`<run>-pilot/report.json`) `status` shows and `plan --from-pilot` re-plans the full run from;
 `cancel` deletes one run's objects and stops its Jobs; `status` reads the run's prefixes (progress, a failed
 stage's cause and what to run next); `logs` prints the stage pods' logs (the cluster's while the pods exist, the
@@ -39,13 +39,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-from dflash_pipeline.base import write_base
-from dflash_pipeline.config import RunConfig, load_run_config
-from dflash_pipeline.namespace_setup import setup_documents
-from dflash_pipeline.run_objects import render_documents
-from dflash_pipeline.status import format_status, run_status
-from dflash_pipeline.wait import wait_for_manifest
-from dflash_pipeline.yaml_out import dump_all
+from dflash_pipeline.drive.status import format_status, run_status
+from dflash_pipeline.drive.wait import wait_for_manifest
+from dflash_pipeline.render.base import write_base
+from dflash_pipeline.render.namespace_setup import setup_documents
+from dflash_pipeline.render.run_objects import render_documents
+from dflash_pipeline.render.yaml_out import dump_all
+from dflash_pipeline.run.config import RunConfig, load_run_config
 from dflash_shared.cli import run_stage_main
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode
@@ -195,7 +195,7 @@ def _run(args: argparse.Namespace) -> RunConfig:
     """The run file's run, or its pilot with --pilot (the `pilot` command always)."""
     run = load_run_config(args.config)
     if getattr(args, "pilot", False) or args.command == "pilot":
-        from dflash_pipeline.pilot import derive_pilot
+        from dflash_pipeline.pilot.derive import derive_pilot
 
         return derive_pilot(run)
     return run
@@ -242,7 +242,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.command == "pilot":
         _print_pilot_plan(args, sys.stderr)
         args.setup, args.stage = False, None
-    from dflash_pipeline.fit import check_before_submit
+    from dflash_pipeline.plan.fit import check_before_submit
 
     check_before_submit(args.config, getattr(args, "target_config", None), args.stage, args.setup)  # refuses a misfit
     return _apply(_stream(args), args)
@@ -266,7 +266,7 @@ def _apply(stream: str, args: argparse.Namespace) -> int:
 
 def _warn_without_pilot(run: RunConfig) -> None:
     """A full run submitted without a pilot report: say so, and how to get one (a warning, not a refusal)."""
-    from dflash_pipeline.pilot_report import pilot_report_uri, read_report
+    from dflash_pipeline.pilot.report import pilot_report_uri, read_report
     from dflash_shared.storage import StorageError
 
     if run.pilot_of is not None:
@@ -285,8 +285,8 @@ def _warn_without_pilot(run: RunConfig) -> None:
 
 
 def _print_pilot_plan(args: argparse.Namespace, out: TextIO) -> None:
-    from dflash_pipeline.pilot import pilot_cost_lines
-    from dflash_pipeline.plan import build_plan, format_plan
+    from dflash_pipeline.pilot.derive import pilot_cost_lines
+    from dflash_pipeline.plan.run_plan import build_plan, format_plan
 
     full = load_run_config(args.config)
     pilot = _run(args)
@@ -296,8 +296,8 @@ def _print_pilot_plan(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from dflash_pipeline.endpoint import run_store
-    from dflash_pipeline.pilot_report import format_report, pilot_report_uri, read_report
+    from dflash_pipeline.pilot.report import format_report, pilot_report_uri, read_report
+    from dflash_pipeline.run.endpoint import run_store
 
     run = _run(args)
     store = run_store(run, args.config, [run.root])
@@ -314,11 +314,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from dflash_pipeline.plan import build_plan, format_plan, plan_json
+    from dflash_pipeline.plan.run_plan import build_plan, format_plan, plan_json
 
     if args.pilot:
         if args.json:
-            from dflash_pipeline.pilot import pilot_cost
+            from dflash_pipeline.pilot.derive import pilot_cost
 
             full = load_run_config(args.config)
             planned = build_plan(_run(args), None)
@@ -327,7 +327,7 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             _print_pilot_plan(args, sys.stdout)
         return ExitCode.OK
-    from dflash_pipeline.endpoint import run_store
+    from dflash_pipeline.run.endpoint import run_store
 
     run = load_run_config(args.config)
     store = None if args.offline else run_store(run, args.config, [run.root, run.target.uri])
@@ -344,9 +344,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _replan(run: RunConfig, report_at: str, store: ObjectStore | None, as_json: bool) -> int:
     from pydantic import ValidationError
 
-    from dflash_pipeline.pilot_report import PilotReport, format_report
-    from dflash_pipeline.plan import build_plan, format_plan, plan_json
-    from dflash_pipeline.replan import format_moved, replan
+    from dflash_pipeline.pilot.replan import format_moved, replan
+    from dflash_pipeline.pilot.report import PilotReport, format_report
+    from dflash_pipeline.plan.run_plan import build_plan, format_plan, plan_json
 
     try:
         raw = ObjectStore().read_bytes(report_at)
@@ -369,15 +369,15 @@ def _replan(run: RunConfig, report_at: str, store: ObjectStore | None, as_json: 
 
 
 def _local(args: argparse.Namespace) -> int:
-    from dflash_pipeline.local import run_local_and_report
+    from dflash_pipeline.local.runner import run_local_and_report
 
     return run_local_and_report(_run(args), args.repo.resolve(), args.stage, args.log_dir, args.verbose)
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from dflash_pipeline.endpoint import run_store
-    from dflash_pipeline.kube import Cluster
-    from dflash_pipeline.run_logs import collect_logs, format_logs
+    from dflash_pipeline.drive.kube import Cluster
+    from dflash_pipeline.drive.run_logs import collect_logs, format_logs
+    from dflash_pipeline.run.endpoint import run_store
 
     run = _run(args)
     cluster = None if args.store_only else (lambda: Cluster(run.namespace))
@@ -389,9 +389,9 @@ def _logs(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from dflash_pipeline.fit import check_before_submit
-    from dflash_pipeline.kube import Cluster
-    from dflash_pipeline.resume import resume_run
+    from dflash_pipeline.drive.kube import Cluster
+    from dflash_pipeline.drive.resume import resume_run
+    from dflash_pipeline.plan.fit import check_before_submit
 
     args.setup, args.stage = False, None
     run = _run(args)
@@ -405,8 +405,8 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from dflash_pipeline.cancel import cancel_run
-    from dflash_pipeline.kube import Cluster
+    from dflash_pipeline.drive.cancel import cancel_run
+    from dflash_pipeline.drive.kube import Cluster
 
     if (args.run_id is None) == (args.config is None):
         raise ConfigError("cancel: name the run once: --config RUN.toml, or its RUN_ID")
@@ -425,8 +425,8 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _drive(args: argparse.Namespace) -> int:
-    from dflash_pipeline.driver import RunDriver
-    from dflash_pipeline.kube import Cluster
+    from dflash_pipeline.drive.driver import RunDriver
+    from dflash_pipeline.drive.kube import Cluster
 
     if not args.namespace:
         raise ConfigError("drive: --namespace is not given and POD_NAMESPACE is not set")
@@ -436,7 +436,7 @@ def _drive(args: argparse.Namespace) -> int:
 
 
 def _wait(args: argparse.Namespace) -> int:
-    from dflash_pipeline.endpoint import run_store
+    from dflash_pipeline.run.endpoint import run_store
     from dflash_shared.manifest_io import manifest_uri
 
     run = load_run_config(args.config) if args.config is not None else None
@@ -445,8 +445,8 @@ def _wait(args: argparse.Namespace) -> int:
 
 
 def _restart(args: argparse.Namespace) -> int:
-    from dflash_pipeline.endpoint import run_store
-    from dflash_pipeline.restart import restart_stage
+    from dflash_pipeline.drive.restart import restart_stage
+    from dflash_pipeline.run.endpoint import run_store
 
     run = _run(args)
     cleared = restart_stage(run_store(run, args.config, [run.root]), run, args.stage, dry_run=args.dry_run)
@@ -460,7 +460,7 @@ def _restart(args: argparse.Namespace) -> int:
 
 
 def _stage_model(args: argparse.Namespace) -> int:
-    from dflash_pipeline.stage_model import run_stage_model
+    from dflash_pipeline.staging.stage_model import run_stage_model
 
     return run_stage_model(args.source, args.to, args.config, workers=args.workers, replace=args.replace,
                            scratch=args.scratch)

@@ -19,7 +19,7 @@ upper bound there. `check` compares the peak with the memory this rank may use (
 from torch.cuda.mem_get_info; CPU: MemAvailable, the cgroup's room, shared by the node's ranks) and refuses
 a configuration that does not fit with a ConfigError (exit 64) naming the settings that would make it fit.
 `window_fits` plans one setup across training windows and GPU classes (bench/bench_memory_plan.py --windows).
-The pipeline plans the same way before it submits a run (`dflash_pipeline.fit`), where neither torch nor the
+The pipeline plans the same way before it submits a run (`dflash_pipeline.plan.fit`), where neither torch nor the
 weights are at hand: `TargetShape.from_config` counts the target from config.json alone, `run_inputs` maps the
 run's settings as `plan_for_run` does, `auto_parallelism` resolves `parallelism = auto` as the stage will.
 """

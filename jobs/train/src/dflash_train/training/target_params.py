@@ -1,5 +1,5 @@
 """What a target's config.json alone says about its size: parameters per decoder layer, KV cache per token and
-recurrent state per sequence. No torch import: the pipeline's pre-submit fit check (`dflash_pipeline.fit`) reads
+recurrent state per sequence. No torch import: the pipeline's pre-submit fit check (`dflash_pipeline.plan.fit`) reads
 it where no weights are at hand, and `memory_plan.TargetShape.from_config` builds the plan's target from it.
 
 The counts follow the modules transformers builds (models/qwen3/modeling_qwen3.py, models/qwen3_5/

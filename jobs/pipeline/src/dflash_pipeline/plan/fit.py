@@ -1,0 +1,408 @@
+"""Fit before any GPU is held: the memory each GPU stage of a run will need per GPU, against the GPU it is
+scheduled on, checked by `plan` and `submit` before anything is applied. A stage that cannot fit is refused
+(ConfigError, exit 64) with the settings that would make it fit; nothing waits hours for a GPU to find out.
+
+Per GPU stage (a stage with gpus = 0 runs on CPU and is not checked here):
+
+- train: the train stage's own memory plan (`dflash_train.training.memory_plan`) from the inputs the stage will
+  have: its drafter (drafter, or drafter_preset with drafter_overrides; from_target reads the target's
+  config.json as the stage does), max_length (train's, else tokenize's), micro_batch_rows, precision,
+  target_dtype, activation_checkpointing, chunk_tokens, a world of stages.train nodes x gpus whose FSDP shards
+  span one node, flex attention under `auto` (CUDA), and `parallelism = auto` resolved by the stage's rule
+  (`memory_plan.auto_parallelism`: DDP when target and drafter state take under 80% of the GPU). The predicted
+  peak must fit what torch finds free on the GPU. The fixes named are each re-planned: parallelism = "fsdp",
+  activation checkpointing, a shorter max_length, a lower max_anchors_per_row, fewer micro_batch_rows, or a
+  GPU with more memory.
+- generate and serve-check (vLLM): `fit_engine` states the rule: refused when not even one max_model_len
+  sequence fits beside the weights (vLLM refuses to start then); a warning, not a refusal, when fewer
+  max_model_len sequences fit at once than generate keeps in flight. Fixes: more tensor parallelism (the
+  stage's gpus), a lower max_model_len or max_num_seqs, a higher gpu_memory_utilization, a bigger GPU.
+- evaluate (transformers, one GPU): the target, the trained drafter and the untrained baseline of the same
+  shape, in bfloat16 (dtype auto on CUDA), one sequence's cache and features (max_prompt_tokens +
+  max_new_tokens), its prefill activations, 1 GiB of CUDA workspaces and the memory plan's 10% margin, against
+  the free memory.
+
+The GPU: the products the stage is pinned to (gpu_types, or a node selector on its gpu_type_label; of several,
+the smallest), else `[plan] gpu_model`; `[plan] gpu_memory_gib` replaces the table's memory (`gpu_models`). No
+GPU known: the figures are printed, and the line says the check did not run (not a refusal).
+
+The target's config.json: `--target-config PATH`, else `[plan] target_config` (relative to the run file), else
+`<target.uri>/config.json` from the object store (never with `plan --offline`). Where none is read, the check
+says why it could not run, and nothing is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dflash_pipeline.plan.fit_engine import Engine
+from dflash_pipeline.plan.fit_engine import remedies as engine_remedies
+from dflash_pipeline.plan.gpu_models import GpuModel, fitting, lookup, with_memory
+from dflash_pipeline.run.config import JobSettings, RunConfig, load_run_config, quantity_value
+from dflash_pipeline.run.stages import EVALUATE, GENERATE, SERVE_CHECK, TOKENIZE, TRAIN, selected_stages, stage_values
+from dflash_shared.errors import ConfigError
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
+from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig
+from dflash_train.training import memory_plan as mp
+from dflash_train.training.target_params import ConfigView, TargetSizes, target_sizes, text_config
+
+GIB = mp.GIB
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """One GPU stage's memory per GPU against its GPU, and the verdict."""
+
+    stage: str
+    gpu: str  # the product checked against, and where it came from ("" when none is known)
+    verdict: str  # "fits" | "refused" | "not checked"
+    peak: int  # predicted bytes per GPU (vLLM: the least its budget must hold)
+    available: int | None  # bytes the stage may use per GPU (vLLM: its budget); None without a GPU
+    summary: str  # the terms, in one line
+    reason: str = ""  # refused or not checked: why
+    fixes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    detail: str = ""  # train: the memory plan's table
+    engine: bool = False  # a vLLM stage: `peak` is the least its budget must hold, `available` that budget
+
+    def lines(self) -> list[str]:
+        """The verdict with the predicted memory per GPU against the GPU's, then the terms."""
+        if self.available is None:
+            head = f"{_gib(self.peak)} per GPU"
+        elif self.engine:
+            head = f"{_gib(self.peak)} per GPU at least, of the {_gib(self.available)} vLLM takes"
+        else:
+            head = f"peak {_gib(self.peak)} per GPU, of {_gib(self.available)} free"
+        where = f" on {self.gpu}" if self.gpu else ""
+        verdict = {"refused": "DOES NOT FIT", "not checked": "not checked"}.get(self.verdict, self.verdict)
+        tail = f" ({self.reason})" if self.verdict == "not checked" and self.reason else ""
+        return [f"  {self.stage}: {head}{where}: {verdict}{tail}", f"    {self.summary}"]
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The fit check of a run: where the target's config.json came from and each GPU stage's verdict."""
+
+    target: str  # where config.json was read, or why it was not
+    stages: tuple[StageFit, ...] = ()
+    ran: bool = True
+
+    @property
+    def refused(self) -> list[StageFit]:
+        return [s for s in self.stages if s.verdict == "refused"]
+
+    def warnings_of(self, stage: str) -> list[str]:
+        return [w for s in self.stages if s.stage == stage for w in s.warnings]
+
+    def lines(self, warnings: bool = False) -> list[str]:
+        """The report as printed (`warnings`: with the stages' warnings, which `plan` prints with its own)."""
+        if not self.ran:
+            return [f"fit before any GPU is held: not checked, {self.target}"]
+        if not self.stages:
+            return [f"fit before any GPU is held ({self.target}): no stage runs on a GPU"]
+        out = [f"fit before any GPU is held (target {self.target}):"]
+        for s in self.stages:
+            out += s.lines() + ([f"  warning: {s.stage}: {w}" for w in s.warnings] if warnings else [])
+        return out
+
+    def message(self) -> str:
+        """The refusal: each stage that does not fit, why, and what would make it fit."""
+        parts = ["the run does not fit its GPUs (checked before any GPU is held):"]
+        for s in self.refused:
+            if s.detail:  # the memory plan's own refusal: its largest terms, the fixes, its table
+                parts.append(f"{s.stage}: {s.detail}")
+                continue
+            fixes = "; ".join(s.fixes) if s.fixes else "none of the settings alone fits: a GPU with more memory"
+            parts.append(f"{s.stage}: {s.reason}. Change one of: {fixes}")
+        return "\n".join(parts + self.lines())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target_config": self.target, "checked": self.ran, "stages": [
+            {"stage": s.stage, "gpu": s.gpu or None, "verdict": s.verdict, "peak_bytes": s.peak,
+             "available_bytes": s.available, "summary": s.summary, "reason": s.reason or None,
+             "fixes": list(s.fixes), "warnings": list(s.warnings)} for s in self.stages]}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def read_target_config(run: RunConfig, store: ObjectStore | None, given: Path | Mapping[str, Any] | None,
+                       run_file: Path | None) -> tuple[dict[str, Any] | None, str]:
+    """(config.json, where it came from) or (None, why none was read); a named file that cannot be read is a
+    ConfigError (the command line or the run file is wrong), an unreadable store is not."""
+    if isinstance(given, Mapping):
+        return dict(given), "config given"
+    path = given
+    if path is None and run.plan.target_config:
+        path = Path(run.plan.target_config)
+        if not path.is_absolute() and run_file is not None:
+            path = run_file.parent / path
+    if path is not None:
+        try:
+            return _json_object(path.read_bytes(), str(path)), str(path)
+        except OSError as err:
+            raise ConfigError(f"cannot read the target config {path}: {err.strerror}") from err
+    if store is None:
+        return None, ("no config.json of the target was read: the object store was not read (--offline, or it "
+                      "could not be read); pass --target-config PATH or set [plan] target_config")
+    uri = join(run.target.uri, "config.json")
+    try:
+        return _json_object(store.read_bytes(uri), uri), uri
+    except ObjectNotFoundError:
+        return None, f"{uri} does not exist; pass --target-config PATH or set [plan] target_config"
+    except StorageError as err:
+        return None, f"could not read {uri} ({err}); pass --target-config PATH or set [plan] target_config"
+
+
+def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError as err:
+        raise ConfigError(f"the target config {where} is not JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"the target config {where} is not a JSON object")
+    return data
+
+
+def gpu_of(run: RunConfig, settings: JobSettings) -> tuple[GpuModel | None, str]:
+    """The GPU a stage is checked against and where it came from; (None, why) when none is known."""
+    pinned = list(settings.gpu_types)
+    if settings.gpu_type_label in settings.node_selector:
+        pinned.append(settings.node_selector[settings.gpu_type_label])
+    names, source = (pinned, "gpu_types") if pinned else (
+        [run.plan.gpu_model] if run.plan.gpu_model else [], "[plan] gpu_model")
+    gib = run.plan.gpu_memory_gib
+    if gib is not None:
+        name = names[0] if len(names) == 1 else "GPU"
+        return with_memory(name, gib), "[plan] gpu_memory_gib"
+    if not names:
+        return None, "no GPU model known: set [plan] gpu_model or the stage's gpu_types (or [plan] gpu_memory_gib)"
+    known = [lookup(n) for n in names]
+    unknown = [n for n, m in zip(names, known, strict=True) if m is None]
+    if unknown:
+        return None, f"{', '.join(unknown)} is not in the GPU table: set [plan] gpu_memory_gib"
+    return min((m for m in known if m is not None), key=lambda m: m.usable), source
+
+
+def drafter_of(values: Mapping[str, Any], raw: Mapping[str, Any]) -> DrafterConfig:
+    """The drafter the train stage will build (`stage.resolve_drafter`), from its config values and the
+    target's config.json; ConfigError where the stage would refuse it."""
+    try:
+        if values.get("drafter") is not None:
+            return DrafterConfig.model_validate(values["drafter"])
+        overrides = dict(values.get("drafter_overrides") or {})
+        mask = values.get("mask_token_id")
+        if values.get("drafter_preset") == "debug":
+            overrides.pop("num_target_features", None)
+            return DrafterConfig.debug(**overrides, **({"mask_token_id": mask} if mask is not None else {}))
+        text = text_config(raw)
+        if mask is None:
+            # The stage's default is the first embedding row past the tokenizer, which needs the tokenizer; the
+            # id changes no size, so any row stands in (Qwen3.5/3.6's own where it is known).
+            rows = int(text["vocab_size"])
+            mask = QWEN3_6_MASK_TOKEN_ID if rows == QWEN3_6_VOCAB_ROWS else rows - 1
+        return DrafterConfig.from_target(ConfigView(text), mask_token_id=mask, **overrides)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"stages.train.config: the drafter the train stage would build is invalid: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------ the stages
+
+
+_RUN_FILE_FIX = {
+    "max_length": "stages.train.config.max_length = {} or less",
+    "micro_batch_rows": "stages.train.config.micro_batch_rows = {} or less",
+    "max_anchors_per_row": "stages.train.config.drafter_overrides = {{ max_anchors_per_row = {} }} or less",
+    "activation_checkpointing": "stages.train.config.activation_checkpointing = true",
+    "attention_backend": 'stages.train.config.drafter_overrides = {{ attention_backend = "flex" }}',
+    "parallelism": 'stages.train.config.parallelism = "fsdp"',
+    "fsdp_ranks": 'stages.train.gpus = {} with stages.train.config.parallelism = "fsdp"',
+}
+
+
+def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes: TargetSizes,
+           cfg: DrafterConfig, gpu: GpuModel | None, gpu_note: str) -> StageFit:
+    values = stage_values(run, TRAIN)
+    max_length = int(values["max_length"] or stage_values(run, TOKENIZE)["max_length"])
+    world = settings.nodes * settings.gpus
+    target_bytes = 4 if values["target_dtype"] == "fp32" else 2  # auto: bf16 on CUDA
+    drafter_params = mp.drafter_parameter_count(cfg)[0]
+    # The stage sizes a replica from the weight files (vision tower and MTP included): the run file's disk size
+    # is that where it is given; else the language model's own parameters.
+    disk = run.target.disk_size
+    replica = (int(float(quantity_value(disk)) * target_bytes / sizes.dtype_bytes) if disk is not None
+               else sizes.params * target_bytes)
+    requested = str(values["parallelism"])
+    parallelism = "ddp" if requested == "auto" else requested
+    if gpu is not None:
+        parallelism = mp.auto_parallelism(requested, replica, drafter_params, gpu.total)
+    settings_ns = SimpleNamespace(micro_batch_rows=int(values["micro_batch_rows"]), precision=values["precision"],
+                                  activation_checkpointing=bool(values["activation_checkpointing"]),
+                                  chunk_tokens=values["chunk_tokens"])
+    backend = "flex" if cfg.attention_backend == "auto" else cfg.attention_backend  # resolve_backend on CUDA
+    inputs = mp.run_inputs(settings_ns, cfg, mp.TargetShape.from_config(raw), max_length, parallelism,
+                           device_type="cuda", world_size=world, shard_size=settings.gpus,
+                           target_bytes=target_bytes, backend=backend)
+    plan = mp.plan_memory(inputs)
+    chosen = f"{parallelism} (from auto)" if requested == "auto" and gpu is not None else parallelism
+    summary = (f"{chosen}, {world} rank(s), max_length {max_length:,}, N={inputs.anchors} anchors x block "
+               f"{cfg.block_size}, {inputs.micro_batch_rows} row(s) per micro-batch, "
+               f"{'activation checkpointing' if inputs.activation_checkpointing else 'no activation checkpointing'}")
+    if gpu is None:
+        other = "fsdp" if parallelism == "ddp" else "ddp"
+        alt = mp.plan_memory(replace(inputs, parallelism=other)).peak
+        return StageFit("train", "", "not checked", plan.peak, None, f"{summary}; under {other}: {_gib(alt)}",
+                        gpu_note)
+    plan = plan.with_available(gpu.usable, f"{gpu.name}: free of {_gib(gpu.total)}")
+    where = f"{gpu.name} ({gpu_note})"
+    if plan.fits:
+        return StageFit("train", where, "fits", plan.peak, gpu.usable, summary)
+    fixes = [_RUN_FILE_FIX[r.setting].format(r.value) for r in mp.remedy_settings(plan)]
+    bigger = [m.name for m in fitting(plan.peak) if m.total > gpu.total]
+    if bigger:
+        fixes.append("a bigger GPU: " + ", ".join(bigger))
+    reason = (f"predicted peak {_gib(plan.peak)} per GPU does not fit the {_gib(gpu.usable)} free on {gpu.name} "
+              f"({summary})")
+    return StageFit("train", where, "refused", plan.peak, gpu.usable, summary, reason, tuple(fixes),
+                    detail=mp.refusal_message(plan, fixes))
+
+
+def _engine_fit(stage: str, engine: Engine | None, gpu_note: str, heads: int, unchecked: str,
+                concurrency: tuple[int, str] | None = None) -> StageFit:
+    assert engine is not None
+    if unchecked:
+        need = engine.weights + engine.reserve + engine.per_sequence
+        return StageFit(stage, "", "not checked", need, None,
+                        f"weights {_gib(engine.weights)} + KV {_gib(engine.per_sequence)} per "
+                        f"{engine.max_model_len:,}-token sequence per GPU (tp {engine.tp})", unchecked, engine=True)
+    where = f"{engine.gpu.name} ({gpu_note})"
+    if not engine.fits:
+        return StageFit(stage, where, "refused", engine.need, engine.budget, engine.summary(), engine.refusal(),
+                        tuple(engine_remedies(engine, stage, heads)), engine=True)
+    warnings: tuple[str, ...] = ()
+    if concurrency is not None and engine.at_once < concurrency[0]:
+        warnings = (f"the KV cache holds {engine.at_once} sequence(s) of max_model_len {engine.max_model_len:,} at "
+                    f"once per engine, fewer than the {concurrency[0]} it keeps in flight ({concurrency[1]}): vLLM "
+                    f"runs {engine.at_once} at once and queues the rest, so a throughput figure for full "
+                    "concurrency is optimistic (counted at max_model_len each: shorter sequences share the cache; "
+                    "more GPUs per engine, stages.generate.gpus, or a shorter max_model_len raise it)",)
+    return StageFit(stage, where, "fits", engine.need, engine.budget, engine.summary(), warnings=warnings,
+                    engine=True)
+
+
+def _placeholder(gpu: GpuModel | None) -> GpuModel:
+    # Without a GPU the engine's per-GPU weights and cache are still printed; the budget is then unknown.
+    return gpu or GpuModel("unknown", 0, 0)
+
+
+def _generate(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes: TargetSizes,
+              gpu: GpuModel | None, gpu_note: str) -> StageFit:
+    from dflash_generate.config import generation_limits
+    from dflash_generate.target import family_of
+
+    values = stage_values(run, GENERATE)
+    _, context = generation_limits(family_of(dict(raw)), bool(values["cap_to_training_window"]),
+                                   int(values["training_window"]), values["max_new_tokens"], values["max_model_len"])
+    dtype = _DTYPE_BYTES.get(str(values["dtype"]), sizes.dtype_bytes)
+    engine = Engine(sizes, _placeholder(gpu), dtype, settings.gpus or 1, int(context),
+                    float(values["gpu_memory_utilization"]), values["max_num_seqs"])
+    inflight = int(values["max_inflight"] or values["chunk_records"])
+    seqs = f"max_num_seqs {engine.seqs}{'' if values['max_num_seqs'] else ' (vLLM default)'}"
+    return _engine_fit("generate", engine, gpu_note, _heads(raw), "" if gpu else gpu_note,
+                       (min(engine.seqs, inflight), f"min({seqs}, max_inflight {inflight})"))
+
+
+def _serve_check(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes: TargetSizes,
+                 cfg: DrafterConfig, gpu: GpuModel | None, gpu_note: str) -> StageFit:
+    values, offline = stage_values(run, SERVE_CHECK), stage_values(run, EVALUATE)
+    block = int(offline["block_size"] or cfg.block_size)
+    # Its default context: the longest prompt evaluated + max_new_tokens + a block.
+    context = values["max_model_len"] or int(offline["max_prompt_tokens"]) + int(offline["max_new_tokens"]) + block
+    dtype = 4 if values["dtype"] == "float32" else 2  # auto: the offline evaluation's, bfloat16 on CUDA
+    tp = settings.gpus or 1
+    drafter_kv = 2 * cfg.num_layers * max(1, cfg.num_key_value_heads // tp) * cfg.head_dim * dtype
+    engine = Engine(sizes, _placeholder(gpu), dtype, tp, int(context), float(values["gpu_memory_utilization"]),
+                    values["max_num_seqs"], mp.drafter_parameter_count(cfg)[0], drafter_kv)
+    return _engine_fit("serve-check", engine, gpu_note, _heads(raw), "" if gpu else gpu_note)
+
+
+def _heads(raw: Mapping[str, Any]) -> int:
+    return int(text_config(raw)["num_attention_heads"])
+
+
+def _evaluate(run: RunConfig, sizes: TargetSizes, cfg: DrafterConfig, gpu: GpuModel | None,
+              gpu_note: str) -> StageFit:
+    values = stage_values(run, EVALUATE)
+    dtype = 4 if values["dtype"] == "float32" else 2
+    drafter = mp.drafter_parameter_count(cfg)[0]
+    tokens = int(values["max_prompt_tokens"]) + int(values["max_new_tokens"]) + cfg.block_size
+    weights = (sizes.params + 2 * drafter) * dtype
+    cache = tokens * sizes.kv_bytes_per_token(dtype) + sizes.recurrent_bytes_per_sequence(dtype)
+    # The captured target features, once in the drafter's context and once being concatenated; the prefill's
+    # hidden states and MLP activations of one layer (as the memory plan's target forward).
+    acts = tokens * (2 * cfg.feature_size + 4 * sizes.hidden_size + 3 * sizes.intermediate_size) * dtype
+    peak = int((weights + cache + acts) * (1 + mp.MARGIN_FRACTION)) + mp.CUDA_WORKSPACE_BYTES
+    summary = (f"target {_gib(sizes.params * dtype)} + 2 drafters {_gib(2 * drafter * dtype)} + cache "
+               f"{_gib(cache)} and activations {_gib(acts)} of a {tokens:,}-token sequence, margin and workspaces")
+    if gpu is None:
+        return StageFit("evaluate", "", "not checked", peak, None, summary, gpu_note)
+    where = f"{gpu.name} ({gpu_note})"
+    if peak <= gpu.usable:
+        return StageFit("evaluate", where, "fits", peak, gpu.usable, summary)
+    fixes = [f"a bigger GPU: {', '.join(m.name for m in fitting(peak))}"] if fitting(peak) else []
+    if dtype == 4:
+        fixes.insert(0, 'stages.evaluate.config.dtype = "bfloat16"')
+    reason = f"predicted peak {_gib(peak)} does not fit the {_gib(gpu.usable)} free on {gpu.name}"
+    return StageFit("evaluate", where, "refused", peak, gpu.usable, summary, reason, tuple(fixes))
+
+
+def check_fit(run: RunConfig, store: ObjectStore | None, *, target_config: Path | Mapping[str, Any] | None = None,
+              run_file: Path | None = None, only: list[str] | None = None) -> FitReport:
+    """The fit check of the run's GPU stages (`only`: those named), as the module docstring states it."""
+    raw, source = read_target_config(run, store, target_config, run_file)
+    if raw is None:
+        return FitReport(source, ran=False)
+    try:
+        sizes = target_sizes(raw)
+    except ValueError as err:
+        return FitReport(f"{source}: {err}", ran=False)
+    gpu_stages = [s for s in selected_stages(run, only) if run.stages.for_stage(s.name).gpus]
+    cfg = drafter_of(stage_values(run, TRAIN), raw) if gpu_stages else None
+    out = []
+    for stage in gpu_stages:
+        settings = run.stages.for_stage(stage.name)
+        gpu, note = gpu_of(run, settings)
+        assert cfg is not None
+        if stage.name == "train":
+            out.append(_train(run, settings, raw, sizes, cfg, gpu, note))
+        elif stage.name == "generate":
+            out.append(_generate(run, settings, raw, sizes, gpu, note))
+        elif stage.name == "serve-check":
+            out.append(_serve_check(run, settings, raw, sizes, cfg, gpu, note))
+        elif stage.name == "evaluate":
+            out.append(_evaluate(run, sizes, cfg, gpu, note))
+    params = f"{sizes.architecture}, {sizes.params / 1e9:.2f}B parameters"
+    return FitReport(f"{source}: {params}", tuple(out))
+
+
+def check_before_submit(run_file: Path, target_config: Path | None, only: list[str] | None, setup: bool) -> None:
+    """`submit`'s check: the fit lines on stderr (stdout carries the objects), a ConfigError when one does not fit."""
+    if setup:
+        return  # the namespace's setup holds no GPU
+    report = check_fit(load_run_config(run_file), ObjectStore(), target_config=target_config, run_file=run_file,
+                       only=only)
+    for line in report.lines(warnings=True):
+        print(line, file=sys.stderr)
+    if report.refused:
+        raise ConfigError(report.message())
