@@ -1,4 +1,4 @@
-"""Kubernetes objects of a run: one builder for every stage's Indexed Job (and a multi-node Job's Service).
+"""Kubernetes objects of a run: one builder for every stage's Indexed Job, from the stage's workload resolved once.
 
 Each stage is an Indexed Job with completions = parallelism = shards: pod i gets JOB_COMPLETION_INDEX=i
 from Kubernetes and DFLASH_NUM_SHARDS from the Job, which is all the sharded runner needs. The stage's
