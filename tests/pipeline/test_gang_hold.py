@@ -15,7 +15,7 @@ import pytest
 
 from dflash_pipeline import parse_run_config
 from dflash_pipeline.plan.gang_hold import COLLECTIVE_TIMEOUT_S, POD_START_S, dead_rank_hold
-from dflash_pipeline.render.run_objects import stage_objects
+from dflash_pipeline.render.run_objects import objects_of_stage
 from dflash_pipeline.run.config import read_run_file
 from dflash_pipeline.run.stages import TRAIN
 from dflash_shared.exit_codes import ExitCode
@@ -28,7 +28,7 @@ def gang(**train: Any) -> dict[str, Any]:
     data = read_run_file(HEADLINE_RUN)
     data["stages"]["train"] = {**data["stages"]["train"], **train}
     run = parse_run_config(data)
-    (obj,) = [d for d in stage_objects(run, TRAIN, run.stages.train) if d["kind"] in ("Job", "JobSet")]
+    (obj,) = [d for d in objects_of_stage(run, TRAIN) if d["kind"] in ("Job", "JobSet")]
     return obj
 
 

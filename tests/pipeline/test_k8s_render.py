@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from dflash_pipeline import load_run_config, parse_run_config, render_documents
-from dflash_pipeline.render.base import GENERATED, PLACEHOLDER, base_files, example_secret, setup_files
-from dflash_pipeline.render.namespace_setup import setup_documents
+from dflash_pipeline.render.base import GENERATED, base_files
+from dflash_pipeline.render.namespace_setup import PLACEHOLDER, example_secret, setup_documents
 from dflash_pipeline.render.pods import HOME_DIR, RUN_AS, SCRATCH_DIR
 from dflash_pipeline.render.yaml_out import dump_all
 from dflash_pipeline.run.config import read_run_file
@@ -277,7 +277,7 @@ def test_a_partial_stage_table_keeps_the_stage_defaults() -> None:
 @pytest.mark.parametrize("folder", ["base", "namespace"])
 def test_committed_base_is_what_the_renderer_makes(folder: str) -> None:
     run = load_run_config(EXAMPLE_RUN)
-    expected = (base_files if folder == "base" else setup_files)(run, EXAMPLE_RUN.name)
+    expected = base_files(run, EXAMPLE_RUN.name, setup=folder != "base")
     committed = {p.name: p.read_text(encoding="utf-8") for p in (REPO_ROOT / "k8s" / folder).glob("*.yaml")}
     stale = sorted(set(committed) ^ set(expected)) or sorted(n for n in expected if committed[n] != expected[n])
     assert not stale, f"k8s/{folder} is out of date ({', '.join(stale)}); run make k8s-base"

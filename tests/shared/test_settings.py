@@ -10,6 +10,8 @@ from dflash_shared.errors import ConfigError
 from dflash_shared.settings import (
     SECRET_NAME,
     StageSettings,
+    env_name,
+    env_value,
     parse_settings,
     public_dict,
     settings_reference_markdown,
@@ -18,6 +20,15 @@ from dflash_shared.settings import (
 
 class Optimizer(BaseModel):
     fused: bool = Field(default=False, description="Fused kernel.")
+
+
+class ListConfig(StageSettings):
+    model_config = SettingsConfigDict(env_prefix="DFLASH_LISTTEST_")
+
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    weights: dict[str, float] = Field(default_factory=dict, description="Weights by name.")
+    resume: bool = Field(default=False, description="Resume.")
+    ratio: float = Field(default=0.5, description="A ratio.")
 
 
 class BoolConfig(StageSettings):
@@ -109,3 +120,12 @@ def test_a_secret_looking_field_is_masked_in_the_recorded_config() -> None:
         tokenizer: str = Field(default="qwen", description="Not a secret.")
 
     assert public_dict(WithKey()) == {"private_key": "***", "tokenizer": "qwen"}
+
+
+def test_a_value_written_as_its_variable_is_read_back_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the rendered Jobs and the local run set for a stage (env_value) must parse back unchanged.
+    given = {"stop": ["</think>", "a, b"], "weights": {"x": 0.25}, "resume": True, "ratio": 0.125}
+    for field, value in given.items():
+        monkeypatch.setenv(env_name(ListConfig, field), env_value(value))
+    assert parse_settings(ListConfig, []).model_dump() == given
+    assert env_value(False) == "false" and env_value(["a"]) == '["a"]'

@@ -19,6 +19,7 @@ environment `DFLASH_TRAIN_RESUME=no`; true/false, 1/0, yes/no and on/off, in any
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -76,6 +77,16 @@ def flag_name(field: str) -> str:
 
 def env_name(cls: type[BaseSettings], field: str) -> str:
     return (env_prefix(cls) + field).upper()
+
+
+def env_value(value: Any) -> str:
+    """`value` as an environment variable that pydantic-settings reads back as it was: JSON for lists and dicts,
+    true/false for booleans."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | dict):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return str(value)
 
 
 _TRUE_WORDS = frozenset({"true", "1", "yes", "y", "on"})

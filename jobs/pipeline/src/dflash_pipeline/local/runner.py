@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.local.console import Console, run_logged
-from dflash_pipeline.render.jobs import env_value
 from dflash_pipeline.render.pods import storage_env
 from dflash_pipeline.run.config import JobSettings, RunConfig
 from dflash_pipeline.run.layout import layout
@@ -85,7 +84,7 @@ def local_commands(stage: StageDef, python: str) -> list[list[str]]:
 
 def stage_environment(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, str]:
     """The environment variables the stage's Job sets (config, shard count, storage), minus pod plumbing."""
-    env = {stage.env_name(key): env_value(value) for key, value in stage_config(stage, run, settings).items()}
+    env = stage.environment(stage_config(stage, run, settings))
     if stage.sharded:
         env[COUNT_ENV] = str(settings.shards)
     env.update({item["name"]: item["value"] for item in storage_env(run)})

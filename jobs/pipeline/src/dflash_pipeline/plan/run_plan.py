@@ -35,7 +35,7 @@ from typing import Any
 from dflash_pipeline.plan.fit import FitReport, check_fit
 from dflash_pipeline.plan.gang_hold import GangHold, dead_rank_hold
 from dflash_pipeline.plan.tokens import RecordTokens, answer_mean_for
-from dflash_pipeline.render.run_objects import stage_objects
+from dflash_pipeline.render.run_objects import objects_of_stage
 from dflash_pipeline.render.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
 from dflash_pipeline.run.config import RunConfig, quantity_value
 from dflash_pipeline.run.layout import layout
@@ -472,7 +472,7 @@ def _gang_hold(run: RunConfig) -> GangHold | None:
     if run.stages.train.nodes < 2:
         return None
     # The rendered objects: the figures are theirs.
-    (gang,) = [d for d in stage_objects(run, TRAIN, run.stages.train) if d["kind"] in ("Job", "JobSet")]
+    (gang,) = [d for d in objects_of_stage(run, TRAIN) if d["kind"] in ("Job", "JobSet")]
     return dead_rank_hold(gang)
 
 

@@ -189,6 +189,11 @@ def driver_role_binding(run: RunConfig) -> dict[str, Any]:
 
 def driver_job(run: RunConfig) -> dict[str, Any]:
     """The run driver: one small CPU pod that lives as long as the run."""
+    metadata: dict[str, Any] = {"name": driver_name(run.run_id), "namespace": run.namespace,
+                                "labels": _driver_job_labels(run)}
+    if run.scheduling.job_annotations:
+        metadata["annotations"] = dict(sorted(run.scheduling.job_annotations.items()))
+    pod_metadata = _driver_pod_metadata(run)
     volumes, mounts = small_dirs(DRIVER_VOLUME_SIZE)
     env: list[dict[str, Any]] = [
         # From the pod itself, so an overlay that moves the run to another namespace moves the driver too.
@@ -208,10 +213,6 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
     if run.scheduling.priority_class_name:
         pod["priorityClassName"] = run.scheduling.priority_class_name
     fail_now = [int(ExitCode.USAGE), int(ExitCode.ENVIRONMENT), int(STAGE_FAILED)]
-    metadata: dict[str, Any] = {"name": driver_name(run.run_id), "namespace": run.namespace,
-                                "labels": _driver_job_labels(run)}
-    if run.scheduling.job_annotations:
-        metadata["annotations"] = dict(sorted(run.scheduling.job_annotations.items()))
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -227,7 +228,7 @@ def driver_job(run: RunConfig) -> dict[str, Any]:
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
             "ttlSecondsAfterFinished": DRIVER_TTL_S,
-            "template": {"metadata": _driver_pod_metadata(run), "spec": pod},
+            "template": {"metadata": pod_metadata, "spec": pod},
         },
     }
 

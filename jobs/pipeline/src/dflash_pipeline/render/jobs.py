@@ -15,17 +15,18 @@ The train stage is one process group rather than shards: a pod with several GPUs
 parallelism = nodes) whose torchruns meet at a c10d rendezvous hosted by pod 0. Where the ranks meet
 is `rendezvous`: pod 0 under the Job's own headless Service, or under the JobSet's.
 
-A stage's workload is resolved from the run once (`stage_workload`: its wiring, its scheduling, its pod
-template and metadata), and its Job (`job_object`) or its JobSet (`jobset`) is built from that value. The pod
-itself (security contexts, home, credentials) is `pods`, shared with the JobSet and the run driver.
+A stage's workload is resolved from the run once (`stage_workload`, from the stage's wiring: its scheduling, its
+pod template, a gang's wait pod, its metadata), and its Job (`job_object`) or its JobSet (`jobset`) is built from
+that value. The pod itself (security contexts, home, credentials) is `pods`, shared with the wait pod and the run
+driver; how torchrun is started, `rendezvous.launch_args`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_pipeline.render.input_wait import wait_pod
 from dflash_pipeline.render.pods import (
     HOME_DIR,
     PART_OF,
@@ -34,13 +35,10 @@ from dflash_pipeline.render.pods import (
     Container,
     pod_spec,
 )
-from dflash_pipeline.render.rendezvous import Rendezvous, stage_rendezvous
-from dflash_pipeline.render.scheduling import (
-    TMP_SIZE,
-    StageScheduling,
-    stage_scheduling,
-)
+from dflash_pipeline.render.rendezvous import Rendezvous, launch_args, stage_rendezvous
+from dflash_pipeline.render.scheduling import StageScheduling, stage_scheduling
 from dflash_pipeline.run.config import JobSettings, RunConfig
+from dflash_pipeline.run.layout import layout
 from dflash_pipeline.run.stages import (
     EVALUATE,
     EXPORT,
@@ -71,7 +69,9 @@ class StageWorkload:
     name: str  # the Job's (or JobSet's) name
     labels: dict[str, str]  # the project's labels of the stage, for objects beside it (its Service)
     metadata: dict[str, Any]  # the workload's metadata: name, labels, the prefixes it reads and writes
+    pods: int  # pods of its Indexed Job (`pods`): one per shard, or one per node
     template: dict[str, Any]  # the pod template
+    wait_pod: dict[str, Any] | None  # a gang's pod that waits for its input (`input_wait`); None for a Job
     wiring: StageWiring
     scheduling: StageScheduling
     rendezvous: Rendezvous | None  # where the pods of a multi-node stage meet; None in one pod
@@ -125,25 +125,6 @@ def check_shape(stage: StageDef, settings: JobSettings) -> None:
         raise ConfigError(f"{where}.exclusive_topology needs gang = \"jobset\" (JobSet places the gang)")
 
 
-def launch_args(run: RunConfig, stage: StageDef, settings: JobSettings, rendezvous: Rendezvous | None) -> list[str]:
-    """Arguments of the image entrypoint: none (one process), or torchrun over the pod's GPUs and the Job's nodes.
-
-    The entrypoint runs the preflight once per pod before torchrun. `$(JOB_COMPLETION_INDEX)` is expanded by
-    the kubelet from the variable the Job controller gives each pod of an Indexed Job. `rendezvous` is where the
-    torchruns of several nodes meet; None for a stage in one pod.
-    """
-    if stage.rank_command is None or (settings.gpus <= 1 and settings.nodes == 1):
-        return []
-    per_node = f"--nproc-per-node={max(settings.gpus, 1)}"
-    if rendezvous is None:
-        return ["torchrun", "--standalone", per_node, *stage.rank_command]
-    return [
-        "torchrun", f"--nnodes={settings.nodes}", per_node, "--node-rank=$(JOB_COMPLETION_INDEX)",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={run.run_id}",
-        f"--rdzv-conf=join_timeout={settings.rendezvous_timeout_seconds}", *stage.rank_command,
-    ]
-
-
 def labels(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": f"dflash-{stage.name}",
@@ -154,85 +135,66 @@ def labels(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, 
     }
 
 
-def env_value(value: Any) -> str:
-    """How pydantic-settings reads a value back from an environment variable."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | dict):
-        return json.dumps(value, separators=(",", ":"), sort_keys=True)
-    return str(value)
-
-
-def _volumes(settings: JobSettings, scratch_limit: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts): writable emptyDirs for a read-only root filesystem, and /dev/shm for GPU stages."""
-    volumes = [
-        {"name": "scratch", "emptyDir": {"sizeLimit": scratch_limit}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
-        {"name": "home", "emptyDir": {"sizeLimit": settings.home_size}},
-    ]
-    mounts = [
-        {"name": "scratch", "mountPath": SCRATCH_DIR},
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "home", "mountPath": HOME_DIR},
-    ]
-    if settings.shm_size:
-        # Container runtimes give /dev/shm 64 MiB; NCCL and engine worker processes need far more.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    return volumes, mounts
-
-
 def _stage_env(stage: StageDef, settings: JobSettings, wiring: StageWiring) -> list[dict[str, Any]]:
     """The stage container's own environment: its config as DFLASH_<STAGE>_* variables, its scratch and home,
     and where it keeps its log (`dflash_shared.pod_log` copies the pod's output to
     `<run>/logs/<stage>/<pod name>.log`)."""
     env: list[dict[str, Any]] = [{"name": COUNT_ENV, "value": str(settings.shards)}] if stage.sharded else []
-    env += [{"name": stage.env_name(key), "value": env_value(value)} for key, value in wiring.config.items()]
+    env += [{"name": name, "value": value} for name, value in wiring.environment.items()]
     return [*env, {"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": HOME_DIR},
             {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": PREFIX_ENV, "value": wiring.log_prefix}]
 
 
-def stage_workload(run: RunConfig, stage: StageDef, settings: JobSettings) -> StageWorkload:
-    """The stage's workload in this run: its wiring and scheduling, its pod template and its metadata."""
+def stage_workload(run: RunConfig, stage: StageDef, settings: JobSettings, wiring: StageWiring) -> StageWorkload:
+    """The stage's workload in this run, from its `wiring` (`stages.stage_wiring`): its scheduling, its pods and
+    its metadata.
+
+    What is the stage's own comes first, then what the other builders resolve (rendezvous and launch, scheduling,
+    the pods), each once.
+    """
     check_shape(stage, settings)
     name = job_name(run, stage)
-    rendezvous = stage_rendezvous(name, settings)
-    wiring = stage_wiring(stage, run, settings)
-    sched = stage_scheduling(run, stage, settings)
     own_labels = labels(run, stage, settings)
-    volumes, mounts = _volumes(settings, sched.scratch_limit)
+    env = _stage_env(stage, settings, wiring)
+    count = pods(stage, settings)
+    rendezvous = stage_rendezvous(name, settings)
+    args = launch_args(run.run_id, stage, settings, rendezvous)
+    sched = stage_scheduling(run, stage, settings)
+    # A gang is applied with the run, so it waits for its input in the cluster; the run driver creates every other
+    # stage's Job only once its input is there.
+    wait = (wait_pod(run, wiring.input_manifest)
+            if settings.gang == "jobset" and wiring.input_manifest is not None else None)
     # The run file's own `env` and the rendezvous' name come after the run's storage settings.
     after = [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
     after += [rendezvous.env] if rendezvous is not None else []
-    main = Container(stage.name, run.images.ref(stage.image), list(stage.command), _stage_env(stage, settings, wiring),
-                     sched.resources, mounts, args=launch_args(run, stage, settings, rendezvous),
-                     env_after_storage=after)
-    spec = pod_spec(run, main, volumes, grace_seconds=settings.termination_grace_seconds,
+    main = Container(stage.name, run.images.ref(stage.image), list(stage.command), env, sched.resources,
+                     sched.mounts, args=args, env_after_storage=after)
+    spec = pod_spec(run, main, sched.volumes, grace_seconds=settings.termination_grace_seconds,
                     subdomain=rendezvous.subdomain if rendezvous is not None else None)
-    spec.update(sched.placement)
+    spec |= sched.placement
     pod_meta: dict[str, Any] = {"labels": {**own_labels, **sched.pod_labels}}
     if sched.pod_annotations:
         pod_meta["annotations"] = sched.pod_annotations
     annotations = {"dflash-pipeline/output": wiring.output_prefix}
     if wiring.input_manifest is not None:
         annotations["dflash-pipeline/input"] = wiring.input_manifest
-    annotations.update(sched.job_annotations)
+    annotations |= sched.job_annotations
     if settings.min_parallelism is not None and settings.min_parallelism < settings.shards:
         annotations[MIN_PARALLELISM_ANNOTATION] = str(settings.min_parallelism)
     metadata = {"name": name, "namespace": run.namespace, "labels": {**own_labels, **sched.job_labels},
                 "annotations": annotations}
-    return StageWorkload(name=name, labels=own_labels, metadata=metadata,
-                         template={"metadata": pod_meta, "spec": spec}, wiring=wiring, scheduling=sched,
-                         rendezvous=rendezvous)
+    return StageWorkload(name=name, labels=own_labels, metadata=metadata, pods=count,
+                         template={"metadata": pod_meta, "spec": spec}, wait_pod=wait, wiring=wiring,
+                         scheduling=sched, rendezvous=rendezvous)
 
 
 def job_object(stage: StageDef, settings: JobSettings, workload: StageWorkload) -> dict[str, Any]:
     """The Indexed Job of one stage, from its workload; every stage's Job is built here."""
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
-        "completions": pods(stage, settings),
-        "parallelism": pods(stage, settings),
+        "completions": workload.pods,
+        "parallelism": workload.pods,
         "backoffLimitPerIndex": settings.retries_per_shard,
     }
     if not stage.sharded:
@@ -256,7 +218,8 @@ def job_object(stage: StageDef, settings: JobSettings, workload: StageWorkload) 
 
 def build_job(run: RunConfig, stage: StageDef, settings: JobSettings) -> dict[str, Any]:
     """The Indexed Job of one stage in this run."""
-    return job_object(stage, settings, stage_workload(run, stage, settings))
+    wiring = stage_wiring(stage, run, settings, layout(run.root, run.run_id))
+    return job_object(stage, settings, stage_workload(run, stage, settings, wiring))
 
 
 def _job_of(run: RunConfig, stage: StageDef) -> dict[str, Any]:

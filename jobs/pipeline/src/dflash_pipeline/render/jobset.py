@@ -18,10 +18,10 @@ rendezvous; a JobSet instead treats the N pods as one unit:
   checkpoint never has two writers); the ranks resume from the newest complete checkpoint.
 - network: JobSet makes the headless Service itself (subdomain = the JobSet's name); pod 0 of the Job is
   `<jobset>-node-0-0.<jobset>`, the c10d rendezvous endpoint. No Service of our own.
-- replicatedJob `wait-for-input`: one small CPU pod (the run driver's image) that waits for the tokenized
-  manifest; `node` dependsOn it being Complete, so no GPU pod exists before the data does (the JobSet is
-  applied with the run and is not created by the run driver, which drives batch/v1 Jobs). A wait that
-  times out (65) or cannot reach storage (69) fails the JobSet.
+- replicatedJob `wait-for-input`: one small CPU pod (the run driver's image; `input_wait`, resolved with the
+  stage's workload) that waits for the tokenized manifest; `node` dependsOn it being Complete, so no GPU pod
+  exists before the data does (the JobSet is applied with the run and is not created by the run driver, which
+  drives batch/v1 Jobs). A wait that times out (65) or cannot reach storage (69) fails the JobSet.
 - successPolicy: the JobSet succeeds when the `node` Job completes.
 - Kueue: the run file's queue-name and priority labels go on the JobSet (Kueue admits a JobSet as one
   workload, all pods or none); the child Jobs carry none, since Kueue manages them through their JobSet.
@@ -31,23 +31,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_pipeline.render.jobs import StageWorkload, pods
-from dflash_pipeline.render.pods import HOME_DIR, Container, pod_spec, small_dirs
+from dflash_pipeline.render.input_wait import WAIT_JOB
+from dflash_pipeline.render.jobs import StageWorkload
 from dflash_pipeline.render.rendezvous import NODE_JOB
-from dflash_pipeline.run.config import JobSettings, RunConfig
+from dflash_pipeline.run.config import JobSettings
 from dflash_pipeline.run.stages import StageDef
 from dflash_shared.exit_codes import ExitCode
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
-WAIT_JOB = "wait-for-input"
 KUEUE_PREFIX = "kueue.x-k8s.io/"
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
-# The waiting pod costs 50m CPU, so it may wait long: generation of a headline run takes days.
-WAIT_FOR_INPUT_S = 14 * 86400
-# The orchestration image (dflash_pipeline, its `wait` command); no stage image carries it.
-WAIT_IMAGE = "pipeline"
-WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
-WAIT_VOLUME_SIZE = "64Mi"
 DETERMINISTIC_CODES = (int(ExitCode.USAGE), int(ExitCode.BAD_INPUT))
 # The Job controller's message for a pod that matched a FailJob rule (stable since Kubernetes 1.26; JobSet's
 # onJobFailureMessagePatterns exists to read it): "Container <c> for pod <ns>/<pod> failed with exit code
@@ -67,14 +60,12 @@ def _gang_failure_policy() -> dict[str, Any]:
     ]}
 
 
-def _node_job(
-    stage: StageDef, settings: JobSettings, workload: StageWorkload, labels: dict[str, str]
-) -> dict[str, Any]:
+def _node_job(workload: StageWorkload, labels: dict[str, str]) -> dict[str, Any]:
     """The child Job template of the node replicatedJob: `nodes` pods of the stage's pod `template`."""
     child: dict[str, Any] = {
         "completionMode": "Indexed",
-        "completions": pods(stage, settings),
-        "parallelism": pods(stage, settings),
+        "completions": workload.pods,
+        "parallelism": workload.pods,
         # A failed pod fails its Job at once; the JobSet restarts the whole gang (or fails) by its rules.
         "backoffLimit": 0,
         "podFailurePolicy": _gang_failure_policy(),
@@ -85,29 +76,25 @@ def _node_job(
     return {"metadata": {"labels": labels}, "spec": child}
 
 
-def _wait_job(run: RunConfig, stage: StageDef, manifest: str | None, labels: dict[str, str]) -> dict[str, Any]:
-    assert manifest is not None, f"{stage.name} reads no upstream manifest"
-    volumes, mounts = small_dirs(WAIT_VOLUME_SIZE)
-    command = ["dflash-pipeline", "wait", "--manifest", manifest, "--timeout-seconds", str(WAIT_FOR_INPUT_S)]
-    env = [{"name": "HOME", "value": HOME_DIR}, {"name": "TMPDIR", "value": "/tmp"}]
-    pod = pod_spec(run, Container(WAIT_JOB, run.images.ref(WAIT_IMAGE), command, env, WAIT_RESOURCES, mounts),
-                   volumes)
+def _wait_job(stage: StageDef, workload: StageWorkload, labels: dict[str, str]) -> dict[str, Any]:
+    """The child Job template of the wait-for-input replicatedJob: the workload's `wait_pod`, once."""
+    assert workload.wait_pod is not None, f"{stage.name} waits for no upstream manifest"
     own = {**labels, "app.kubernetes.io/component": f"{stage.name}-{WAIT_JOB}"}
     return {"metadata": {"labels": own},
             "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 2, "podFailurePolicy": {"rules": [
                 # Timed out (65) or storage refused (69): fail now; other failures are retried twice.
                 {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [
                     int(ExitCode.BAD_INPUT), int(ExitCode.ENVIRONMENT)]}}]}, "template": {
-                "metadata": {"labels": own}, "spec": pod}}}
+                "metadata": {"labels": own}, "spec": workload.wait_pod}}}
 
 
-def jobset_object(run: RunConfig, stage: StageDef, settings: JobSettings, workload: StageWorkload) -> dict[str, Any]:
+def jobset_object(stage: StageDef, settings: JobSettings, workload: StageWorkload) -> dict[str, Any]:
     """The stage's JobSet: the wait pod, then the gang of `nodes` pods (see the module docstring)."""
     metadata = workload.metadata
     # Kueue admits the JobSet as one workload: its queue and priority labels stay on the JobSet alone.
     labels = {k: v for k, v in metadata["labels"].items() if not k.startswith(KUEUE_PREFIX)}
-    node = _node_job(stage, settings, workload, labels)
-    wait = _wait_job(run, stage, workload.wiring.input_manifest, labels)
+    node = _node_job(workload, labels)
+    wait = _wait_job(stage, workload, labels)
     rules = [
         {"name": "input-never-came", "action": "FailJobSet", "targetReplicatedJobs": [WAIT_JOB]},
         {"name": "bad-config-or-input", "action": "FailJobSet", "targetReplicatedJobs": [NODE_JOB],

@@ -19,6 +19,7 @@ from dflash_pipeline.render.pods import PART_OF
 from dflash_pipeline.run.config import RunConfig
 
 SETUP_ROLE = "namespace-setup"
+PLACEHOLDER = "REPLACE-ME"
 
 
 def _labels() -> dict[str, str]:
@@ -45,6 +46,22 @@ def service_account(run: RunConfig) -> dict[str, Any]:
     if run.storage.service_account_annotations:
         metadata["annotations"] = dict(sorted(run.storage.service_account_annotations.items()))
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata, "automountServiceAccountToken": False}
+
+
+def example_secret(run: RunConfig) -> dict[str, Any]:
+    """A Secret with the keys the stages read and placeholder values only: written beside the setup's files, never
+    applied with them (`base`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": run.storage.secret, "namespace": run.namespace,
+                     "labels": {"app.kubernetes.io/part-of": PART_OF}},
+        "type": "Opaque",
+        "stringData": {
+            "AWS_ACCESS_KEY_ID": f"{PLACEHOLDER}-access-key-id",
+            "AWS_SECRET_ACCESS_KEY": f"{PLACEHOLDER}-secret-access-key",
+        },
+    }
 
 
 def setup_documents(run: RunConfig) -> list[dict[str, Any]]:

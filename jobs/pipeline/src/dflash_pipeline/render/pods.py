@@ -77,9 +77,9 @@ def _container(run: RunConfig, main: Container) -> dict[str, Any]:
                            "command": main.command}
     if main.args:
         out["args"] = main.args
-    out.update({"env": [*main.env, *storage_env(run), *main.env_after_storage], "resources": main.resources,
-                "securityContext": CONTAINER_SECURITY, "terminationMessagePolicy": "FallbackToLogsOnError",
-                "volumeMounts": main.mounts})
+    out |= {"env": [*main.env, *storage_env(run), *main.env_after_storage], "resources": main.resources,
+            "securityContext": CONTAINER_SECURITY, "terminationMessagePolicy": "FallbackToLogsOnError",
+            "volumeMounts": main.mounts}
     if run.storage.secret:
         out["envFrom"] = [{"secretRef": {"name": run.storage.secret}}]
     return out

@@ -1,4 +1,5 @@
-"""Where the torchruns of a multi-node stage meet: pod 0's address, and what a pod needs to resolve it.
+"""How a torchrun stage is launched (`launch_args`), and where the torchruns of several nodes meet: pod 0's address,
+and what a pod needs to resolve it.
 
 An Indexed Job's pod i is named <job>-i; with `subdomain` set to a headless Service of the Job's pods
 (`headless_service`), <job>-0.<service> resolves to pod 0 as soon as it has an address (`job_rendezvous`). A
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_pipeline.run.config import JobSettings
+from dflash_pipeline.run.stages import StageDef
 
 RENDEZVOUS_PORT = 29500
 # The headless Service's name, as the container sees it: a literal that kustomize renames with the Service (the
@@ -41,6 +43,25 @@ def stage_rendezvous(job_name: str, settings: JobSettings) -> Rendezvous | None:
     if settings.gang == "jobset":
         return gang_rendezvous()
     return job_rendezvous(job_name) if settings.nodes > 1 else None
+
+
+def launch_args(run_id: str, stage: StageDef, settings: JobSettings, rendezvous: Rendezvous | None) -> list[str]:
+    """Arguments of the image entrypoint: none (one process), or torchrun over the pod's GPUs and the Job's nodes.
+
+    The entrypoint runs the preflight once per pod before torchrun. `$(JOB_COMPLETION_INDEX)` is expanded by
+    the kubelet from the variable the Job controller gives each pod of an Indexed Job. `rendezvous` is where the
+    torchruns of several nodes meet; None for a stage in one pod.
+    """
+    if stage.rank_command is None or (settings.gpus <= 1 and settings.nodes == 1):
+        return []
+    per_node = f"--nproc-per-node={max(settings.gpus, 1)}"
+    if rendezvous is None:
+        return ["torchrun", "--standalone", per_node, *stage.rank_command]
+    return [
+        "torchrun", f"--nnodes={settings.nodes}", per_node, "--node-rank=$(JOB_COMPLETION_INDEX)",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={run_id}",
+        f"--rdzv-conf=join_timeout={settings.rendezvous_timeout_seconds}", *stage.rank_command,
+    ]
 
 
 def job_rendezvous(job_name: str) -> Rendezvous:

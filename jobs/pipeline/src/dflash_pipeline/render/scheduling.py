@@ -9,6 +9,8 @@
 - The Job's activeDeadlineSeconds, the pod's requests and limits (extra device resources, RDMA, next to the
   GPUs) and its placement (node selector, GPU type affinity, tolerations, runtime and priority class).
 
+- The pod's emptyDirs (scratch, /tmp, HOME, /dev/shm), sized as requested.
+
 `stage_scheduling` resolves all of it for one stage at once (`StageScheduling`): the Job and the JobSet of a
 stage are built from that one value.
 """
@@ -22,6 +24,7 @@ from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
 from typing import Any
 
+from dflash_pipeline.render.pods import HOME_DIR, SCRATCH_DIR
 from dflash_pipeline.run.config import JobSettings, RunConfig, quantity_value
 from dflash_pipeline.run.stages import StageDef
 from dflash_shared.errors import ConfigError
@@ -41,9 +44,13 @@ SIZE_MARGIN = Decimal("1.1")
 _PARAMETERS = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[bB](?![A-Za-z0-9])")
 
 
+def _up_to_gib(num_bytes: Decimal) -> Decimal:
+    return (num_bytes / GIB).to_integral_value(rounding=ROUND_CEILING) * GIB
+
+
 def whole_gib(num_bytes: Decimal) -> str:
     """A byte count as a quantity of whole GiB, rounded up, so that it is never below what it stands for."""
-    return f"{int((num_bytes / GIB).to_integral_value(rounding=ROUND_CEILING))}Gi"
+    return f"{int(_up_to_gib(num_bytes) / GIB)}Gi"
 
 
 def target_disk_bytes(run: RunConfig) -> Decimal:
@@ -64,18 +71,41 @@ def target_disk_bytes(run: RunConfig) -> Decimal:
     return max(counts) * Decimal(10**9) * BYTES_PER_PARAMETER * SIZE_MARGIN
 
 
+def _disk(run: RunConfig, stage: StageDef, settings: JobSettings) -> tuple[str, str]:
+    """(sizeLimit of the scratch emptyDir, the pod's ephemeral storage), in whole GiB.
+
+    The scratch holds the stage's working space, plus the target copy where it makes one. The ephemeral storage
+    is what a stage pod may write to node disk: its disk-backed emptyDirs (scratch, /tmp, HOME; not /dev/shm,
+    which is memory) and its logs.
+    """
+    target = target_disk_bytes(run) if stage.copies_target else Decimal(0)
+    scratch, tmp, home = (quantity_value(q) for q in (settings.scratch_size, TMP_SIZE, settings.home_size))
+    limit = _up_to_gib(scratch + target)
+    return whole_gib(limit), whole_gib(limit + tmp + home + LOG_ALLOWANCE)
+
+
 def scratch_limit(run: RunConfig, stage: StageDef, settings: JobSettings) -> str:
     """sizeLimit of the scratch emptyDir: the stage's working space, plus the target copy where it makes one."""
-    size = quantity_value(settings.scratch_size)
-    if stage.copies_target:
-        size += target_disk_bytes(run)
-    return whole_gib(size)
+    return _disk(run, stage, settings)[0]
 
 
-def ephemeral_storage(scratch: str, home_size: str) -> str:
-    """What a stage pod may write to node disk: its disk-backed emptyDirs (scratch, /tmp, HOME; not /dev/shm,
-    which is memory) and its logs."""
-    return whole_gib(sum((quantity_value(q) for q in (scratch, TMP_SIZE, home_size)), LOG_ALLOWANCE))
+def _volumes(settings: JobSettings, scratch: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): writable emptyDirs for a read-only root filesystem, and /dev/shm for GPU stages."""
+    volumes = [
+        {"name": "scratch", "emptyDir": {"sizeLimit": scratch}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        {"name": "home", "emptyDir": {"sizeLimit": settings.home_size}},
+    ]
+    mounts = [
+        {"name": "scratch", "mountPath": SCRATCH_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "home", "mountPath": HOME_DIR},
+    ]
+    if settings.shm_size:
+        # Container runtimes give /dev/shm 64 MiB; NCCL and engine worker processes need far more.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
 
 
 def device_resources(settings: JobSettings) -> dict[str, Any]:
@@ -86,7 +116,7 @@ def device_resources(settings: JobSettings) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if settings.gpus:
         out[settings.gpu_resource] = settings.gpus
-    out.update(sorted(settings.extra_resources.items()))
+    out |= dict(sorted(settings.extra_resources.items()))
     return out
 
 
@@ -113,7 +143,7 @@ def _kueue_labels(run: RunConfig, stage: StageDef, settings: JobSettings, labels
 def job_metadata(run: RunConfig, stage: StageDef, settings: JobSettings) -> tuple[dict[str, str], dict[str, str]]:
     """(labels, annotations) the run file adds to the stage's Job (the project's own come on top)."""
     labels = _merged(run.scheduling.job_labels, settings.job_labels)
-    labels.update(_kueue_labels(run, stage, settings, labels))
+    labels |= _kueue_labels(run, stage, settings, labels)
     return dict(sorted(labels.items())), _merged(run.scheduling.job_annotations, settings.job_annotations)
 
 
@@ -145,8 +175,8 @@ def _resources(settings: JobSettings, disk: str) -> dict[str, Any]:
         limits["cpu"] = settings.cpu_limit
     devices = device_resources(settings)
     # GPUs keep their limit only (the request follows it); extra devices are written out in both.
-    requests.update({k: v for k, v in devices.items() if k != settings.gpu_resource})
-    limits.update(devices)
+    requests |= {k: v for k, v in devices.items() if k != settings.gpu_resource}
+    limits |= devices
     return {"requests": requests, "limits": limits}
 
 
@@ -178,7 +208,8 @@ class StageScheduling:
     pod_annotations: dict[str, str]
     placement: dict[str, Any]  # pod spec fields: nodeSelector, affinity, tolerations, runtime and priority class
     resources: dict[str, Any]  # the stage container's requests and limits
-    scratch_limit: str  # sizeLimit of the scratch emptyDir
+    volumes: list[dict[str, Any]]  # the pod's emptyDirs: scratch (sized for a target copy), /tmp, HOME, /dev/shm
+    mounts: list[dict[str, Any]]  # where the stage container mounts them
     deadline_seconds: int | None  # activeDeadlineSeconds, None for none
 
 
@@ -186,10 +217,12 @@ def stage_scheduling(run: RunConfig, stage: StageDef, settings: JobSettings) -> 
     """Everything of `[scheduling]` and the stage's settings that its Job, JobSet and pods carry."""
     job_labels, job_annotations = job_metadata(run, stage, settings)
     pod_labels, pod_annotations = pod_metadata(run, settings)
-    scratch = scratch_limit(run, stage, settings)
+    placement = _placement(run, settings)
+    deadline = active_deadline_seconds(settings)
+    scratch, disk = _disk(run, stage, settings)
+    volumes, mounts = _volumes(settings, scratch)
     return StageScheduling(
         job_labels=job_labels, job_annotations=job_annotations, pod_labels=pod_labels,
-        pod_annotations=pod_annotations, placement=_placement(run, settings),
-        resources=_resources(settings, ephemeral_storage(scratch, settings.home_size)), scratch_limit=scratch,
-        deadline_seconds=active_deadline_seconds(settings),
+        pod_annotations=pod_annotations, placement=placement, resources=_resources(settings, disk), volumes=volumes,
+        mounts=mounts, deadline_seconds=deadline,
     )

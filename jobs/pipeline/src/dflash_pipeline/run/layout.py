@@ -16,6 +16,7 @@ named after the stage rather than the kind.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dflash_shared.manifests import MANIFEST_NAME, Kind
@@ -29,55 +30,63 @@ SERVING_FOLDER = "serving"
 LOGS_FOLDER = "logs"
 
 
+# The run's folders that stages read and write, or keep their logs in: their prefixes are worked out once.
+FOLDERS = (*(kind.value for kind in Kind), EXPORT_FOLDER, SERVING_FOLDER, LOGS_FOLDER)
+
+
 @dataclass(frozen=True)
 class RunLayout:
-    """The prefixes of one run, by manifest kind."""
+    """The prefixes of one run, by manifest kind, each worked out once (`layout`)."""
 
     run_prefix: str
+    folders: Mapping[str, str]  # every name of FOLDERS -> <run>/<name>
+    manifests: Mapping[str, str]  # every name of FOLDERS -> <run>/<name>/manifest.json
 
     def prefix(self, kind: Kind) -> str:
-        return join(self.run_prefix, kind.value)
+        return self.folders[kind.value]
 
     def folder(self, name: str) -> str:
-        """The prefix <run>/<name> (a kind's value, or `export`)."""
-        return join(self.run_prefix, name)
+        """The prefix <run>/<name> (a kind's value, `export`, or a folder of the run's own such as the driver's)."""
+        return self.folders.get(name) or join(self.run_prefix, name)
 
     def manifest(self, kind: Kind) -> str:
-        return join(self.prefix(kind), MANIFEST_NAME)
+        return self.manifests[kind.value]
 
     @property
     def prompts(self) -> str:
-        return self.prefix(Kind.prompts)
+        return self.folders[Kind.prompts.value]
 
     @property
     def completions(self) -> str:
-        return self.prefix(Kind.completions)
+        return self.folders[Kind.completions.value]
 
     @property
     def tokenized(self) -> str:
-        return self.prefix(Kind.tokenized)
+        return self.folders[Kind.tokenized.value]
 
     @property
     def drafter(self) -> str:
-        return self.prefix(Kind.drafter)
+        return self.folders[Kind.drafter.value]
 
     @property
     def export(self) -> str:
-        return self.folder(EXPORT_FOLDER)
+        return self.folders[EXPORT_FOLDER]
 
     @property
     def evaluation(self) -> str:
-        return self.prefix(Kind.evaluation)
+        return self.folders[Kind.evaluation.value]
 
     @property
     def serving(self) -> str:
-        return self.folder(SERVING_FOLDER)
+        return self.folders[SERVING_FOLDER]
 
     def logs(self, stage: str | None = None) -> str:
         """Where the pods of `stage` keep their logs (all stages' without one)."""
-        return join(self.folder(LOGS_FOLDER), stage) if stage else self.folder(LOGS_FOLDER)
+        return join(self.folders[LOGS_FOLDER], stage) if stage else self.folders[LOGS_FOLDER]
 
 
 def layout(root: str, run_id: str) -> RunLayout:
     """The one place prefixes are derived: <root>/<run_id>/<kind>."""
-    return RunLayout(join(root, run_id))
+    run_prefix = join(root, run_id)
+    folders = {name: join(run_prefix, name) for name in FOLDERS}
+    return RunLayout(run_prefix, folders, {name: join(prefix, MANIFEST_NAME) for name, prefix in folders.items()})

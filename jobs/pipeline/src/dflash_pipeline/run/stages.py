@@ -24,9 +24,8 @@ from typing import Any
 from dflash_pipeline.run.config import JobSettings, RunConfig, quantity_value
 from dflash_pipeline.run.layout import EXPORT_FOLDER, SERVING_FOLDER, RunLayout, layout
 from dflash_shared.errors import ConfigError
-from dflash_shared.manifests import MANIFEST_NAME, Kind
-from dflash_shared.settings import StageSettings, env_name
-from dflash_shared.storage import join
+from dflash_shared.manifests import Kind
+from dflash_shared.settings import StageSettings, env_name, env_value
 
 # Entry point of every stage image: preflight, then the stage, both configured by environment variables (with
 # a command as its first argument, that command alone); it keeps the pod's log in the store (`jobs.log_env`).
@@ -82,16 +81,20 @@ class StageDef:
         return env_name(self.config_model(), field)
 
     def output_prefix(self, lay: RunLayout) -> str:
-        return lay.folder(self.output_folder or self.output_kind.value)
+        return lay.folders[self.output_folder or self.output_kind.value]
 
     def output_manifest(self, lay: RunLayout) -> str:
-        return join(self.output_prefix(lay), MANIFEST_NAME)
+        return lay.manifests[self.output_folder or self.output_kind.value]
 
     def input_manifest(self, lay: RunLayout) -> str | None:
         """The upstream manifest this stage waits for (None: it reads external data)."""
         if self.input_kind is None:
             return None
-        return join(lay.folder(self.input_folder or self.input_kind.value), MANIFEST_NAME)
+        return lay.manifests[self.input_folder or self.input_kind.value]
+
+    def environment(self, config: dict[str, Any]) -> dict[str, str]:
+        """`config` as the variables the stage reads it from (its DFLASH_<STAGE>_* names)."""
+        return {self.env_name(key): env_value(value) for key, value in config.items()}
 
 
 @functools.cache
@@ -269,18 +272,21 @@ def selected_stages(run: RunConfig, only: list[str] | None = None) -> list[Stage
 
 @dataclass(frozen=True)
 class StageWiring:
-    """A stage as its workload gets it: its config, and the prefixes it reads, writes and keeps its logs in."""
+    """A stage as its workload gets it: its config (and as the variables the stage reads), and the prefixes it
+    reads, writes and keeps its logs in."""
 
     config: dict[str, Any]  # `stage_config`
+    environment: dict[str, str]  # `config` by variable name (`StageDef.environment`)
     output_prefix: str
     input_manifest: str | None  # None: the stage reads external data
     log_prefix: str
 
 
-def stage_wiring(stage: StageDef, run: RunConfig, settings: JobSettings) -> StageWiring:
-    """The stage's config and prefixes in this run, resolved once for its Job (or JobSet) and pods."""
-    lay = layout(run.root, run.run_id)
-    return StageWiring(config=_checked_config(stage, run, lay, settings), output_prefix=stage.output_prefix(lay),
+def stage_wiring(stage: StageDef, run: RunConfig, settings: JobSettings, lay: RunLayout) -> StageWiring:
+    """The stage's config and prefixes in this run (laid out as `lay`), resolved once for its Job (or JobSet)
+    and pods."""
+    config = _checked_config(stage, run, lay, settings)
+    return StageWiring(config=config, environment=stage.environment(config), output_prefix=stage.output_prefix(lay),
                        input_manifest=stage.input_manifest(lay), log_prefix=lay.logs(stage.name))
 
 
