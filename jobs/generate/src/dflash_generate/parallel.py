@@ -25,6 +25,7 @@ from dflash_shared.errors import BadInputError, ConfigError, Preempted, Prefligh
 from dflash_shared.exit_codes import ExitCode, describe
 from dflash_shared.manifests import MANIFEST_NAME
 from dflash_shared.processes import die_with_this_process
+from dflash_shared.settings import env_value
 from dflash_shared.storage import ObjectStore, join
 
 log = logging.getLogger(__name__)
@@ -34,19 +35,13 @@ STOP_GRACE_S = 60.0
 _FATAL = (ExitCode.USAGE, ExitCode.BAD_INPUT)
 
 
-def _env_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 def child_env(config: GenerateConfig, rank: int, devices: Sequence[str] | None,
               base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of engine process `rank`: the parent's settings as variables, its rank, its GPUs."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if not k.upper().startswith(ENV_PREFIX)}
     for name, value in config.model_dump(mode="json").items():
         if value is not None:
-            env[ENV_PREFIX + name.upper()] = _env_value(value)
+            env[ENV_PREFIX + name.upper()] = env_value(value)
     env[ENV_PREFIX + "DATA_PARALLEL_RANK"] = str(rank)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
