@@ -53,8 +53,8 @@ def trial_run(bench_run: dict[str, Any], bench_dir: Path, name: str) -> dict[str
 
 def trial_export(bench_dir: Path, name: str) -> tuple[Path, str]:
     """The trial's export (trained now unless it exists) and its last training line."""
-    work = bench_dir.parent / "trials" / name
     run = trial_run(json.loads((bench_dir / "run.json").read_text()), bench_dir, name)
+    work = Path(run["root"]).parent
     export = Path(run["root"]) / run["run_id"] / "export"
     if not (export / "manifest.json").exists():
         work.mkdir(parents=True, exist_ok=True)
