@@ -1,17 +1,21 @@
-"""Drafter recipe trials on the long-answer target: one change to the train stage's settings at a time, offline tau.
+"""Drafter recipe trials on the speaking targets: one change of the train recipe at a time, side by side.
 
-`bench_quality.py --speaking code --work-dir DIR` leaves the target's regenerated answers in its store
-(DIR/code/store/bench-quality/completions). Each trial re-imports them (`source.kind = "completions"`: the token
-ids are kept, no generation runs) into a run of its own, whose run file is the bench's with one change to
-`[stages.train] config`. The trial's tokenize, train and export stages then run through `dflash-pipeline local`,
-as they do in the bench. The trial's export is measured with the evaluate stage's offline speculative loop
-(`bench_quality.offline_tau`, equal to the engine's tau in every bench so far) on the bench's 48 held-out prompts,
-and on 48 of the target's own training questions (answers the drafter trained on too), which tells a drafter
-that did not learn apart from one that learned what the held-out prompts do not ask.
+For each speaking target (`--speaking docs code`), `bench_quality.py`'s setup (the target, its regenerated answers
+to the bench's training questions, run by the product's own stages; resumed from `--work-dir`) leaves the answers
+in its store (DIR/<target>/store/bench-quality/completions). Each trial re-imports them (`source.kind =
+"completions"`: the token ids are kept, no generation runs) into a run of its own, whose run file is the bench's
+with one change to `[stages.train] config`, and runs its tokenize, train and export stages through
+`dflash-pipeline local`, as the bench does. The trial's export is then measured by the evaluate stage's offline
+speculative loop (`bench_quality.offline_tau`, equal to vLLM's engine tau in every bench so far) on the bench's
+48 held-out prompts: tau, and accepted tokens per drafted position.
 
-    .venv-generate/bin/python bench/bench_drafter_trials.py --work-dir /work/bq [--trials steps1800 deeper]
+Equal steps and equal CPU time: every trial trains the bench's number of steps. A trial whose training took more
+than 15% longer than today's recipe (more blocks per step) is run a second time (`<name>@time`) with its steps
+scaled down to today's training time, so that what a change buys per step and per CPU-second are both shown.
 
-A trial whose export exists is measured again without training (delete DIR/trials/<name> to train it anew).
+    .venv-generate/bin/python bench/bench_drafter_trials.py --work-dir /work/bq [--speaking code] [--trials kl]
+
+A trial whose export exists is measured again without training (delete DIR/trials/<target>/<name> to retrain).
 Runs in the generate environment with the train package installed (.venv-generate), like bench_quality.py.
 """
 
@@ -30,85 +34,133 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-# Each trial: what it changes of the bench's [stages.train] config (600 steps, 16 anchors, the debug drafter).
+# Each trial: what it changes of the bench's [stages.train] config. `today` is the recipe as the bench runs it.
 TRIALS: dict[str, dict[str, Any]] = {
-    "bench": {},
-    "layers13": {"drafter_overrides": {"num_anchors": 16, "target_layer_ids": [1, 3]}},
-    "deeper": {"drafter_overrides": {"num_anchors": 16, "num_layers": 4, "intermediate_size": 512}},
-    "steps1800": {"max_steps": 1800, "epochs": 8},
+    "today": {},
+    "anchors512": {"drafter_overrides": {"num_anchors": 512}},  # every valid position of a normal answer
+    "target_argmax_ce": {"objective": "target_argmax_ce"},
+    "target_kl": {"objective": "target_kl"},
+    "dpace": {"position_weighting": "dpace"},
+    "wsd": {"lr_schedule": "wsd"},
 }
 STAGES = ("import", "tokenize", "train", "export")
 PROMPTS = 48
-MAX_NEW_TOKENS = 256
+SLOWER = 1.15  # a trial this much slower than today's recipe also runs at today's training time
 
 
-def trial_run(bench_run: dict[str, Any], bench_dir: Path, name: str) -> dict[str, Any]:
+def trial_run(bench_run: dict[str, Any], bench_dir: Path, name: str, change: dict[str, Any]) -> dict[str, Any]:
     """The trial's run file: the bench's, reading the bench's completions, with the trial's one change."""
     run = copy.deepcopy(bench_run)
-    run.update(run_id=f"trial-{name}", root=str(bench_dir.parent / "trials" / name / "store"),
+    run.update(run_id=f"trial-{name.replace('@', '-at-')}",
+               root=str(bench_dir.parent / "trials" / bench_dir.name / name / "store"),
                source={"kind": "completions", "uri": str(bench_dir / "store" / "bench-quality" / "completions")})
-    run["stages"]["train"]["config"].update(TRIALS[name])
+    train = run["stages"]["train"]["config"]
+    for key, value in change.items():
+        train[key] = {**train.get(key, {}), **value} if isinstance(value, dict) else value
     return run
 
 
-def trial_export(bench_dir: Path, name: str) -> tuple[Path, str]:
-    """The trial's export (trained now unless it exists) and its last training line."""
-    run = trial_run(json.loads((bench_dir / "run.json").read_text()), bench_dir, name)
+def trial_export(bench_dir: Path, name: str, change: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The trial's export (trained now unless it exists) and what its training reported."""
+    run = trial_run(json.loads((bench_dir / "run.json").read_text()), bench_dir, name, change)
     work = Path(run["root"]).parent
     export = Path(run["root"]) / run["run_id"] / "export"
+    timing = work / "train-seconds.json"
     if not (export / "manifest.json").exists():
         work.mkdir(parents=True, exist_ok=True)
         (work / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-        began = time.monotonic()
-        subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "dflash_pipeline", "local", "--config",
-                        str(work / "run.json"), "--log-dir", str(work / "logs"),
-                        *[arg for stage in STAGES for arg in ("--stage", stage)]],
-                       cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-        print(f"  {name}: stages in {time.monotonic() - began:.0f} s", flush=True)
-    lines = [line for line in (work / "logs" / "train-0.log").read_text().splitlines() if "metrics: step" in line]
-    return export, lines[-1].split("metrics: ", 1)[1] if lines else "no training line"
+        for stage in STAGES:
+            began = time.monotonic()
+            subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "dflash_pipeline", "local", "--config",
+                            str(work / "run.json"), "--log-dir", str(work / "logs"), "--stage", stage],
+                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            if stage == "train":
+                timing.write_text(json.dumps({"seconds": time.monotonic() - began}) + "\n")
+    from dflash_shared.manifest_io import load_manifest
+    from dflash_shared.manifests import Kind
+    from dflash_shared.storage import ObjectStore
+
+    drafter = load_manifest(ObjectStore(), str(Path(run["root"]) / run["run_id"] / "train"), Kind.drafter,
+                            verify=False)
+    metrics = dict(drafter.section.final_metrics)
+    metrics["train_seconds"] = json.loads(timing.read_text())["seconds"] if timing.exists() else float("nan")
+    metrics["steps"] = float(run["stages"]["train"]["config"].get("max_steps") or 0)
+    return export, metrics
+
+
+def measure(target: Path, export: Path, prompts: list[list[int]], max_new_tokens: int, stops: list[int]
+            ) -> tuple[float, list[float]]:
+    """Offline tau and the accepted share per drafted position (the evaluate stage's loop)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.evaluate.speculate import HookedTarget, speculative_generate
+    from dflash_train.export.files import load_export_dir
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    drafter = load_export_dir(str(export), device="cpu", dtype=torch.float32)
+    hooked = HookedTarget(model, drafter.config.target_layer_ids)
+    accepted: list[int] = []
+    try:
+        for prompt in prompts:
+            accepted += speculative_generate(drafter, hooked, prompt, max_new_tokens, frozenset(stops)).accepted
+    finally:
+        hooked.close()
+    drafted = drafter.config.block_size - 1
+    per_position = [sum(a > k for a in accepted) / len(accepted) for k in range(drafted)]
+    return (sum(accepted) + len(accepted)) / len(accepted), per_position
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work-dir", type=Path, required=True, help="bench_quality.py's --work-dir (code bench run)")
+    parser.add_argument("--work-dir", type=Path, required=True, help="bench_quality.py's --work-dir")
+    parser.add_argument("--speaking", nargs="+", choices=["docs", "code"], default=["docs", "code"])
     parser.add_argument("--trials", nargs="+", choices=list(TRIALS), default=list(TRIALS))
-    parser.add_argument("--trained-questions", action="store_true",
-                        help=f"also measure on {PROMPTS} of the target's training questions (3 minutes a trial)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the offline loop")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the offline loop")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     import torch
-    from bench_quality import chat_ids, offline_tau, speaking_prompts
+    from bench_quality import SPEAKING_BENCHES, chat_ids, speaking_measured
 
     from tests.evaluate import eval_fixtures as ef
-    from tests.support.speaking_target import TARGETS, build_speaking_target
 
     torch.set_num_threads(args.threads)
-    bench_dir = args.work_dir / "code"
-    if not (bench_dir / "store" / "bench-quality" / "completions" / "manifest.json").exists():
-        sys.exit(f"no completions under {bench_dir}: run bench_quality.py --speaking code --work-dir {args.work_dir}")
-    spec = TARGETS["code"]
-    target = build_speaking_target(spec)
-    heldout, _ = speaking_prompts(spec.corpus, PROMPTS, 4200)
-    trained_on = [pair.question for pair in spec.corpus.split_pairs("train")][:PROMPTS]
-    questions = {"held-out": heldout, **({"trained": trained_on} if args.trained_questions else {})}
-    prompt_sets = {key: chat_ids(target, [[{"role": "user", "content": q}] for q in chosen])
-                   for key, chosen in questions.items()}
-    stops = list(ef.stop_ids(target))
-    rows = []
-    for name in args.trials:
-        export, last = trial_export(bench_dir, name)
-        taus = {key: offline_tau(target, export, prompts, MAX_NEW_TOKENS, stops, "cpu", "float32")
-                for key, prompts in prompt_sets.items()}
-        rows.append((name, taus))
-        figures = ", ".join(f"{key} {tau:.3f}" for key, tau in taus.items())
-        print(f"  {name}: offline tau {figures}; last step: {last[:100]}", flush=True)
-    print(f"\n| trial | change of [stages.train] config | offline tau ({PROMPTS} prompts each): "
-          f"{', '.join(questions)} |")
-    print("|---|---|---|")
-    for name, taus in rows:
-        print(f"| {name} | {json.dumps(TRIALS[name]) if TRIALS[name] else '(the bench: none)'} | "
-              f"{' / '.join(f'{tau:.3f}' for tau in taus.values())} |")
+    setup = argparse.Namespace(heldout=PROMPTS, train_prompts=4200, fixture_drafter=False, max_new_tokens=None)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for key in args.speaking:
+        bench = SPEAKING_BENCHES[key]
+        measured = speaking_measured(bench, setup, args.work_dir)  # resumes the bench's own stages
+        prompts = chat_ids(measured.target_dir, measured.conversations)
+        stops = list(ef.stop_ids(measured.target_dir))
+        bench_dir = args.work_dir / key
+        rows: list[dict[str, Any]] = []
+        queue = [(name, TRIALS[name]) for name in args.trials]
+        while queue:
+            name, change = queue.pop(0)
+            export, metrics = trial_export(bench_dir, name, change)
+            tau, per_position = measure(measured.target_dir, export, prompts, bench.max_new_tokens, stops)
+            row = {"trial": name, "change": change, "tau": tau, "accepted_per_position": per_position, **metrics}
+            rows.append(row)
+            print(f"  {key} {name}: offline tau {tau:.3f}, per position "
+                  f"{' '.join(f'{a:.2f}' for a in per_position)}, train {metrics['train_seconds']:.0f} s, loss "
+                  f"{metrics.get('loss', float('nan')):.3f}, label agreement "
+                  f"{metrics.get('label_agreement', float('nan')):.3f}", flush=True)
+            today = next((r for r in rows if r["trial"] == "today"), None)
+            if today is not None and "@" not in name and name != "today" \
+                    and metrics["train_seconds"] > SLOWER * today["train_seconds"]:
+                steps = int(json.loads((bench_dir / "run.json").read_text())["stages"]["train"]["config"]["max_steps"])
+                scaled = max(1, round(steps * today["train_seconds"] / metrics["train_seconds"]))
+                queue.insert(0, (f"{name}@time", {**change, "max_steps": scaled}))
+        results[key] = rows
+        print(f"\n{key}: | trial | change | steps | train s | loss | label agreement | offline tau | accepted per "
+              "position |")
+        for r in rows:
+            print(f"| {r['trial']} | {json.dumps(r['change']) if r['change'] else '-'} | "
+                  f"{int(r['steps']) or '-'} | {r['train_seconds']:.0f} | {r.get('loss', float('nan')):.3f} | "
+                  f"{r.get('label_agreement', float('nan')):.3f} | {r['tau']:.3f} | "
+                  f"{' '.join(f'{a:.2f}' for a in r['accepted_per_position'])} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,10 @@ def test_the_demo_pilot_runs_resumes_reports_and_replans(s3_bucket: str, store: 
     # The memory plan's prediction sits beside the measured peak; on CPU no MFU is claimed.
     assert figures[("train", "peak memory per GPU")].planned is not None
     assert figures[("train", "MFU")].measured is None
+    # The trained labels' agreement with the trainer target's own greedy tokens is reported (the demo's random
+    # target regenerates in bf16 and trains in fp32: how far they agree is its near-ties', not asserted here).
+    agreement = figures[("train", "label agreement")].measured
+    assert agreement is not None and 0.0 <= agreement <= 1.0
     assert {"generate_tokens_per_s_per_gpu", "train_tokens_per_s_per_gpu", "mean_completion_tokens"} <= set(
         report.measured)
     # The train stage stopped at its checkpoint as a preemption does, and the rerun resumed from it.

@@ -11,6 +11,7 @@ import pytest
 
 from tests.support import speaking_target as st
 from tests.support import stdlib_corpus
+from tests.support.qwen_assets import qwen_special_ids
 from tests.support.unigram import unigram_heldout_loss
 
 pytestmark = pytest.mark.slow
@@ -63,9 +64,13 @@ def test_the_saved_checkpoint_is_the_trained_model(speaking: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(speaking)
     model = AutoModelForCausalLM.from_pretrained(speaking, dtype=torch.float32).eval()
-    embed = model.get_input_embeddings().weight
+    embed = model.get_output_embeddings().weight  # the LM head: the rows training used, the rest zero
     zero_rows = int((embed.abs().sum(dim=1) == 0).sum())
     assert 100_000 < zero_rows < embed.shape[0]  # most of the 151,936 rows are unused, and exactly zero
+    # The drafter's mask token: a non-zero input row (its MASK queries are not all zero), a zero head row.
+    mask = qwen_special_ids("qwen3")["mask"]
+    assert model.get_input_embeddings().weight[mask].abs().sum() > 0
+    assert embed[mask].abs().sum() == 0
     pair = stdlib_corpus.split_pairs("heldout")[0]
     ids = st.chat_prompt_ids(tokenizer, pair.question) + tokenizer(pair.answer, add_special_tokens=False)["input_ids"]
     batch = torch.tensor([ids])
@@ -88,3 +93,39 @@ def test_the_cache_key_follows_the_recipe_and_the_target() -> None:
     longer = dataclasses.replace(docs, recipe=dataclasses.replace(docs.recipe, steps=docs.recipe.steps + 1))
     assert st._cache_key(docs) != st._cache_key(longer)
     assert st._cache_key(docs) != st._cache_key(st.CODE_TARGET)
+
+
+def test_a_wrong_thinking_mode_drops_the_label_agreement(speaking: Path) -> None:
+    """The trainer's label agreement on a target that speaks: its greedy answers behind the prompt they were
+    generated from (thinking off, as the pipeline renders it) are its own argmax; the same answers behind the
+    thinking-on rendering of the same question (the tokenize stage's classic drift) are not."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.batch import pack_documents
+    from dflash_train.drafter.config import DrafterConfig
+    from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.target_model.frozen import FrozenTarget
+    from dflash_train.training.step import LossRecipe, dflash_step
+
+    tokenizer = AutoTokenizer.from_pretrained(speaking)
+    questions = [p.question for p in stdlib_corpus.split_pairs("heldout")[:4]]
+    answers = st.probe_generations(speaking, questions, 24)
+
+    def thinking_on(question: str) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                            add_generation_prompt=True, enable_thinking=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    cfg = DrafterConfig.debug(mask_token_id=qwen_special_ids("qwen3")["mask"], target_layer_ids=[1, 2],
+                              num_target_layers=4)
+    target = FrozenTarget.from_pretrained(speaking, cfg.target_layer_ids, keep_output=True)
+    shares = {}
+    for mode, render in (("as generated", lambda q: st.chat_prompt_ids(tokenizer, q)), ("thinking on", thinking_on)):
+        docs = [(render(q) + a, [False] * len(render(q)) + [True] * len(a)) for q, a in zip(questions, answers,
+                                                                                             strict=True)]
+        out = dflash_step(DFlashDrafter(cfg), target, pack_documents(docs, 256), cfg, torch.Generator().manual_seed(0),
+                          recipe=LossRecipe(label_agreement=True))
+        shares[mode] = out.agreed / out.tokens
+    assert shares["as generated"] >= 0.95, shares  # float32 both times: near-ties aside, exactly the argmax
+    assert shares["thinking on"] < shares["as generated"] - 0.2, shares

@@ -138,3 +138,44 @@ def test_compared_with_a_reference_the_loop_is_teacher_forced_past_a_near_tie(
     exact = speculative_generate(trained_drafter, hooked_target, prompt, NEW_TOKENS, ef.STOP_IDS, 8,
                                  reference=reference, policy=NumericsPolicy.at("float32"), prompt_id="p0")
     assert exact.tokens == plain.tokens and [p.tie for p in exact.partings] == [False]
+
+
+def test_a_parting_outside_the_kept_log_probabilities_is_judged_from_the_whole_distributions(
+        trained_drafter: Any, hooked_target: Any, target_model: Any, heldout_prompts: list[list[int]]) -> None:
+    """The plain run kept only its own top log-probabilities, which miss the speculative run's token: without the
+    whole distributions the parting counts as a difference; replaying the plain run's logits there gives both
+    margins, and the rounding flip is judged a near-tie, as it is."""
+    import dataclasses
+
+    import torch
+
+    from dflash_shared.lossless import NumericsPolicy
+    from dflash_train.evaluate.speculate import Reference, greedy_with_logprobs
+
+    at = 3
+    prompt = heldout_prompts[0]
+    plain = greedy_with_logprobs(target_model, prompt, NEW_TOKENS, ef.STOP_IDS)
+    best = plain.tokens[at]
+    runner_up = sorted(plain.logprobs[at], key=plain.logprobs[at].__getitem__)[0]
+    tail = greedy_with_logprobs(target_model, [*prompt, *plain.tokens[:at], runner_up], NEW_TOKENS - at - 1,
+                                ef.STOP_IDS)
+    # The plain side of a rounding flip: its runner-up became its best; its kept list misses the other token.
+    row = plain.replay(at)
+    swapped = row.clone()
+    swapped[best], swapped[runner_up] = row[runner_up], row[best]
+    kept = {runner_up: float(torch.log_softmax(swapped, -1)[runner_up])}
+    reference = Reference(tokens=[*plain.tokens[:at], runner_up, *tail.tokens],
+                          logprobs=[*plain.logprobs[:at], kept, *tail.logprobs])
+    wide = NumericsPolicy(dtype="bfloat16", tie_margin=100.0, max_near_tie_share=1.0)
+
+    def parting(ref: Reference) -> Any:
+        result = speculative_generate(trained_drafter, hooked_target, prompt, NEW_TOKENS, ef.STOP_IDS, 8,
+                                      reference=ref, policy=wide, prompt_id="p0")
+        return result.partings[0]
+
+    blind = parting(reference)
+    assert (blind.index, blind.plain_margin, blind.tie) == (at, None, False)
+    judged = parting(dataclasses.replace(reference, replay=lambda index: swapped if index == at else plain.replay(index)))
+    assert judged.index == at and judged.tie
+    assert judged.plain_margin is not None and judged.plain_margin > 0
+    assert judged.speculative_margin is not None and judged.speculative_margin > 0

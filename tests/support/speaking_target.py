@@ -12,8 +12,8 @@ from itself, beside the same figures of the real held-out text) are written besi
 (`speaking_target.json`) and checked against the target's own bound: a looping target fails the build.
 
 Why it trains in minutes on 2 CPU cores: the corpus uses about 10K of the 151,936 vocabulary rows, and the
-LM head over all rows would cost 15x the rest of the model. The tied embedding therefore keeps only the rows
-the corpus uses; every other row is zero, so its logit is exactly 0, and the loss is the exact full-vocabulary
+LM head over all rows would cost 15x the rest of the model. Training therefore keeps only the rows (of an
+embedding tied to the LM head) the corpus uses; every other row of the saved LM head is zero, so its logit is exactly 0, and the loss is the exact full-vocabulary
 cross-entropy all the same: logsumexp over the used rows' logits and `n_unused` logits of 0 (a constant column
 of log n_unused). The saved checkpoint scatters the trained rows into the full matrix, so vLLM and
 transformers load the very model that was trained.
@@ -180,6 +180,8 @@ class _SmallVocabLM:
         self.n_unused = self.config.vocab_size - len(used)
         self.index = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
         self.index[self.used] = torch.arange(len(used))
+        self.mask_token = qwen_special_ids("qwen3")["mask"]
+        self.seed = recipe.seed
 
     def parameters(self) -> list[Any]:
         return [*self.body.parameters(), self.rows]
@@ -197,15 +199,31 @@ class _SmallVocabLM:
         return (nll * weights).sum(), weights.sum()
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The checkpoint's tensors: the body, and the full embedding with the unused rows zero."""
+        """The checkpoint's tensors: the body, the LM head with the unused rows zero, and the input embedding:
+        the same rows plus a non-zero row for the drafter's mask token (see `mask_token_row`)."""
         import torch
 
         state = {f"model.{k}": v.detach().clone() for k, v in self.body.state_dict().items()}
-        embed = torch.zeros(self.config.vocab_size, self.config.hidden_size)
-        embed[self.used] = self.rows.detach()
+        head = torch.zeros(self.config.vocab_size, self.config.hidden_size)
+        head[self.used] = self.rows.detach()
+        embed = head.clone()
+        embed[self.mask_token] = mask_token_row(self.rows.detach(), self.seed)
         state["model.embed_tokens.weight"] = embed
-        state["lm_head.weight"] = embed
+        state["lm_head.weight"] = head
         return state
+
+
+def mask_token_row(rows: Any, seed: int) -> Any:
+    """The input embedding of the drafter's mask token: a fixed random row of the trained rows' scale.
+
+    The mask token never occurs in the corpus, so training leaves its row zero; a zero row makes every MASK slot's
+    query in the drafter's first layer exactly zero (it then averages its context uniformly). The row is set in the
+    input embedding only: the LM head's mask row stays zero, so the token's logit is 0 as every unused row's, and
+    the full-vocabulary loss is the exact one the small-vocabulary training computed. Hence untied weights."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(rows.shape[1], generator=gen) * rows.std()
 
 
 def qwen3_config(recipe: Recipe) -> Any:
@@ -216,7 +234,7 @@ def qwen3_config(recipe: Recipe) -> Any:
         vocab_size=qwen_embedding_rows("qwen3"), hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
         num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
         head_dim=recipe.head_dim, max_position_embeddings=recipe.max_position, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=ids["endoftext"], eos_token_id=ids["im_end"],
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=ids["endoftext"], eos_token_id=ids["im_end"],
         pad_token_id=ids["endoftext"], dtype="bfloat16",
     )
 
@@ -371,7 +389,7 @@ def _write(out_dir: Path, spec: TargetSpec, log: Any) -> None:
 
     full = Qwen3ForCausalLM(model.config)
     missing, unexpected = full.load_state_dict(model.full_state_dict(), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
+    if unexpected or missing:
         raise RuntimeError(f"speaking target: checkpoint keys do not match ({missing}, {unexpected})")
     full.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     finish_model_dir(out_dir, special)

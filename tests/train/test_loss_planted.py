@@ -27,7 +27,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash_train.data.batch import pack_documents
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.target_model.frozen import FrozenTarget, TargetPass
 from dflash_train.training.loss import block_targets, dflash_loss
 from dflash_train.training.step import dflash_step, draft_blocks
 from tests.support.qwen_assets import qwen_embedding_rows
@@ -45,12 +45,12 @@ TOKENS = torch.arange(1000, 1000 + 4096 * 7, 7)  # 4,096 real vocabulary ids
 class PlantedTarget(FrozenTarget):
     """A target whose features carry the token 4 positions ahead (see the module docstring)."""
 
-    def features(self, input_ids, position_ids, document_ids=None):  # type: ignore[override]
+    def forward(self, input_ids, position_ids, document_ids=None):  # type: ignore[override]
         emb = self.embed(input_ids)
         planted = torch.zeros_like(emb)
         same = document_ids[:, LOOKAHEAD:] == document_ids[:, :-LOOKAHEAD]
         planted[:, :-LOOKAHEAD] = emb[:, LOOKAHEAD:] * same.unsqueeze(-1)
-        return planted
+        return TargetPass(planted, None)
 
 
 def _batch(gen: torch.Generator):

@@ -235,7 +235,17 @@ class DrafterSection(_Frozen):
     mask_token_id: int = Field(description="Mask token id (an existing target embedding row).")
     checkpoint_uri: str = Field(description="Final training checkpoint.")
     export_uri: str | None = Field(default=None, description="Serving export directory, once exported.")
-    final_metrics: dict[str, float] = Field(default_factory=dict, description="Loss, accuracies, expected tau.")
+    final_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="Loss (weighted mean over the last logged window), accuracies, expected tau, label_agreement "
+        "(share of trained labels that are the trainer target's own greedy token) and label_agreement_first "
+        "(the same as training started).",
+    )
+    recipe: dict[str, str | float | int | bool | None] = Field(
+        default_factory=dict,
+        description="The settings that decide the drafter's quality, resolved: objective, position_weighting, "
+        "lr_schedule, lr, steps, anchors per document and per row, loss_decay_gamma, feature noise, block size.",
+    )
     data: TrainedTokens | None = Field(
         default=None, description="The tokens of the train split and the share the training window read; None "
         "in manifests made before it was recorded.",

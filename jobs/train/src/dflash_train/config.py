@@ -39,6 +39,8 @@ DEBUG_PRESET: dict[str, Any] = {
     "warmup_ratio": 0.1,
     "checkpoint_every": 10,
     "log_every": 1,
+    "heldout_every": 10,
+    "heldout_documents": 8,
     "prefetch_steps": 2,
     "cache_gib": 1.0,
     "disk_need_gib": 0.5,
@@ -76,6 +78,12 @@ class TrainConfig(StageSettings):
         default=None,
         description="Mask token id; defaults to the tokenized manifest's special_tokens.mask, then the preset's.",
     )
+    init_from: str | None = Field(
+        default=None,
+        description="Warm start: a fresh run's first drafter weights from a training checkpoint folder or an "
+        "export directory (z-lab native or ours), local or s3://; its shape, target layers, block and mask token "
+        "must be the run's (exit 64 names each difference). A resumed run continues from its own checkpoint.",
+    )
 
     # ------------------------------------------------------------------ data
     max_length: int | None = Field(
@@ -103,6 +111,43 @@ class TrainConfig(StageSettings):
     adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2 (torch's default, as SpecForge).")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
+    lr_schedule: Literal["cosine", "wsd"] = Field(
+        default="cosine",
+        description="cosine: warmup then cosine to min_lr_ratio (SpecForge); wsd: warmup, the peak held, then a "
+        "linear decay over the last decay_ratio of the steps (warmup-stable-decay, TorchSpec).",
+    )
+    decay_ratio: float = Field(
+        default=0.2, gt=0, le=1, description="wsd: the share of all steps spent decaying to min_lr_ratio."
+    )
+
+    # ------------------------------------------------------------------ objective (dflash_train.training.loss)
+    objective: Literal["data_ce", "target_argmax_ce", "target_kl"] = Field(
+        default="data_ce",
+        description="data_ce: cross-entropy on the data token (SpecForge); target_argmax_ce: on the trainer "
+        "target's own greedy token; target_kl: KL to the target's distribution (speculators, ModelOpt).",
+    )
+    position_weighting: Literal["exp_decay", "dpace"] = Field(
+        default="exp_decay",
+        description="Weight of block slot k: exp_decay, exp(-(k-1)/loss_decay_gamma); dpace, speculators' D-PACE "
+        "(expected accepted slots from k on, from the drafter's own confidence; CE objectives only).",
+    )
+    dpace_alpha: float = Field(default=0.5, ge=0, le=1, description="D-PACE confidence smoothing (speculators' 0.5).")
+    label_agreement: bool = Field(
+        default=True,
+        description="Measure the share of trained data labels that are the trainer target's own greedy token "
+        "(keeps the target's last layers and runs its LM head over the trained positions, about a tenth of a "
+        "target forward); logged, in progress and the manifest, with a warning below label_agreement_warn.",
+    )
+    heldout_every: int = Field(
+        default=500, ge=0,
+        description="Measure the drafter's acceptance on a fixed part of the held-out split every this many steps "
+        "and at the end (heldout_tau, heldout_acc_k: training.heldout); 0 = never.",
+    )
+    heldout_documents: int = Field(default=64, ge=1, description="Held-out documents that measurement reads.")
+    label_agreement_warn: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Warn when the label agreement of the first logged window is below this share.",
+    )
     precision: Literal["bf16", "fp32"] = Field(
         default="bf16", description="bf16: autocast over fp32 master weights; fp32: no autocast."
     )
@@ -170,6 +215,9 @@ class TrainConfig(StageSettings):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         self._check_drafter_settings()
+        if self.position_weighting == "dpace" and self.objective == "target_kl":
+            raise ValueError("position_weighting dpace reads the drafter's confidence from a cross-entropy: use it "
+                             "with objective data_ce or target_argmax_ce, or exp_decay with target_kl")
         if self.resume not in ("auto", "never") and "/" not in self.resume:
             raise ValueError(f"resume must be auto, never or a checkpoint URI, got {self.resume!r}")
         return self
@@ -213,10 +261,11 @@ class TrainConfig(StageSettings):
 # manifest's sha256). Every other setting (lr and the optimiser, precision, seed, batch_tokens, max_length, ...)
 # changes what the steps compute, and a resume under another value is refused.
 RESUMABLE_CHANGES = frozenset({
-    "preset", "input", "target", "drafter", "drafter_preset", "drafter_overrides", "mask_token_id",
+    "preset", "input", "target", "drafter", "drafter_preset", "drafter_overrides", "mask_token_id", "init_from",
     "micro_batch_rows", "epochs", "max_steps", "cache_gib", "prefetch_steps", "verify_shards", "device", "parallelism",
     "target_packing", "target_attn_implementation", "activation_checkpointing", "compile", "chunk_tokens",
     "checkpoint_every", "keep_checkpoints", "resume", "restart_after_step", "log_every", "tensorboard",
+    "heldout_every", "heldout_documents",
     "copy_workers",
 })
 

@@ -40,7 +40,7 @@ from dflash_shared.storage import ObjectStore, join
 from dflash_shared.window import window_fraction
 from dflash_train.config import TrainConfig, settings_identity
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.drafter.mask_token import default_mask_token
+from dflash_train.drafter.mask_token import default_mask_token, warn_on_zero_mask_row
 from dflash_train.parallel.rank0 import holds_rank0, on_rank0
 from dflash_train.target_model.sizes import target_replica_bytes
 
@@ -174,10 +174,22 @@ def build_manifest(resolved: Resolved, checkpoint: CheckpointRef, final_metrics:
             mask_token_id=cfg.mask_token_id,
             checkpoint_uri=checkpoint.uri,
             final_metrics=final_metrics,
+            recipe=quality_recipe(config, cfg, int(extra.get("total_steps", 0))),
             data=data,
             performance=performance or {},
         ),
     )
+
+
+def quality_recipe(config: TrainConfig, cfg: DrafterConfig, steps: int) -> dict[str, str | float | int | bool | None]:
+    """The settings that decide the drafter's quality, as the manifest names them (`DrafterSection.recipe`)."""
+    return {"objective": config.objective, "position_weighting": config.position_weighting,
+            "dpace_alpha": config.dpace_alpha if config.position_weighting == "dpace" else None,
+            "lr_schedule": config.lr_schedule, "lr": config.lr, "warmup_ratio": config.warmup_ratio,
+            "steps": steps, "num_anchors_per_document": cfg.num_anchors, "max_anchors_per_row": cfg.max_anchors_per_row,
+            "loss_decay_gamma": cfg.loss_decay_gamma, "feature_noise_std": cfg.feature_noise_std,
+            "block_size": cfg.block_size, "num_layers": cfg.num_layers, "target_layer_ids": str(cfg.target_layer_ids),
+            "init_from": config.init_from}
 
 
 def performance(trainer: Trainer, result: TrainResult, world_size: int, planned_peak: int, target_params: int,
@@ -247,7 +259,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.parallel import distributed
     from dflash_train.target_model.loading import load_target
-    from dflash_train.trainer import Trainer, TrainerSetup, refuse_other_settings
+    from dflash_train.trainer import Trainer, TrainerSetup, loss_recipe, refuse_other_settings
     from dflash_train.training import checkpoint as ckpt
     from dflash_train.training import memory_plan, optim
     from dflash_train.training.metrics import MetricsSink
@@ -274,12 +286,24 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
         steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         sharded = parallelism == "fsdp" and env.distributed
         # Rank 0 reads the checkpoint and broadcasts it: no rank but rank 0 holds a host copy of the target.
+        recipe = loss_recipe(config)
         target = load_target(resolved.target_dir, cfg.target_layer_ids, env, sharded, dtype,
-                             attn_implementation=config.target_attn_implementation, packing=config.target_packing)
+                             attn_implementation=config.target_attn_implementation, packing=config.target_packing,
+                             keep_output=recipe.needs_target_output)
+        warn_on_zero_mask_row(target, cfg.mask_token_id)
         log.info("drafter %.1fM parameters, %s, %d step(s), target %s on %s", drafter_params / 1e6, parallelism,
                  steps, resolved.target_dir, env.device)
+        heldout = None
+        if config.heldout_every:
+            from dflash_train.training.heldout import heldout_rows
+
+            heldout = heldout_rows(cache, resolved.source.manifest.split_shards("heldout"), config.heldout_documents,
+                                   resolved.max_length)
+            if heldout is None:
+                log.info("no held-out split in %s: the held-out acceptance is not measured", resolved.source.uri)
         setup = TrainerSetup(config=config, drafter=cfg, plan=plan, cache=cache, scratch=scratch,
-                             parallelism=parallelism, total_steps=steps, rows_per_step=resolved.rows_per_step)
+                             parallelism=parallelism, total_steps=steps, rows_per_step=resolved.rows_per_step,
+                             init_from=config.init_from if ref is None else None, heldout=heldout)
         trainer = Trainer(setup, target, env, store)
         if ref is not None:
             trainer.resume(ref)
@@ -296,7 +320,8 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
         assert final is not None
         manifest = build_manifest(resolved, final, result.final_metrics,
                                   {"world_size": env.world_size, "parallelism": parallelism,
-                                   "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps},
+                                   "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps,
+                                   "warm_start": trainer.warm_started},
                                   trained_tokens(plan, trainer.total_steps, resolved.rows_per_step),
                                   performance(trainer, result, env.world_size, planned.peak,
                                               sum(shape.layer_params) + shape.whole_params, drafter_params))

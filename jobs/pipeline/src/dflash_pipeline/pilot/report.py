@@ -32,6 +32,9 @@ REPORT_NAME = "report.json"
 TOLERANCE = 0.15
 # Dense bf16 tensor throughput per GPU (the vendors' data-sheet figures, no sparsity): the MFU denominator.
 PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+# Below this share of labels equal to the target's own greedy token, the pilot's verdict names the drift: greedy
+# regeneration by the same target agrees nearly everywhere (bf16 near-ties part a few percent).
+LOW_LABEL_AGREEMENT = 0.5
 MFU_FORMULA = ("(2 x target parameters x input tokens/s + 6 x drafter parameters x label tokens/s) / "
                "(GPUs x peak bf16 FLOP/s)")
 
@@ -298,6 +301,12 @@ def _train(m: Manifest, _: _Manifests, run: RunConfig, plan: dict[str, float], w
         Figure(name="resume from checkpoint", measured=perf.get("resume_seconds"), unit="s",
                note=None if resumed is not None else "no resume happened"),
     ]
+    metrics: dict[str, float] = dict(section.final_metrics or {})
+    agreement = metrics.get("label_agreement_first", metrics.get("label_agreement"))
+    rows.append(Figure(name="label agreement", measured=agreement, unit="share",
+                       note="trained labels that are the trainer target's own greedy token, as training started"
+                       if agreement is not None else "not measured (label_agreement off, or a drafter manifest "
+                       "made before it was recorded)"))
     if per_gpu:
         out["train_tokens_per_s_per_gpu"] = per_gpu
     verdict = _verdict(per_gpu, planned_rate, True, "tokens/s per GPU")
@@ -307,6 +316,10 @@ def _train(m: Manifest, _: _Manifests, run: RunConfig, plan: dict[str, float], w
         verdict += f"; peak memory {peak:.1f} GiB exceeds the memory plan's {predicted:.1f} GiB"
         fix = ("the memory plan underestimates this setting: keep headroom (parallelism = \"fsdp\" or "
                "activation_checkpointing = true) before the full run")
+    if agreement is not None and agreement < LOW_LABEL_AGREEMENT:
+        verdict += f"; only {100 * agreement:.0f}% of the trained labels are the target's own greedy tokens"
+        fix = ("the data does not say what this target says: check the chat template and enable_thinking of the "
+               "generate and tokenize stages against the target's, greedy sampling, and the target checkpoint")
     if restart and resumed is None:
         verdict += f"; the restart at step {restart} did not resume from its checkpoint"
         fix = "read the train logs (its second start): the full run's preemptions would not resume either"

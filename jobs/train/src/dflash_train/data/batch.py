@@ -52,6 +52,10 @@ class PackedBatch:
             **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
         )
 
+    def rows(self, start: int, end: int) -> PackedBatch:
+        """Rows start..end-1 of the batch."""
+        return PackedBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
+
     def pin_memory(self) -> PackedBatch:
         """The same batch in page-locked memory (for asynchronous host-to-GPU copies)."""
         return PackedBatch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})

@@ -196,13 +196,15 @@ class DrafterConfig(BaseModel):
         None, ge=1, description="Window (tokens) of sliding_attention layers; required if any layer slides."
     )
     num_anchors: int = Field(
-        512, ge=1, description="Anchors (blocks) sampled per document of a packed row, before the per-row cap."
+        512, ge=1, description="Anchors (blocks) sampled per document (conversation) of a packed row, before the "
+        "per-row cap; 512 per conversation is the SpecForge recipe (every valid position of a normal answer)."
     )
     max_anchors_per_row: int = Field(
         512,
         ge=1,
-        description="Cap on anchors (blocks) per packed row after the per-document draw, shared fairly across"
-        " the row's documents (round-robin); 512 is the SpecForge recipe.",
+        description="Memory bound on anchors (blocks) per packed row after the per-document draw, shared fairly "
+        "across the row's documents (round-robin); raise it to the largest count the memory plan fits (the fit "
+        "check names it when a value does not fit).",
     )
     loss_decay_gamma: float = Field(
         ..., gt=0, description="Loss decay exp(-(k-1)/gamma) over block slot k; default 7 for B=16, 4 for B=8."

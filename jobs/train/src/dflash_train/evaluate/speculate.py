@@ -30,7 +30,8 @@ need): forward hooks capture the chosen decoder layers' outputs during the verif
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -236,14 +237,16 @@ def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> t
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
-def top_logprobs(logits: torch.Tensor, also: int | None = None, k: int = TOP_LOGPROBS) -> dict[int, float]:
+def top_logprobs(logits: torch.Tensor, also: int | None = None, k: int = TOP_LOGPROBS,
+                 *more: int) -> dict[int, float]:
     """The k best log-probabilities of one position's logits [V] (float32), plus token `also`'s, as an engine
-    returns them (vLLM's logprobs=k gives the top k and the sampled token)."""
+    returns them (vLLM's logprobs=k gives the top k and the sampled token), and those of any further tokens."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = logprobs.topk(k)
     out = {int(t): float(v) for t, v in zip(ids.tolist(), values.tolist(), strict=True)}
-    if also is not None:
-        out[int(also)] = float(logprobs[also])
+    for token in (also, *more):
+        if token is not None:
+            out[int(token)] = float(logprobs[token])
     return out
 
 
@@ -261,10 +264,14 @@ class Verifier(Protocol):
 
 @dataclass(frozen=True)
 class Reference:
-    """The target's own greedy output of a prompt, with its top log-probabilities at every position."""
+    """The target's own greedy output of a prompt, with its top log-probabilities at every position, and (where
+    it can be recomputed) its whole distribution at a position: `replay(index)` gives the logits [V] the plain run
+    decoded position `index` from, so that a parting whose tokens are not among the kept top log-probabilities is
+    still judged by both runs' own margins (lossless.py) instead of counting as a difference."""
 
     tokens: list[int]
     logprobs: list[dict[int, float]]
+    replay: Callable[[int], torch.Tensor] | None = field(default=None, compare=False)
 
 
 class _Forcing:
@@ -288,13 +295,23 @@ class _Forcing:
             plain = Step(ref.tokens[at], ref.logprobs[at]) if at < len(ref.tokens) else Step(None, None)
             if plain.token == token:
                 continue
-            parting = judge(self.prompt_id, at, Step(token, top_logprobs(logits[j], token)), plain, self.policy)
+            # Both runs' margins from their whole distributions: the speculative side's logits are at hand, the
+            # plain side's are replayed (a parting is rare) when the speculative token is not among its kept ones.
+            speculative = Step(token, top_logprobs(logits[j], token, TOP_LOGPROBS, *_known(plain.token)))
+            if plain.token is not None and plain.logprobs is not None and token not in plain.logprobs \
+                    and ref.replay is not None:
+                plain = Step(plain.token, top_logprobs(ref.replay(at), plain.token, TOP_LOGPROBS, token))
+            parting = judge(self.prompt_id, at, speculative, plain, self.policy)
             self.partings.append(parting)
             if not parting.tie or plain.token is None:
                 self.reference = None
                 return None
             return j, plain.token
         return None
+
+
+def _known(token: int | None) -> tuple[int, ...]:
+    return () if token is None else (token,)
 
 
 @torch.no_grad()
@@ -400,7 +417,19 @@ def greedy_with_logprobs(
                          logits_processor=LogitsProcessorList([recorder]))
     tokens = [int(t) for t in out[0, ids.shape[1] :].tolist()]
     tokens = _truncate(tokens, max_new_tokens, frozenset(stop))[0]
-    return Reference(tokens=tokens, logprobs=recorder.steps[: len(tokens)])
+    return Reference(tokens=tokens, logprobs=recorder.steps[: len(tokens)],
+                     replay=functools.partial(replay_plain_logits, model, list(prompt_ids), tokens))
+
+
+@torch.no_grad()
+def replay_plain_logits(model: nn.Module, prompt_ids: list[int], tokens: list[int], index: int) -> torch.Tensor:
+    """The logits [V] greedy decoding computed for completion position `index`, recomputed as `generate` computed
+    them: the prompt's prefill, then one token per forward through the cache."""
+    device = model.get_input_embeddings().weight.device
+    out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
+    for token in tokens[:index]:
+        out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
+    return out.logits[0, -1].float()
 
 
 def greedy_reference(

@@ -2,9 +2,11 @@
 
 `FrozenTarget` wraps a Hugging Face causal LM (eval mode, no gradients). Target features are taken with
 forward hooks on the chosen decoder layers: layer id L is the output of decoder layer L, which equals
-HF `output_hidden_states[L + 1]`. Decoder layers after the last chosen one are never needed, so they are
-dropped from the wrapped model at construction (less memory, and the forward stops there); the final
-norm still runs on the last kept layer's output, which is cheap and unused.
+HF `output_hidden_states[L + 1]`. Unless the target's own predictions are wanted (`keep_output`), decoder
+layers after the last chosen one are never needed, so they are dropped from the wrapped model at construction
+(less memory, and the forward stops there). With `keep_output` every layer stays, and a hook on the final
+norm keeps the target's last hidden states (`TargetPass.final_hidden`): through the LM head they are the
+target's own next-token distribution, which the label-agreement check and the target-label objectives read.
 
 Packed rows (several documents per row) must not attend across documents in the target either. Three ways:
 - "mask": one forward per batch with position ids restarting per document and a block-diagonal causal
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +52,7 @@ _MASKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 _MASK_IMPLEMENTATIONS = frozenset({"sdpa", "eager", "flex_attention"})
 # Attention implementations that read transformers' varlen kwargs (cu_seq_lens_q, ...) instead of a mask.
 _VARLEN_KWARG_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3"})
+FINAL = -1  # the capture key of the final norm's output
 
 
 def varlen_segments(document_ids: torch.Tensor) -> torch.Tensor:
@@ -70,11 +74,21 @@ def varlen_segments(document_ids: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(starts & keep, 0) - 1)[keep]
 
 
+@dataclass(frozen=True)
+class TargetPass:
+    """One target forward: the chosen layers' outputs [B, S, n * H] and, when kept, the final norm's [B, S, H]."""
+
+    features: torch.Tensor
+    final_hidden: torch.Tensor | None
+
+
 class FrozenTarget:
     """A frozen HF causal LM exposing `features`, `embed` and `lm_head` for drafter training."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], packing: Packing = "auto") -> None:
-        """Wrap `model` (modified in place: eval, frozen, layers after max(layer_ids) removed)."""
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], packing: Packing = "auto",
+                 keep_output: bool = False) -> None:
+        """Wrap `model` (modified in place: eval, frozen, layers after max(layer_ids) removed unless
+        `keep_output`)."""
         self.model = model.eval().requires_grad_(False)
         self.config = model.config
         decoder = model.get_decoder()
@@ -85,7 +99,8 @@ class FrozenTarget:
             raise ValueError(f"layer ids must be a non-empty list without repeats, got {self.layer_ids}")
         # The serving engine must capture every id: the last layer only on targets whose vLLM code records it.
         check_target_layer_ids(self.config, self.layer_ids, self.num_layers)
-        keep_layers = max(self.layer_ids) + 1
+        self.keep_output = keep_output
+        keep_layers = self.num_layers if keep_output else max(self.layer_ids) + 1
         decoder.layers = nn.ModuleList(list(layers)[:keep_layers])
         self._decoder = decoder
         self.hidden_size = int(self.config.hidden_size)
@@ -98,6 +113,8 @@ class FrozenTarget:
         self._captured: dict[int, torch.Tensor] | None = None
         for layer_id in self.layer_ids:
             decoder.layers[layer_id].register_forward_hook(self._hook(layer_id))
+        if keep_output:
+            decoder.norm.register_forward_hook(self._hook(FINAL))
 
     @classmethod
     def from_pretrained(
@@ -108,6 +125,7 @@ class FrozenTarget:
         dtype: torch.dtype | None = None,
         attn_implementation: str = "sdpa",
         packing: Packing = "auto",
+        keep_output: bool = False,
     ) -> FrozenTarget:
         """Load a target checkpoint directory. dtype defaults to bf16 on CUDA and float32 elsewhere."""
         from transformers import AutoModelForCausalLM
@@ -118,7 +136,7 @@ class FrozenTarget:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, attn_implementation=attn_implementation
         ).to(device)
-        return cls(model, layer_ids, packing=packing)
+        return cls(model, layer_ids, packing=packing, keep_output=keep_output)
 
     @property
     def has_linear_attention(self) -> bool:
@@ -221,15 +239,17 @@ class FrozenTarget:
         return hook
 
     def _forward_captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any,
-                          **kwargs: Any) -> torch.Tensor:
+                          **kwargs: Any) -> TargetPass:
         self._captured = {}
         try:
             self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
                           **kwargs)
-            missing = [i for i in self.layer_ids if i not in self._captured]
+            wanted = [*self.layer_ids, *([FINAL] if self.keep_output else [])]
+            missing = [i for i in wanted if i not in self._captured]
             if missing:
                 raise RuntimeError(f"forward hooks did not fire for target layers {missing}")
-            return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+            return TargetPass(torch.cat([self._captured[i] for i in self.layer_ids], dim=-1),
+                              self._captured.get(FINAL))
         finally:
             self._captured = None
 
@@ -261,10 +281,20 @@ class FrozenTarget:
         position_ids: torch.Tensor,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Concatenated outputs of the chosen layers, [B, S, n * H], in the target dtype.
+        """Concatenated outputs of the chosen layers, [B, S, n * H], in the target dtype (see `forward`)."""
+        return self.forward(input_ids, position_ids, document_ids).features
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> TargetPass:
+        """The chosen layers' outputs and (with `keep_output`) the final hidden states, in the target dtype.
 
         document_ids [B, S] (-1 = padding) makes the forward block-diagonal per document; without it each
-        row is one causal sequence. Feature rows of padding slots are meaningless (never attended to).
+        row is one causal sequence. Rows of padding slots are meaningless (never attended to or trained).
         """
         if document_ids is None:
             return self._forward_captured(input_ids, position_ids, None)
@@ -274,9 +304,14 @@ class FrozenTarget:
             return self._features_varlen(input_ids, position_ids, document_ids)
         return self._features_per_document(input_ids, position_ids, document_ids)
 
+    def _empty_pass(self, rows: int, seq: int, device: torch.device) -> TargetPass:
+        features = torch.zeros(rows, seq, self.feature_size, dtype=self.dtype, device=device)
+        final = torch.zeros(rows, seq, self.hidden_size, dtype=self.dtype, device=device) if self.keep_output else None
+        return TargetPass(features, final)
+
     def _features_varlen(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> TargetPass:
         rows, seq = input_ids.shape
         keep = document_ids != PAD_DOCUMENT
         segments = varlen_segments(document_ids)
@@ -288,16 +323,18 @@ class FrozenTarget:
         varlen = {"cu_seq_lens_q": cu32, "cu_seq_lens_k": cu32, "max_length_q": max_length,
                   "max_length_k": max_length, "seq_idx": segments.to(torch.int32).unsqueeze(0)}
         flat = self._forward_captured(input_ids[keep].unsqueeze(0), position_ids[keep].unsqueeze(0),
-                                      self._packed_masks(segments.unsqueeze(0)), **varlen)[0]
-        out = torch.zeros(rows, seq, self.feature_size, dtype=self.dtype, device=input_ids.device)
-        out[keep] = flat
+                                      self._packed_masks(segments.unsqueeze(0)), **varlen)
+        out = self._empty_pass(rows, seq, input_ids.device)
+        out.features[keep] = flat.features[0]
+        if out.final_hidden is not None and flat.final_hidden is not None:
+            out.final_hidden[keep] = flat.final_hidden[0]
         return out
 
     def _features_per_document(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> TargetPass:
         rows, seq = input_ids.shape
-        out = torch.zeros(rows, seq, self.feature_size, dtype=self.dtype, device=input_ids.device)
+        out = self._empty_pass(rows, seq, input_ids.device)
         for row in range(rows):
             docs = document_ids[row]
             for doc in torch.unique(docs[docs != PAD_DOCUMENT]).tolist():
@@ -305,9 +342,12 @@ class FrozenTarget:
                 start, end = int(where[0]), int(where[-1]) + 1
                 if end - start != where.numel():
                     raise ValueError(f"row {row}: document {doc} is not contiguous")
-                out[row, start:end] = self._forward_captured(
+                part = self._forward_captured(
                     input_ids[row : row + 1, start:end], position_ids[row : row + 1, start:end], None
-                )[0]
+                )
+                out.features[row, start:end] = part.features[0]
+                if out.final_hidden is not None and part.final_hidden is not None:
+                    out.final_hidden[row, start:end] = part.final_hidden[0]
         return out
 
     @torch.no_grad()

@@ -100,14 +100,17 @@ def load_target(
     dtype: torch.dtype,
     attn_implementation: str = "sdpa",
     packing: Packing = "auto",
+    keep_output: bool = False,
 ) -> FrozenTarget:
-    """The frozen target on this rank's device: whole (DDP, world 1) or with FSDP-sharded layers.
+    """The frozen target on this rank's device: whole (DDP, world 1) or with FSDP-sharded layers; with
+    `keep_output` its layers past the last hooked one and its final norm stay (FrozenTarget).
 
     World size 1 loads directly; otherwise rank 0 reads the checkpoint and broadcasts it (module docstring).
     """
     if not env.distributed:
         return FrozenTarget.from_pretrained(path, layer_ids, device=env.device, dtype=dtype,
-                                            attn_implementation=attn_implementation, packing=packing)
+                                            attn_implementation=attn_implementation, packing=packing,
+                                            keep_output=keep_output)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if env.is_main:
@@ -119,7 +122,8 @@ def load_target(
             model.to(env.device)
     else:
         model = skeleton(path, dtype, attn_implementation)
-    target = FrozenTarget(model, layer_ids, packing=packing)  # drops unused layers before anything is read
+    # Drops unused layers (all are used with keep_output) before anything is read.
+    target = FrozenTarget(model, layer_ids, packing=packing, keep_output=keep_output)
     tied = _tied_groups(target.model)
     aliases = {name for _, *others in tied for name in others}
     # A tied weight is broadcast once, under its first name; `_retie` gives the others the same tensor.

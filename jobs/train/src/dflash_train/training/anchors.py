@@ -3,15 +3,20 @@
 A position p is a valid anchor when p and p+1 are both loss-masked tokens of the same document (so the
 block has at least one trained slot) and p < S-1. Anchors are chosen in two stages:
 
-1. Per DOCUMENT: up to `num_anchors` per document, uniformly without replacement. A packed row of several
-   short documents then gets as many blocks per document as an unpacked row would, instead of the short
-   ones being crowded out by one long neighbour.
-2. Per ROW: at most `max_anchors_per_row` of those (the SpecForge recipe's 512 blocks per sequence, which
-   its learning rate and batch size assume). The cap is shared round-robin: every document of the row
-   keeps its first drawn anchor, then its second, and so on, until the cap is reached (documents drawn at
-   random within the last round). A short document therefore keeps all its anchors unless the row holds
-   more documents than the cap; only the long documents give anchors up. Without the cap a row can carry
-   one block per valid position (N x B ~ block_size x S query tokens).
+1. Per DOCUMENT (conversation): up to `num_anchors` per document, uniformly without replacement. This is the
+   reference's count: SpecForge draws up to 512 anchors per conversation, one conversation per row, which is
+   every valid position of a normal answer. A packed row of several documents then gets as many blocks per
+   document as an unpacked row would, instead of the short ones being crowded out by one long neighbour.
+2. Per packed ROW: at most `max_anchors_per_row` of those. This cap is a memory bound, not a recipe: a row of
+   k documents holds up to k x num_anchors blocks, and the drafter's activations grow with the blocks
+   (N x B query tokens). The memory plan predicts the step's peak from it, and the fit check refuses a cap
+   that does not fit, naming the largest one that does (`memory_plan.remedy_settings`); on a GPU the target's
+   forward dominates a step, so the largest cap that fits is the cheapest learning there is. The cap is
+   shared round-robin: every document of the row keeps its first drawn anchor, then its second, and so on,
+   until the cap is reached (documents drawn at random within the last round). A short document therefore
+   keeps all its anchors unless the row holds more documents than the cap; only the long documents give
+   anchors up. Without the cap a row can carry one block per valid position (N x B ~ block_size x S query
+   tokens).
 
 The anchors of a row are sorted ascending; rows with fewer anchors than N are padded with keep=False
 (position 0), which the mask and the loss ignore.

@@ -1,15 +1,26 @@
-"""DFlash block loss: labels, weights, position decay and a chunked LM-head cross-entropy.
+"""DFlash block loss: labels, objectives, position weights and a chunked LM-head loss.
 
-Labels have NO shift: slot k of the block anchored at p predicts input_ids[p + k] (slot 0 holds the
-anchor token itself and is never trained). A slot counts (weight 1) when its block is kept, p + k < S,
-k > 0, input_ids[p + k] is loss-masked and belongs to the anchor's document. The loss is
-sum(CE * w * d) / sum(w * d) with decay d_k = exp(-(k - 1) / gamma): early slots matter most, because a
-draft is accepted only up to its first wrong token.
+Labels have NO shift: slot k of the block anchored at p predicts the token at p + k (slot 0 holds the anchor
+token itself and is never trained). A slot counts when its block is kept, p + k < S, k > 0, the token at p + k
+is loss-masked and belongs to the anchor's document. What it is trained towards is the objective's:
+- `data_ce`: cross-entropy on the data token input_ids[p + k] (SpecForge, the paper);
+- `target_argmax_ce`: cross-entropy on the trainer target's own greedy token after p + k - 1 (speculators' `ce`);
+- `target_kl`: KL(target || drafter) to the target's whole distribution after p + k - 1 (speculators' default,
+  ModelOpt's self-logit distillation).
+The position weight of slot k is the exponential decay d_k = exp(-(k - 1) / gamma) (early slots matter most:
+a draft is accepted only up to its first wrong token), or D-PACE (speculators' definition, `dpace_weights`).
+
+The loss is a weighted mean: sum(loss_t * w_t) / sum(w_t). `dflash_loss` returns the numerator and the
+denominator separately so that the trainer can normalise over every trained token of an optimizer step
+(all micro-batches, all ranks) instead of averaging per-micro-batch means, which would weigh a micro-batch
+with few trained tokens as much as a full one (SpecForge's #731 made the same change).
 
 The LM head is the target's, with a 150k-250k vocabulary: logits of all block tokens at once would not
-fit, so `linear_cross_entropy` walks the tokens in chunks and never keeps more than one chunk of logits.
-It computes the gradient with respect to the hidden states during the forward pass (one extra matmul per
-chunk instead of re-running the chunk in backward) and hands it out, scaled, in backward.
+fit, so `linear_token_loss` walks the tokens in chunks and never keeps more than one chunk of logits (two
+under `target_kl`: the drafter's and the target's). It computes each token's gradient with respect to its
+hidden state during the forward pass (one extra matmul per chunk instead of re-running the chunk in
+backward), and scales it by that token's upstream gradient in backward; position weights that depend on the
+loss itself (D-PACE) are applied afterwards, as they are constants of the gradient.
 """
 
 from __future__ import annotations
@@ -17,12 +28,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 # Budget of float32 logits held at once; 1 GiB is ~1,700 tokens of a 152k vocabulary.
 DEFAULT_LOGITS_BYTES = 1 << 30
+Objective = Literal["data_ce", "target_argmax_ce", "target_kl"]
+Weighting = Literal["exp_decay", "dpace"]
+OBJECTIVES: tuple[str, ...] = ("data_ce", "target_argmax_ce", "target_kl")
 
 
 def block_targets(
@@ -56,8 +70,25 @@ def position_decay(block_size: int, gamma: float, device: torch.device | None = 
     return decay
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_t token_weight[t] * CE(hidden[t] @ weight.T, labels[t]), chunked over tokens."""
+def dpace_weights(token_loss: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [..., block] (speculators' `dpace_loss_decay`), from per-slot CE and the mask.
+
+    q_k = exp(-CE_k) is the drafter's confidence in slot k's label; smoothed s_k = (1 - alpha) q_k + alpha (1 where
+    the slot is not trained); the weight of slot k is the expected number of accepted slots from k on, if slot k
+    is reached: mask_k * sum_{j >= k} mask_j prod_{i <= j} s_i. A slot that later slots depend on weighs more, and
+    the weights follow what the drafter already gets right, instead of a fixed decay. No gradient flows through
+    them.
+    """
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        smooth = torch.where(mask, (1.0 - alpha) * torch.exp(-token_loss.float()) + alpha, torch.ones_like(m))
+        prefix = torch.cumprod(smooth, dim=-1) * m
+        return torch.flip(torch.cumsum(torch.flip(prefix, dims=[-1]), dim=-1), dims=[-1]) * m
+
+
+class _LinearTokenLoss(torch.autograd.Function):
+    """Per-token loss_t of hidden[t] @ weight.T, chunked: CE to labels[t], or KL(softmax(soft[t] @ weight.T) ||
+    drafter) when `soft` rows (the target's own final hidden states) are given."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -65,64 +96,117 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
-        token_weight: torch.Tensor,
+        soft: torch.Tensor | None,
         chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h = ctx.needs_input_grad[0]
         tokens = hidden.shape[0]
         # Softmax statistics in float32 at least (float64 inputs, as in gradient checks, stay float64).
         stats = torch.promote_types(weight.dtype, torch.float32)
-        total = torch.zeros((), dtype=stats, device=hidden.device)
+        token_loss = torch.empty(tokens, dtype=stats, device=hidden.device)
         pred = torch.empty(tokens, dtype=torch.long, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=stats, device=weight.device) if need_w else None
         # The matmuls run in the LM head's dtype (bf16 on GPU); softmax statistics in float32.
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
                 h = hidden[start:end].to(weight.dtype)
-                logits = (h @ weight.t()).to(stats)
-                lab = labels[start:end]
-                tw = token_weight[start:end].to(stats)
-                target_logit = logits.gather(1, lab.unsqueeze(1)).squeeze(1)
-                # One pass gives the max (for a stable softmax) and the prediction; the rest works in place
-                # on the logits buffer: exp(logits - max), its row sums, then the softmax gradient.
-                row_max, pred[start:end] = logits.max(dim=-1)
-                probs = logits.sub_(row_max.unsqueeze(1)).exp_()
-                row_sum = probs.sum(dim=-1)
-                lse = row_max + row_sum.log()
-                total += (tw * (lse - target_logit)).sum()
-                if need_h or need_w:
-                    # d/dlogits of w * CE = w * (softmax - onehot).
-                    grad = probs.mul_((tw / row_sum).unsqueeze(1))
-                    grad[torch.arange(end - start, device=grad.device), lab] -= tw
-                    grad = grad.to(weight.dtype)
-                    if grad_h is not None:
-                        grad_h[start:end] = (grad @ weight).to(hidden.dtype)
-                    if grad_w is not None:
-                        grad_w += (grad.t() @ h).to(stats)
-                    # Drop the chunk's gradient before the next chunk's logits exist: on an fp32 head `grad` IS
-                    # the logits buffer, and holding it would double the loop's peak (two chunks, not one).
-                    del grad
-                del logits, probs
+                probs, token_loss[start:end], pred[start:end] = _chunk_loss(h, weight, labels[start:end],
+                                                                            None if soft is None else soft[start:end],
+                                                                            stats)
+                if grad_h is not None:
+                    # d loss_t / d logits = softmax - label distribution (onehot, or the target's softmax).
+                    grad_h[start:end] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                del probs
         ctx.mark_non_differentiable(pred)
-        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.weight_dtype = weight.dtype
-        return total, pred
+        ctx.save_for_backward(hidden, weight, labels, *(() if soft is None else (soft,)),
+                              *(() if grad_h is None else (grad_h,)))
+        ctx.soft, ctx.has_h, ctx.chunk = soft is not None, grad_h is not None, chunk
+        return token_loss, pred
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor, grad_pred: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_loss: torch.Tensor, grad_pred: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         del grad_pred
         saved = list(ctx.saved_tensors)
-        has_h, has_w = ctx.has
+        hidden, weight, labels = saved[:3]
+        soft = saved[3] if ctx.soft else None
         grad_h = grad_w = None
-        if has_h:
-            g = saved.pop(0)
-            grad_h = g * grad_total.to(g.dtype)
-        if has_w:
-            grad_w = (saved.pop(0) * grad_total).to(ctx.weight_dtype)
+        if ctx.has_h:
+            g = saved[-1]
+            grad_h = g * grad_loss.to(g.dtype).unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            # The LM head is frozen in training; its gradient (tests, other heads) is recomputed chunk by chunk.
+            stats = torch.promote_types(weight.dtype, torch.float32)
+            acc = torch.zeros(weight.shape, dtype=stats, device=weight.device)
+            for start in range(0, hidden.shape[0], ctx.chunk):
+                end = min(start + ctx.chunk, hidden.shape[0])
+                h = hidden[start:end].to(weight.dtype)
+                probs = _chunk_loss(h, weight, labels[start:end], None if soft is None else soft[start:end], stats)[0]
+                probs.mul_(grad_loss[start:end].to(stats).unsqueeze(1))
+                acc += (probs.to(weight.dtype).t() @ h).to(stats)
+                if soft is not None:  # the target's side of KL depends on the head too
+                    acc += _soft_side_grad(soft[start:end], weight, h, grad_loss[start:end], stats)
+            grad_w = acc.to(weight.dtype)
         return grad_h, grad_w, None, None, None
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, soft: torch.Tensor | None,
+                stats: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d loss / d logits [T, V], loss [T], argmax [T]) of one chunk; works in place on the logits buffer."""
+    logits = (h @ weight.t()).to(stats)
+    row_max, pred = logits.max(dim=-1)
+    if soft is None:
+        label_logit = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+    else:
+        target = torch.log_softmax((soft.to(weight.dtype) @ weight.t()).to(stats), dim=-1)
+        p = target.exp()
+        # KL(p || q) = sum p log p - sum p logits + lse(logits)
+        label_logit = (p * logits).sum(-1) - (p * target).sum(-1)
+        del target
+    probs = logits.sub_(row_max.unsqueeze(1)).exp_()
+    row_sum = probs.sum(dim=-1)
+    loss = row_max + row_sum.log() - label_logit
+    probs.div_(row_sum.unsqueeze(1))
+    if soft is None:
+        probs[torch.arange(h.shape[0], device=h.device), labels] -= 1.0
+    else:
+        probs.sub_(p)
+    return probs, loss, pred
+
+
+def _soft_side_grad(soft: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, grad_loss: torch.Tensor,
+                    stats: torch.dtype) -> torch.Tensor:
+    """d KL / d weight through the target's logits soft @ weight.T (only for a head that is not frozen)."""
+    with torch.enable_grad():
+        w = weight.detach().to(stats).requires_grad_(True)
+        logp = torch.log_softmax(soft.to(stats) @ w.t(), dim=-1)
+        q_logits = h.to(stats) @ w.t().detach()
+        kl = (logp.exp() * (logp - q_logits)).sum(-1)
+        (grad,) = torch.autograd.grad((kl * grad_loss.to(stats)).sum(), w)
+    return grad
+
+
+def linear_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    soft: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss of an LM head without materialising all logits: (loss [T] of at least float32, argmax [T]).
+
+    hidden [T, H], weight [V, H], labels [T]; with `soft` [T, H] (hidden states whose logits through the same
+    head are the label distribution) the loss is KL(softmax(soft @ weight.T) || softmax(hidden @ weight.T)) and
+    `labels` only names the hard label the accuracy is measured against. `chunk_tokens` defaults to a 1 GiB
+    float32 logits budget (half that for soft labels). Differentiable with respect to hidden and weight.
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and LM head weight {tuple(weight.shape)} do not fit")
+    if soft is not None and soft.shape != hidden.shape:
+        raise ValueError(f"soft label rows {tuple(soft.shape)} do not match hidden {tuple(hidden.shape)}")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, DEFAULT_LOGITS_BYTES // (4 * weight.shape[0] * (1 if soft is None else 2)))
+    return _LinearTokenLoss.apply(hidden, weight, labels, None if soft is None else soft.detach(), int(chunk_tokens))
 
 
 def linear_cross_entropy(
@@ -132,26 +216,37 @@ def linear_cross_entropy(
     token_weight: torch.Tensor,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted CE of an LM head without materialising all logits.
+    """sum_t token_weight[t] * CE(hidden[t] @ weight.T, labels[t]), chunked, and the argmax prediction [T]."""
+    token_loss, pred = linear_token_loss(hidden, weight, labels, None, chunk_tokens)
+    return (token_loss * token_weight.detach().to(token_loss.dtype)).sum(), pred
 
-    hidden [T, H], weight [V, H], labels [T], token_weight [T]. Returns (sum_t w_t * CE_t as a scalar of at
-    least float32, argmax prediction [T]). `chunk_tokens` defaults to a 1 GiB float32 logits budget.
-    Differentiable with respect to hidden and weight (call backward at most once).
-    """
-    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and LM head weight {tuple(weight.shape)} do not fit")
+
+@torch.no_grad()
+def chunked_argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+    """argmax(hidden @ weight.T) [T] for hidden [T, H], one chunk of logits at a time."""
     if chunk_tokens is None:
         chunk_tokens = max(1, DEFAULT_LOGITS_BYTES // (4 * weight.shape[0]))
-    return _LinearCrossEntropy.apply(hidden, weight, labels, token_weight.detach(), int(chunk_tokens))
+    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, hidden.shape[0])
+            out[start:end] = (hidden[start:end].to(weight.dtype) @ weight.t()).argmax(dim=-1)
+    return out
 
 
 @dataclass(frozen=True)
 class LossOutput:
-    """Loss of one step plus per-slot accuracy counts (index k = block slot; slot 0 always 0)."""
+    """Loss of one micro-batch plus per-slot accuracy counts (index k = block slot; slot 0 always 0).
+
+    `loss` is the weighted mean (differentiable); `loss_sum` and `weight_sum` are its numerator (differentiable)
+    and denominator, which a trainer sums over a step before dividing."""
 
     loss: torch.Tensor
     correct: torch.Tensor
     counted: torch.Tensor
+    loss_sum: torch.Tensor | None = None
+    weight_sum: float = 0.0
+    hits: torch.Tensor | None = None  # [B, N, block] bool: trained slots whose argmax is the label
 
 
 def dflash_loss(
@@ -161,8 +256,12 @@ def dflash_loss(
     weight: torch.Tensor,
     gamma: float,
     chunk_tokens: int | None = None,
+    soft: torch.Tensor | None = None,
+    weighting: Weighting = "exp_decay",
+    dpace_alpha: float = 0.5,
 ) -> LossOutput:
-    """Decayed, normalised block CE. hidden [B, N*block, H]; labels/weight [B, N, block]."""
+    """Weighted block loss. hidden [B, N*block, H]; labels/weight [B, N, block]; soft [B, N, block, H] (target
+    hidden states for `target_kl`, None for the CE objectives). See the module docstring."""
     rows, n_anchors, block = labels.shape
     if hidden.shape[:2] != (rows, n_anchors * block):
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match {n_anchors} blocks of {block} x {rows} rows")
@@ -172,14 +271,26 @@ def dflash_loss(
     counted = torch.bincount(slot_taken, minlength=block)
     if take.numel() == 0:
         zero = hidden.sum() * 0.0  # keeps the graph, so backward still runs on every rank
-        return LossOutput(zero.float(), torch.zeros_like(counted), counted)
-    decay = position_decay(block, gamma, labels.device)[slot_taken]
-    token_weight = decay / decay.sum()
+        return LossOutput(zero.float(), torch.zeros_like(counted), counted, zero.float(), 0.0,
+                          torch.zeros_like(weight, dtype=torch.bool))
     h = hidden.reshape(rows * n_anchors * block, -1).index_select(0, take)
     lab = labels.reshape(-1)[take]
-    loss, pred = linear_cross_entropy(h, lm_head_weight, lab, token_weight, chunk_tokens)
-    correct = torch.bincount(slot_taken, weights=(pred == lab).float(), minlength=block).long()
-    return LossOutput(loss, correct, counted)
+    soft_rows = None if soft is None else soft.reshape(-1, soft.shape[-1]).index_select(0, take)
+    token_loss, pred = linear_token_loss(h, lm_head_weight, lab, soft_rows, chunk_tokens)
+    if weighting == "dpace":
+        grid = torch.zeros(rows * n_anchors * block, dtype=token_loss.dtype, device=token_loss.device)
+        grid[take] = token_loss.detach()
+        token_weight = dpace_weights(grid.view(-1, block), weight.reshape(-1, block), dpace_alpha).reshape(-1)[take]
+    else:
+        token_weight = position_decay(block, gamma, labels.device)[slot_taken]
+    token_weight = token_weight.to(token_loss.dtype)
+    loss_sum = (token_loss * token_weight).sum()
+    weight_sum = float(token_weight.sum())
+    right = pred == lab
+    correct = torch.bincount(slot_taken, weights=right.float(), minlength=block).long()
+    hits = torch.zeros(weight.numel(), dtype=torch.bool, device=weight.device)
+    hits[take] = right
+    return LossOutput(loss_sum / weight_sum, correct, counted, loss_sum, weight_sum, hits.view_as(weight))
 
 
 def per_position_accuracy(

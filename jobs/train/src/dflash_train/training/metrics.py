@@ -40,7 +40,8 @@ from dflash_train.training.step import StepOutput
 log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
 # The metrics a progress report carries (the per-slot accuracies and per-rank memory stay in TensorBoard).
-_REPORTED = ("loss", "tau", "accuracy", "lr", "tokens_per_s", "steps_per_s", "peak_memory_gib_max")
+_REPORTED = ("loss", "tau", "accuracy", "label_agreement", "heldout_tau", "lr", "tokens_per_s", "steps_per_s", "peak_memory_gib_max")
+_HEAD = 6  # the window's scalar sums before the per-slot counts (see MetricWindow.reset)
 
 
 class MetricWindow:
@@ -51,29 +52,33 @@ class MetricWindow:
         self.reset()
 
     def reset(self) -> None:
-        # [loss sum, micro-batches, label tokens, input tokens] then correct[block], counted[block]
-        self.sums = torch.zeros(4 + 2 * self.block_size, dtype=torch.float64, device=self.device)
+        # [loss sum, loss weight, label tokens, input tokens, agreed labels, labels checked] then correct[block],
+        # counted[block]
+        self.sums = torch.zeros(_HEAD + 2 * self.block_size, dtype=torch.float64, device=self.device)
         self.steps = 0
         self.started = time.perf_counter()
 
     def add_micro(self, out: StepOutput, input_tokens: int) -> None:
-        head = torch.stack([out.loss.detach().double(), torch.ones((), dtype=torch.float64, device=self.device),
-                            torch.tensor(float(out.tokens), dtype=torch.float64, device=self.device),
-                            torch.tensor(float(input_tokens), dtype=torch.float64, device=self.device)])
-        self.sums += torch.cat([head.to(self.device), out.correct.double().to(self.device),
-                                out.counted.double().to(self.device)])
+        # The window's loss is the weighted mean over all its trained tokens (loss numerator over denominator).
+        loss_sum = out.loss_sum if out.loss_sum is not None else out.loss * max(out.weight_sum, 1.0)
+        weight = out.weight_sum if out.loss_sum is not None else max(out.weight_sum, 1.0)
+        checked = float(out.tokens) if out.agreed >= 0 else 0.0
+        head = torch.tensor([0.0, weight, float(out.tokens), float(input_tokens), float(max(out.agreed, 0)), checked],
+                            dtype=torch.float64, device=self.device)
+        head[0] = loss_sum.detach().double().to(self.device)
+        self.sums += torch.cat([head, out.correct.double().to(self.device), out.counted.double().to(self.device)])
 
     def finish(self, env: DistEnv, lr: float, grad_norm: float) -> dict[str, float]:
         """All-reduce the window (a collective) and return its metrics; the window starts anew."""
         sums = env.all_reduce_sum(self.sums.clone()).cpu().tolist()
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        loss_sum, micro, labels, inputs = sums[:4]
-        correct = sums[4:4 + self.block_size]
-        counted = sums[4 + self.block_size:]
+        loss_sum, loss_weight, labels, inputs, agreed, checked = sums[:_HEAD]
+        correct = sums[_HEAD:_HEAD + self.block_size]
+        counted = sums[_HEAD + self.block_size:]
         acc = per_position_accuracy(correct, counted)
         peaks = env.all_gather_object(peak_memory_bytes(env.device))
         metrics: dict[str, float] = {
-            "loss": loss_sum / max(micro, 1.0),
+            "loss": loss_sum / loss_weight if loss_weight > 0 else 0.0,
             "tau": expected_acceptance_length(acc),
             "accuracy": sum(correct[1:]) / max(sum(counted[1:]), 1.0),
             "lr": lr,
@@ -83,6 +88,8 @@ class MetricWindow:
             "steps_per_s": self.steps / elapsed,
             "peak_memory_gib_max": max(peaks) / 2**30,
         }
+        if checked > 0:
+            metrics["label_agreement"] = agreed / checked
         metrics.update({f"acc_{k}": a for k, a in enumerate(acc, start=1)})
         metrics.update({f"peak_memory_gib_rank{r}": p / 2**30 for r, p in enumerate(peaks)})
         self.reset()
@@ -93,8 +100,10 @@ def format_line(step: int, total: int, m: dict[str, float], eta_s: float | None 
     accs = [m[k] for k in sorted((k for k in m if k.startswith("acc_")), key=lambda k: int(k[4:]))]
     shown = " ".join(f"{a:.2f}" for a in accs[:8]) + (" ..." if len(accs) > 8 else "")
     eta = f", ETA {human_duration(eta_s)}" if eta_s is not None else ""
+    agree = f" labels=target {100 * m['label_agreement']:.1f}%" if "label_agreement" in m else ""
+    agree += f" heldout tau {m['heldout_tau']:.2f}" if "heldout_tau" in m else ""
     return (f"step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) loss {m['loss']:.4f} tau {m['tau']:.2f} "
-            f"acc[1..] {shown} lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {human_count(m['tokens_per_s'])} tok/s "
+            f"acc[1..] {shown}{agree} lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {human_count(m['tokens_per_s'])} tok/s "
             f"peak mem {m['peak_memory_gib_max']:.2f} GiB (max over ranks){eta}")
 
 

@@ -4,8 +4,9 @@ AdamW over the drafter's fp32 parameters (the master weights), with torch's defa
 the reference trainer (SpecForge) uses them unless the config says otherwise; the forward runs under bf16
 autocast when precision is bf16, so activations and matmuls are bf16 while updates accumulate in fp32. The
 schedule is linear warmup to the peak rate, then a cosine down to `min_lr_ratio` of it (the reference
-recipe: 4% warmup, cosine). The scheduler is a LambdaLR whose state is the step count, stored with each
-checkpoint.
+recipe: 4% warmup, cosine), or warmup-stable-decay (`wsd`: the peak held until the last `decay_ratio` of the
+steps, then a linear decay to `min_lr_ratio`; TorchSpec found it ~4% better in tau than cosine). The scheduler
+is a LambdaLR whose state is the step count, stored with each checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class OptimizerSettings(Protocol):
     @property
     def min_lr_ratio(self) -> float: ...
     @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def decay_ratio(self) -> float: ...
+    @property
     def precision(self) -> str: ...
     @property
     def target_dtype(self) -> str: ...
@@ -50,6 +55,19 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_stable_decay(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
+                        decay_ratio: float) -> float:
+    """Multiplier of the peak learning rate before optimizer step `step` (0-based): warmup, hold, linear decay."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, int(round(decay_ratio * total_steps)))
+    decay_from = max(warmup_steps, total_steps - decay_steps)
+    if step < decay_from:
+        return 1.0
+    progress = min(1.0, (step - decay_from + 1) / max(1, total_steps - decay_from))
+    return 1.0 - (1.0 - min_ratio) * progress
 
 
 def warmup_steps_for(config: OptimizerSettings, total_steps: int) -> int:
@@ -77,6 +95,10 @@ def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerSettings,
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerSettings, total_steps: int,
                     ) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = warmup_steps_for(config, total_steps)
+    if config.lr_schedule == "wsd":
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_stable_decay(step, warmup, total_steps, config.min_lr_ratio,
+                                                        config.decay_ratio))
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, warmup, total_steps, config.min_lr_ratio)
     )

@@ -8,7 +8,10 @@
 3. block inputs [input_ids[p], MASK x (B-1)] embedded with the target's embedding, at positions
    position_ids[p] + k (document positions, as at inference);
 4. the drafter pass under the step's block-sparse mask (optionally with uniform noise on the features);
-5. the decayed block CE through the target's LM head, in chunks.
+5. the block loss of the recipe's objective and position weights through the target's LM head, in chunks
+   (`dflash_train.training.loss`); where the target keeps its output layers, the target's own greedy token at
+   every trained label's position too, which gives the label agreement: the share of trained data labels that
+   are what the trainer's target itself would say there.
 """
 
 from __future__ import annotations
@@ -24,26 +27,50 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import sample_anchors
-from dflash_train.training.loss import block_targets, dflash_loss
+from dflash_train.training.loss import Objective, Weighting, block_targets, chunked_argmax, dflash_loss
+
+
+@dataclass(frozen=True)
+class LossRecipe:
+    """What a step trains towards (see `dflash_train.training.loss`): the objective, the position weights,
+    and whether the label agreement is measured (it needs the target's output layers: `FrozenTarget.keep_output`)."""
+
+    objective: Objective = "data_ce"
+    weighting: Weighting = "exp_decay"
+    dpace_alpha: float = 0.5
+    label_agreement: bool = False
+
+    @property
+    def needs_target_output(self) -> bool:
+        return self.objective != "data_ce" or self.label_agreement
 
 
 @dataclass(frozen=True)
 class DraftBlocks:
-    """Drafter output of one step: hidden [B, N*block, H] and the anchors [B, N] it was built for."""
+    """Drafter output of one step: hidden [B, N*block, H], the anchors [B, N] it was built for, and the target's
+    final hidden states [B, S, H] where the target keeps them."""
 
     hidden: torch.Tensor
     anchor_pos: torch.Tensor
     keep: torch.Tensor
+    target_final: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Loss (scalar, differentiable), per-slot correct/counted [block] (long) and trained label count."""
+    """Loss (scalar, differentiable), per-slot correct/counted [block] (long) and trained label count; the loss's
+    numerator (differentiable) and denominator, which the trainer sums over a step; the trained labels that
+    equal the target's own greedy token (`agreed` of `tokens`; -1 when not measured)."""
 
     loss: torch.Tensor
     correct: torch.Tensor
     counted: torch.Tensor
     tokens: int
+    loss_sum: torch.Tensor | None = None
+    weight_sum: float = 0.0
+    agreed: int = -1
+    hits: torch.Tensor | None = None  # [B, N, block] bool: trained slots whose prediction is the label
+    trained: torch.Tensor | None = None  # [B, N, block] bool: the trained slots
 
 
 def block_inputs(
@@ -79,7 +106,8 @@ def draft_blocks(
     noise: bool = False,
 ) -> DraftBlocks:
     """Steps 1-4 of the module docstring: the drafter's hidden states for freshly sampled anchors."""
-    features = target.features(batch.input_ids, batch.position_ids, batch.document_ids)
+    target_pass = target.forward(batch.input_ids, batch.position_ids, batch.document_ids)
+    features = target_pass.features
     anchor_pos, keep = sample_anchors(
         batch.loss_mask,
         batch.document_ids,
@@ -108,7 +136,23 @@ def draft_blocks(
         backend,
     )
     hidden = drafter(embeds, positions, features, batch.position_ids, mask)
-    return DraftBlocks(hidden, anchor_pos, keep)
+    return DraftBlocks(hidden, anchor_pos, keep, target_pass.final_hidden)
+
+
+def target_next_tokens(final_hidden: torch.Tensor, lm_head: torch.Tensor, wanted: torch.Tensor,
+                       chunk_tokens: int | None = None) -> torch.Tensor:
+    """[B, S] long: the target's greedy next token after each position where `wanted` [B, S] is set, else -1."""
+    out = torch.full(wanted.shape, -1, dtype=torch.long, device=wanted.device)
+    where = wanted.nonzero(as_tuple=True)
+    if where[0].numel():
+        out[where] = chunked_argmax(final_hidden[where], lm_head, chunk_tokens)
+    return out
+
+
+def _label_positions(anchor_pos: torch.Tensor, block_size: int, seq: int) -> torch.Tensor:
+    """[B, N, block] flat positions p + k - 1 (clamped into the row): where slot k's label is predicted from."""
+    k = torch.arange(block_size, device=anchor_pos.device)
+    return (anchor_pos.unsqueeze(-1) + k - 1).clamp(0, seq - 1)
 
 
 def dflash_step(
@@ -119,15 +163,39 @@ def dflash_step(
     generator: torch.Generator | None = None,
     noise: bool = False,
     chunk_tokens: int | None = None,
+    recipe: LossRecipe | None = None,
 ) -> StepOutput:
-    """Forward of one training step; call `.loss.backward()` on the result.
+    """Forward of one training step; call `.loss.backward()` (or the trainer's step-normalised `.loss_sum`).
 
     `generator` drives anchor sampling (and the feature noise when on the features' device); `noise`
-    adds uniform noise of std cfg.feature_noise_std to the target features (training only).
+    adds uniform noise of std cfg.feature_noise_std to the target features (training only); `recipe` picks the
+    objective and position weights (default: CE on the data token, exponential decay).
     """
+    recipe = recipe or LossRecipe()
     blocks = draft_blocks(drafter, target, batch, cfg, generator, noise)
     labels, weight = block_targets(
         batch.input_ids, batch.loss_mask, batch.document_ids, blocks.anchor_pos, blocks.keep, cfg.block_size
     )
-    out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma, chunk_tokens)
-    return StepOutput(out.loss, out.correct, out.counted, int(out.counted.sum()))
+    agreed, soft = -1, None
+    if recipe.needs_target_output:
+        if blocks.target_final is None:
+            raise ValueError(f"objective {recipe.objective} and the label agreement need the target's output layers: "
+                             "load the target with keep_output=True")
+        rows, seq = batch.input_ids.shape
+        # Positions t whose next token is a trained label: t + 1 loss-masked and in t's document.
+        wanted = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+        wanted[:, :-1] = batch.loss_mask[:, 1:].bool() & (batch.document_ids[:, 1:] == batch.document_ids[:, :-1])
+        next_tokens = target_next_tokens(blocks.target_final, target.lm_head_weight, wanted, chunk_tokens)
+        where = _label_positions(blocks.anchor_pos, cfg.block_size, seq)
+        target_labels = next_tokens.gather(1, where.view(rows, -1)).view_as(labels)
+        agreed = int(((target_labels == labels) & weight).sum())
+        if recipe.objective != "data_ce":
+            labels = torch.where(weight, target_labels, labels)
+        if recipe.objective == "target_kl":
+            final = blocks.target_final
+            soft = final.gather(1, where.view(rows, -1, 1).expand(-1, -1, final.shape[-1]))
+            soft = soft.view(*labels.shape, final.shape[-1])
+    out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma, chunk_tokens,
+                      soft=soft, weighting=recipe.weighting, dpace_alpha=recipe.dpace_alpha)
+    return StepOutput(out.loss, out.correct, out.counted, int(out.counted.sum()), out.loss_sum, out.weight_sum,
+                      agreed, out.hits, weight)
