@@ -18,8 +18,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3
+import botocore.exceptions
 import pytest
 
 from dflash_shared.errors import BadInputError, PreflightError
@@ -210,6 +212,47 @@ def test_unknown_bucket_fails_the_read_check(iam_bucket: IamBucket, monkeypatch:
     code, result = only(Preflight("tokenize", ObjectStore(max_attempts=1)).storage_read("s3://no-such-bucket-x/in"))
     assert code == ExitCode.ENVIRONMENT
     assert "s3://no-such-bucket-x/in" in result.detail
+
+
+
+def test_the_server_authorizes_s3_calls_by_aws_iam_actions(moto_endpoint: str) -> None:
+    """The policies above are what real AWS needs: listing and HEAD of a bucket need s3:ListBucket on it, and an
+    action named after the API call (s3:ListObjectsV2, s3:HeadBucket: no such IAM actions) grants nothing. The
+    moto server is held to that (tests/conftest.py), whichever way its release names the action."""
+    bucket = f"iam-{uuid.uuid4().hex[:16]}"
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    iam = boto3.client("iam", endpoint_url=moto_endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    clients = {}
+    for action in ("s3:ListBucket", "s3:ListObjectsV2", "s3:HeadBucket"):
+        user = f"{action.split(':')[1].lower()}-{bucket}"
+        iam.create_user(UserName=user)
+        statement = {"Effect": "Allow", "Action": [action], "Resource": f"arn:aws:s3:::{bucket}"}
+        policy = json.dumps({"Version": "2012-10-17", "Statement": [statement]})
+        iam.put_user_policy(UserName=user, PolicyName="list", PolicyDocument=policy)
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        clients[action] = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                                       aws_access_key_id=key["AccessKeyId"],
+                                       aws_secret_access_key=key["SecretAccessKey"])
+
+    def allowed(client: Any, operation: str) -> bool:
+        try:
+            getattr(client, operation)(Bucket=bucket)
+        except botocore.exceptions.ClientError:
+            return False
+        return True
+
+    _reset_auth(moto_endpoint, "0")
+    try:
+        outcome = {
+            action: (allowed(client, "list_objects_v2"), allowed(client, "head_bucket"))
+            for action, client in clients.items()
+        }
+    finally:
+        _reset_auth(moto_endpoint, "inf")
+        s3.delete_bucket(Bucket=bucket)
+    assert outcome == {"s3:ListBucket": (True, True), "s3:ListObjectsV2": (False, False),
+                       "s3:HeadBucket": (False, False)}
 
 
 # ---------------------------------------------------------------------- local storage
