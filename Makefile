@@ -51,13 +51,17 @@ define logged
 	fi
 endef
 
-# The torch-free environment (shared library, tokenize stage, pipeline and image tests), rebuilt whenever a
-# requirements or project file changes. uv is fast here because nothing in it needs torch. (uv is an order-only
-# prerequisite: a new uv does not rebuild the environment.)
-$(VENV_STAMP): requirements/dev.in shared/pyproject.toml jobs/pipeline/pyproject.toml jobs/tokenize/pyproject.toml jobs/generate/pyproject.toml \
-		jobs/train/pyproject.toml | $(UV_DEP)
+# The torch-free environment (shared library, tokenize stage, pipeline and image tests), rebuilt whenever its
+# lock, requirements or a project file changes. Installed from the lock (requirements/dev.lock, made by `make lock`
+# from requirements/dev.in) with hashes required and nothing resolved here: `uv pip sync` makes the environment
+# exactly the lock, then the project's own packages go in editable and without dependencies (the lock holds
+# theirs). (uv is an order-only prerequisite: a new uv does not rebuild the environment.)
+DEV_LOCK := requirements/dev.lock
+$(VENV_STAMP): $(DEV_LOCK) requirements/dev.in shared/pyproject.toml jobs/pipeline/pyproject.toml jobs/tokenize/pyproject.toml \
+		jobs/generate/pyproject.toml jobs/train/pyproject.toml | $(UV_DEP)
 	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -r requirements/dev.in
+	VIRTUAL_ENV=$(VENV) $(UV) pip sync --quiet --require-hashes $(DEV_LOCK)
+	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet --no-deps -r <($(PYTHON) scripts/locks.py editables requirements/dev.in)
 	@touch $@
 
 venv: $(VENV_STAMP) ## Create the development environment (.venv)
@@ -95,7 +99,7 @@ test-images: $(VENV_STAMP) image-tools ## Build the images and run the image tes
 test-cuda-images: $(VENV_STAMP) venv-train image-tools ## Build the CUDA images (generator, trainer) and smoke-test them on CPU; not part of `make test` (see docs/benchmarks.md)
 	$(PY) -m pytest -m cuda_image tests/images/test_cuda_images.py $(PYTEST_ARGS)
 
-lint: $(VENV_STAMP) ## ruff over the tree, mypy over the shared library and the orchestration, zizmor and the schema over the CI workflows
+lint: $(VENV_STAMP) check-locks ## ruff over the tree, mypy over the shared library and the orchestration, zizmor and the schema over the CI workflows, the locks
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy shared/src/dflash_shared jobs/pipeline/src/dflash_pipeline
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
@@ -124,8 +128,13 @@ dockerfiles: ## Copy the parts every image shares (docker/common) into each dock
 base-image: ## Build the local debootstrap base image (used where no registry is reachable)
 	bash docker/base/make-local-base.sh
 
-lock: | $(UV_DEP) ## Regenerate every stage's hash-pinned lock file
-	UV=$(UV) bash docker/lock.sh
+# `make lock LOCKS="generate dev"` renews only those (stages and environments by name).
+LOCKS ?=
+lock: | $(UV_DEP) ## Regenerate every hash-pinned lock: the images' (jobs/<stage>/*.lock) and the environments' (requirements/*.lock)
+	UV=$(UV) PYTHON=$(PYTHON) bash docker/lock.sh $(LOCKS)
+
+check-locks: ## Fail if a lock is older than its inputs (offline: the input hash in each lock's header; also in the tests)
+	$(PYTHON) scripts/locks.py check
 
 # ---------------------------------------------------------------- benchmarks
 bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer library's limit
@@ -147,4 +156,4 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help tools demo demo-pilot venv venv-generate venv-train image-tools test test-fast test-images test-cuda-images lint docs k8s-base schemas build-images \
-	build-image dockerfiles base-image lock bench-tokenize bench-train bench-eval bench-numerics bench-quality
+	build-image dockerfiles base-image lock check-locks bench-tokenize bench-train bench-eval bench-numerics bench-quality
