@@ -10,8 +10,9 @@ speculative loop (`bench_quality.offline_tau`, equal to vLLM's engine tau in eve
 48 held-out prompts: tau, and accepted tokens per drafted position.
 
 Equal steps and equal CPU time: every trial trains the bench's number of steps. A trial whose training took more
-than 15% longer than today's recipe (more blocks per step) is run a second time (`<name>@time`) with its steps
-scaled down to today's training time, so that what a change buys per step and per CPU-second are both shown.
+than 15% longer than today's recipe (more blocks per step; the training time is steps x the median seconds per step
+of its log) is run a second time (`<name>@time`) with its steps scaled down to today's training time, so that what
+a change buys per step and per CPU-second are both shown.
 
     .venv-generate/bin/python bench/bench_drafter_trials.py --work-dir /work/bq [--speaking code] [--trials kl]
 
@@ -24,9 +25,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import subprocess
 import sys
-import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ SLOWER = 1.15  # a trial this much slower than today's recipe also runs at today
 def trial_run(bench_run: dict[str, Any], bench_dir: Path, name: str, change: dict[str, Any]) -> dict[str, Any]:
     """The trial's run file: the bench's, reading the bench's completions, with the trial's one change."""
     run = copy.deepcopy(bench_run)
-    run.update(run_id=f"trial-{name.replace('@', '-at-')}",
+    run.update(run_id="trial-" + name.replace("@", "-at-").replace("_", "-"),
                root=str(bench_dir.parent / "trials" / bench_dir.name / name / "store"),
                source={"kind": "completions", "uri": str(bench_dir / "store" / "bench-quality" / "completions")})
     train = run["stages"]["train"]["config"]
@@ -65,27 +67,36 @@ def trial_export(bench_dir: Path, name: str, change: dict[str, Any]) -> tuple[Pa
     run = trial_run(json.loads((bench_dir / "run.json").read_text()), bench_dir, name, change)
     work = Path(run["root"]).parent
     export = Path(run["root"]) / run["run_id"] / "export"
-    timing = work / "train-seconds.json"
     if not (export / "manifest.json").exists():
         work.mkdir(parents=True, exist_ok=True)
         (work / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-        for stage in STAGES:
-            began = time.monotonic()
-            subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "dflash_pipeline", "local", "--config",
-                            str(work / "run.json"), "--log-dir", str(work / "logs"), "--stage", stage],
-                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-            if stage == "train":
-                timing.write_text(json.dumps({"seconds": time.monotonic() - began}) + "\n")
+        subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "dflash_pipeline", "local", "--config",
+                        str(work / "run.json"), "--log-dir", str(work / "logs"),
+                        *[arg for stage in STAGES for arg in ("--stage", stage)]],
+                       cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     from dflash_shared.manifest_io import load_manifest
     from dflash_shared.manifests import Kind
     from dflash_shared.storage import ObjectStore
 
-    drafter = load_manifest(ObjectStore(), str(Path(run["root"]) / run["run_id"] / "train"), Kind.drafter,
+    drafter = load_manifest(ObjectStore(), str(Path(run["root"]) / run["run_id"] / "drafter"), Kind.drafter,
                             verify=False)
     metrics = dict(drafter.section.final_metrics)
-    metrics["train_seconds"] = json.loads(timing.read_text())["seconds"] if timing.exists() else float("nan")
     metrics["steps"] = float(run["stages"]["train"]["config"].get("max_steps") or 0)
+    metrics["train_seconds"] = seconds_per_step(work / "logs" / "train-0.log") * metrics["steps"]
     return export, metrics
+
+
+def seconds_per_step(train_log: Path) -> float:
+    """The training's steady pace: the median seconds per step between consecutive metric lines of its log (a
+    resumed run's restart gap and the start-up are not steps, and a median leaves them out)."""
+    points = []
+    for line in train_log.read_text(errors="replace").splitlines():
+        if "metrics: step " in line:
+            stamp = datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
+            points.append((int(line.split("metrics: step ", 1)[1].split("/", 1)[0]), stamp))
+    pairs = zip(points, points[1:], strict=False)
+    paces = [(b[1] - a[1]).total_seconds() / (b[0] - a[0]) for a, b in pairs if b[0] > a[0]]
+    return statistics.median(paces) if paces else float("nan")
 
 
 def measure(target: Path, export: Path, prompts: list[list[int]], max_new_tokens: int, stops: list[int]
@@ -120,25 +131,34 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     import torch
-    from bench_quality import SPEAKING_BENCHES, chat_ids, speaking_measured
+    from bench_quality import SPEAKING_BENCHES, chat_ids, speaking_measured, speaking_prompts
 
     from tests.evaluate import eval_fixtures as ef
+    from tests.support.speaking_target import TARGETS, build_speaking_target
 
     torch.set_num_threads(args.threads)
     setup = argparse.Namespace(heldout=PROMPTS, train_prompts=4200, fixture_drafter=False, max_new_tokens=None)
     results: dict[str, list[dict[str, Any]]] = {}
     for key in args.speaking:
         bench = SPEAKING_BENCHES[key]
-        measured = speaking_measured(bench, setup, args.work_dir)  # resumes the bench's own stages
-        prompts = chat_ids(measured.target_dir, measured.conversations)
-        stops = list(ef.stop_ids(measured.target_dir))
         bench_dir = args.work_dir / key
+        completions = bench_dir / "store" / "bench-quality" / "completions" / "manifest.json"
+        if completions.exists() and (bench_dir / "run.json").exists():
+            # The trials need the bench's answers only, not its own drafter: no need to finish its stages.
+            target_dir = build_speaking_target(TARGETS[key])  # cached
+            heldout_q, _ = speaking_prompts(TARGETS[key].corpus, PROMPTS, setup.train_prompts)
+            conversations = [[{"role": "user", "content": q}] for q in heldout_q]
+        else:
+            measured = speaking_measured(bench, setup, args.work_dir)  # runs (or resumes) the bench's own stages
+            target_dir, conversations = measured.target_dir, measured.conversations
+        prompts = chat_ids(target_dir, conversations)
+        stops = list(ef.stop_ids(target_dir))
         rows: list[dict[str, Any]] = []
         queue = [(name, TRIALS[name]) for name in args.trials]
         while queue:
             name, change = queue.pop(0)
             export, metrics = trial_export(bench_dir, name, change)
-            tau, per_position = measure(measured.target_dir, export, prompts, bench.max_new_tokens, stops)
+            tau, per_position = measure(target_dir, export, prompts, bench.max_new_tokens, stops)
             row = {"trial": name, "change": change, "tau": tau, "accepted_per_position": per_position, **metrics}
             rows.append(row)
             print(f"  {key} {name}: offline tau {tau:.3f}, per position "

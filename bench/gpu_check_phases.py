@@ -2,7 +2,7 @@
 
 The step stays the project's own (`dflash_step`, then backward and AdamW); the phases are marked from the
 outside, so nothing is timed that training does not run:
-- target_features: from the step's start until `target.features` returns (a wrapper on the instance);
+- target_features: from the step's start until `target.forward` returns (a wrapper on the instance);
 - anchors_and_masks: anchor sampling, block inputs, embedding, feature noise and the drafter masks, until
   the drafter's forward pre-hook;
 - drafter_forward: until the drafter's forward hook;
@@ -110,15 +110,15 @@ class PhaseTimer:
 
 def instrument(timer: PhaseTimer, target: Any, drafter: torch.nn.Module) -> list[Any]:
     """Hooks and the features wrapper that mark the phases; returns the undo handles for `remove`."""
-    original = target.features
+    original = target.forward
 
-    def features(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         timer.mark("target_features")
         return out
 
-    target.features = features  # an instance attribute: shadows the method until `remove`
-    handles: list[Any] = [("features", target)]
+    target.forward = forward  # an instance attribute: shadows the method until `remove`
+    handles: list[Any] = [("forward", target)]
     handles.append(drafter.register_forward_pre_hook(lambda *_: timer.mark("anchors_and_masks")))
     handles.append(drafter.register_forward_hook(lambda *_: timer.mark("drafter_forward")))
     decoder = target.model.get_decoder()
@@ -131,7 +131,7 @@ def instrument(timer: PhaseTimer, target: Any, drafter: torch.nn.Module) -> list
 def remove(handles: list[Any]) -> None:
     for handle in handles:
         if isinstance(handle, tuple):
-            del handle[1].features  # the class's method again
+            del handle[1].forward  # the class's method again
         else:
             handle.remove()
 

@@ -67,11 +67,9 @@ def test_each_speaking_bench_drafts_from_a_run_file_the_stages_accept(tmp_path: 
 
 
 def test_each_drafter_trial_changes_only_the_train_settings_it_names(tmp_path: Path) -> None:
-    """bench_drafter_trials.py: every trial's run file is the code bench's with one change to the train stage's
-    config, which the stages accept (its drafter overrides included), reading the bench's own completions."""
-    from dflash_pipeline import parse_run_config, render_documents
-    from dflash_train.config import TrainConfig
-
+    """bench_drafter_trials.py: every trial's run file is its speaking bench's (both targets) with one change to
+    the train stage's config, which the stages accept (its drafter overrides included), reading the bench's own
+    completions."""
     sys.path.insert(0, str(REPO / "demo"))
     from run_demo import run_file
 
@@ -79,20 +77,31 @@ def test_each_drafter_trial_changes_only_the_train_settings_it_names(tmp_path: P
     assert spec is not None and spec.loader is not None
     trials = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trials)
-    bench_run = run_file(tmp_path, "s3://bench/quality", _bench().SPEAKING_BENCHES["code"].overrides, "speaking")
-    for name, changes in trials.TRIALS.items():
-        run = trials.trial_run(bench_run, tmp_path / "code", name)
-        assert run["source"] == {"kind": "completions",
-                                 "uri": str(tmp_path / "code" / "store" / "bench-quality" / "completions")}
-        train = run["stages"]["train"]["config"]
-        assert {k: v for k, v in train.items() if k not in changes} == {
-            k: v for k, v in bench_run["stages"]["train"]["config"].items() if k not in changes}
-        assert all(train[k] == v for k, v in changes.items())
-        assert {k: v for k, v in run["stages"].items() if k != "train"} == {
-            k: v for k, v in bench_run["stages"].items() if k != "train"}
-        config = TrainConfig.model_validate({**train, "input": "/in", "output": "/out", "target": "/t"})
-        assert config.max_steps == train["max_steps"], name
-        assert render_documents(parse_run_config({**run, "root": "s3://bench/trials", "images": {"tag": "bench"}}))
+    for key, speaking in _bench().SPEAKING_BENCHES.items():
+        bench_run = run_file(tmp_path, "s3://bench/quality", speaking.overrides, "speaking")
+        for name, changes in trials.TRIALS.items():
+            _check_trial(trials.trial_run(bench_run, tmp_path / key, name, changes), bench_run, tmp_path / key,
+                         name, changes)
+
+
+def _check_trial(run: dict, bench_run: dict, bench_dir: Path, name: str, changes: dict) -> None:
+    from dflash_pipeline import parse_run_config, render_documents
+    from dflash_train.config import TrainConfig
+
+    assert run["source"] == {"kind": "completions",
+                             "uri": str(bench_dir / "store" / "bench-quality" / "completions")}
+    assert run["root"] == str(bench_dir.parent / "trials" / bench_dir.name / name / "store")
+    train = run["stages"]["train"]["config"]
+    before = bench_run["stages"]["train"]["config"]
+    assert {k: v for k, v in train.items() if k not in changes} == {
+        k: v for k, v in before.items() if k not in changes}
+    for k, v in changes.items():  # a dict change (drafter_overrides) replaces only the keys it names
+        assert train[k] == ({**before.get(k, {}), **v} if isinstance(v, dict) else v), (name, k)
+    assert {k: v for k, v in run["stages"].items() if k != "train"} == {
+        k: v for k, v in bench_run["stages"].items() if k != "train"}
+    config = TrainConfig.model_validate({**train, "input": "/in", "output": "/out", "target": "/t"})
+    assert config.max_steps == train["max_steps"], name
+    assert render_documents(parse_run_config({**run, "root": "s3://bench/trials", "images": {"tag": "bench"}}))
 
 
 def test_the_long_answer_prompts_are_held_out_of_the_target_and_the_drafter() -> None:

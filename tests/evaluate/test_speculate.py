@@ -160,6 +160,7 @@ def test_a_parting_outside_the_kept_log_probabilities_is_judged_from_the_whole_d
     tail = greedy_with_logprobs(target_model, [*prompt, *plain.tokens[:at], runner_up], NEW_TOKENS - at - 1,
                                 ef.STOP_IDS)
     # The plain side of a rounding flip: its runner-up became its best; its kept list misses the other token.
+    assert plain.replay is not None
     row = plain.replay(at)
     swapped = row.clone()
     swapped[best], swapped[runner_up] = row[runner_up], row[best]
@@ -175,7 +176,9 @@ def test_a_parting_outside_the_kept_log_probabilities_is_judged_from_the_whole_d
 
     blind = parting(reference)
     assert (blind.index, blind.plain_margin, blind.tie) == (at, None, False)
-    judged = parting(dataclasses.replace(reference, replay=lambda index: swapped if index == at else plain.replay(index)))
+    replay = plain.replay
+    assert replay is not None
+    judged = parting(dataclasses.replace(reference, replay=lambda index: swapped if index == at else replay(index)))
     assert judged.index == at and judged.tie
     assert judged.plain_margin is not None and judged.plain_margin > 0
     assert judged.speculative_margin is not None and judged.speculative_margin > 0

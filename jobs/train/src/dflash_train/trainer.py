@@ -5,7 +5,8 @@ micro-batches one after the other and gradients accumulate (reduced across ranks
 micro-batch backpropagates its loss's numerator (the weighted sum over its trained tokens); once all have run,
 the weights are summed over the ranks and the gradients divided by that total, so the update is the weighted
 mean over every trained token of the step, whatever the micro-batch split or world size: a micro-batch with few
-trained tokens weighs what its tokens weigh, not as much as a full one. Anchor sampling and feature noise draw from a generator seeded by
+trained tokens weighs what its tokens weigh, not as much as a full one. Anchor sampling and feature noise draw
+from a generator seeded by
 (seed, step, micro-batch), never from a global RNG: a resumed run, or one with another world size, draws
 exactly what the uninterrupted run would have.
 

@@ -249,7 +249,8 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
         parallelism = mp.auto_parallelism(requested, replica, drafter_params, gpu.total)
     settings_ns = SimpleNamespace(micro_batch_rows=int(values["micro_batch_rows"]), precision=values["precision"],
                                   activation_checkpointing=bool(values["activation_checkpointing"]),
-                                  chunk_tokens=values["chunk_tokens"])
+                                  chunk_tokens=values["chunk_tokens"], objective=values["objective"],
+                                  label_agreement=values["label_agreement"])
     backend = "flex" if cfg.attention_backend == "auto" else cfg.attention_backend  # resolve_backend on CUDA
     inputs = mp.run_inputs(settings_ns, cfg, mp.TargetShape.from_config(raw), max_length, parallelism,
                            device_type="cuda", world_size=world, shard_size=settings.gpus,

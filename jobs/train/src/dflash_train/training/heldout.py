@@ -27,7 +27,6 @@ from dflash_shared.manifests import Shard
 from dflash_train.data.batch import PackedBatch, pack_documents
 from dflash_train.data.loader import ShardCache
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.parallel.distributed import DistEnv
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.step import LossRecipe, dflash_step

@@ -171,6 +171,11 @@ class PlanInputs:
     activation_checkpointing: bool
     chunk_tokens: int | None
     feature_noise: bool
+    # The target's own output (FrozenTarget.keep_output): every layer kept and its final hidden states, for the
+    # label agreement and the target-label objectives; soft labels (target_kl) also hold the target's logits
+    # beside the drafter's in each LM-head chunk.
+    target_output: bool = False
+    soft_labels: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,7 +259,7 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     # Target weights. FrozenTarget keeps decoder layers 0..max(target_layer_ids) and drops the rest, but
     # only after loading: the load itself holds the whole model (on the device under DDP). Under FSDP each
     # rank holds 1/shards of every kept layer plus the gathered (whole) layers of the current forward.
-    kept = list(tgt.layer_params[: max(cfg.target_layer_ids) + 1])
+    kept = list(tgt.layer_params if i.target_output else tgt.layer_params[: max(cfg.target_layer_ids) + 1])
     if sharded:
         target_w = (sum(kept) // shards + FSDP_GATHERED_LAYERS * max(kept) + tgt.whole_params) * i.target_bytes
         target_note = (f"{len(kept)} of {len(tgt.layer_params)} layers kept, 1/{shards} of each + "
@@ -286,6 +291,8 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     # autocast a bf16 target's features are cast to the fp32 drafter (a second, fp32 copy is what fc saves).
     feat_elems = c_tok * cfg.feature_size
     feat_bytes = feat_elems * i.target_bytes
+    if i.target_output:  # the final norm's output, kept for the target's own next-token predictions
+        feat_bytes += rows * seq * tgt.hidden_size * i.target_bytes
     if not i.autocast_bf16 and i.target_bytes != 4:
         feat_bytes += feat_elems * 4
 
@@ -346,11 +353,17 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     # the bf16 copy of the gradient: 6 B per logit, 4 B with an fp32 head. The loop frees each chunk's buffers
     # before the next chunk's logits are made, so one chunk is live at a time.
     trained = rows * i.anchors * (block - 1)
-    chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_rows))
+    # Soft labels hold two chunks of logits (the drafter's and the target's log-softmax and probabilities), and
+    # the loss halves its default chunk to keep the same budget (loss.linear_token_loss).
+    chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_rows * (2 if i.soft_labels else 1)))
     chunk = min(chunk, trained)
-    logits = (4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes) * chunk
-    lm = logits * tgt.vocab_rows + 2 * trained * h * 4
+    per_logit = (4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes) + (8 + 2 * i.target_bytes) * i.soft_labels
+    lm = per_logit * chunk * tgt.vocab_rows + 2 * trained * h * 4
     lm_note = f"chunks of {chunk} tokens x {tgt.vocab_rows} vocab + h, grad_h [{trained}, {h}] fp32"
+    if i.soft_labels:
+        # The target's final hidden state at each trained slot's label position, gathered for the soft labels.
+        lm += trained * tgt.hidden_size * i.target_bytes
+        lm_note += f" + the target's logits beside the drafter's + soft rows [{trained}, {tgt.hidden_size}]"
 
     # The target's own forward (no grad) before the drafter runs: the captured layer outputs and their
     # concatenation (2x the features), the packed-row mask [rows, 1, S, S] of a dense target (float, plus its
@@ -365,7 +378,8 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
         Term("drafter + AdamW", state, state_note, "resident"),
         Term("target forward", target_fwd, f"no grad, before the drafter: 2x features + [{rows}, 1, {seq}, {seq}]"
              " mask + one layer's states", TARGET_PHASE),
-        Term("target features", feat_bytes, f"[{rows}, {seq}, {cfg.feature_size}] x {i.target_bytes} B"),
+        Term("target features", feat_bytes, f"[{rows}, {seq}, {cfg.feature_size}] x {i.target_bytes} B"
+             + (f" + final hidden [{rows}, {seq}, {tgt.hidden_size}]" if i.target_output else "")),
         Term("drafter activations", acts, acts_note),
         Term("attention", attn, attn_note),
         Term("LM-head chunk", lm, lm_note),
@@ -418,6 +432,8 @@ def run_inputs(config: Any, cfg: DrafterConfig, target: TargetShape, max_length:
         parallelism=parallelism, world_size=world_size, shard_size=shard_size,
         activation_checkpointing=config.activation_checkpointing, chunk_tokens=config.chunk_tokens,
         feature_noise=cfg.feature_noise_std > 0,
+        target_output=config.objective != "data_ce" or bool(config.label_agreement),
+        soft_labels=config.objective == "target_kl",
     )
 
 

@@ -40,7 +40,8 @@ from dflash_train.training.step import StepOutput
 log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
 # The metrics a progress report carries (the per-slot accuracies and per-rank memory stay in TensorBoard).
-_REPORTED = ("loss", "tau", "accuracy", "label_agreement", "heldout_tau", "lr", "tokens_per_s", "steps_per_s", "peak_memory_gib_max")
+_REPORTED = ("loss", "tau", "accuracy", "label_agreement", "heldout_tau", "lr", "tokens_per_s", "steps_per_s",
+             "peak_memory_gib_max")
 _HEAD = 6  # the window's scalar sums before the per-slot counts (see MetricWindow.reset)
 
 
@@ -103,8 +104,8 @@ def format_line(step: int, total: int, m: dict[str, float], eta_s: float | None 
     agree = f" labels=target {100 * m['label_agreement']:.1f}%" if "label_agreement" in m else ""
     agree += f" heldout tau {m['heldout_tau']:.2f}" if "heldout_tau" in m else ""
     return (f"step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) loss {m['loss']:.4f} tau {m['tau']:.2f} "
-            f"acc[1..] {shown}{agree} lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {human_count(m['tokens_per_s'])} tok/s "
-            f"peak mem {m['peak_memory_gib_max']:.2f} GiB (max over ranks){eta}")
+            f"acc[1..] {shown}{agree} lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} "
+            f"{human_count(m['tokens_per_s'])} tok/s peak mem {m['peak_memory_gib_max']:.2f} GiB (max over ranks){eta}")
 
 
 class MetricsSink:
