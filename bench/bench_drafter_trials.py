@@ -164,7 +164,8 @@ def main() -> None:
             export, metrics = trial_export(bench_dir, name, change)
             tau, per_position = measure(target_dir, export, prompts, bench.max_new_tokens, stops)
             # `tau` of the manifest is training's estimate; the offline loop's is `offline_tau`.
-            row = {"trial": name, "change": change, **metrics, "offline_tau": tau, "accepted_per_position": per_position}
+            row = {"trial": name, "change": change, **metrics, "offline_tau": tau,
+                   "accepted_per_position": per_position}
             rows.append(row)
             print(f"  {key} {name}: offline tau {tau:.3f}, per position "
                   f"{' '.join(f'{a:.2f}' for a in per_position)}, train {metrics['train_seconds']:.0f} s, loss "
