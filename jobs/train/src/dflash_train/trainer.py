@@ -23,7 +23,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +99,7 @@ def loss_recipe(config: TrainConfig) -> LossRecipe:
                       dpace_alpha=config.dpace_alpha, label_agreement=config.label_agreement)
 
 
-def scale_gradients(params: Iterator[nn.Parameter] | list[nn.Parameter], factor: float) -> None:
+def scale_gradients(params: Iterable[nn.Parameter], factor: float) -> None:
     """Multiply every gradient by `factor` (DTensor gradients under FSDP2 included)."""
     for p in params:
         if p.grad is not None:
@@ -283,7 +283,7 @@ class Trainer:
                     total = float(env.all_reduce_sum(torch.tensor([step_weight], dtype=torch.float64,
                                                                   device=env.device)).item())
                     if total > 0:
-                        scale_gradients(list(self.model.parameters()), env.world_size / total)
+                        scale_gradients(self.model.parameters(), env.world_size / total)
                     grad_norm = clip_gradients(self.model.parameters(), config.grad_clip)
                     lr = float(self.scheduler.get_last_lr()[0])
                     self.optimizer.step()
