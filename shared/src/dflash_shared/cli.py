@@ -56,6 +56,9 @@ def preemption_handler(signals: tuple[signal.Signals, ...] = (signal.SIGTERM, si
             return
         fired.append(name)
         logger.warning("%s received: stopping at the next safe point, finished work stays committed", name)
+        if _deferral.depth:
+            _deferral.pending = name
+            return
         raise Preempted(name)
 
     previous = {sig: signal.signal(sig, handler) for sig in signals}
@@ -64,6 +67,40 @@ def preemption_handler(signals: tuple[signal.Signals, ...] = (signal.SIGTERM, si
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class _Deferral:
+    """How many `preemption_deferred` blocks the main thread is in, and the signal that arrived inside one."""
+
+    depth = 0
+    pending: str | None = None
+
+
+_deferral = _Deferral()
+
+
+@contextlib.contextmanager
+def preemption_deferred() -> Iterator[None]:
+    """Hold a preemption signal that arrives inside the block until the block ends, then raise `Preempted`.
+
+    For calls into code whose state an exception raised at an arbitrary bytecode would corrupt: a vLLM
+    engine interrupted between the frames of a multi-part message, or with an output dequeued but not yet
+    processed, never answers again, so an engine kept in the process (a test, a later shard) would hang.
+    Keep such blocks short: the pod's grace period runs while one finishes.
+    """
+    _deferral.depth += 1
+    try:
+        yield
+    except BaseException:
+        # The block failed on its own: that error unwinds the stage, and a held signal must not fire later
+        # at some unrelated point.
+        _deferral.pending = None
+        raise
+    finally:
+        _deferral.depth -= 1
+    if _deferral.depth == 0 and _deferral.pending is not None:
+        name, _deferral.pending = _deferral.pending, None
+        raise Preempted(name)
 
 
 def _write_termination_log(text: str) -> None:

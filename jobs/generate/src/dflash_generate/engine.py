@@ -39,6 +39,7 @@ from dflash_generate.completion import (
 )
 from dflash_generate.sampling import SamplingConfig, default_sampling
 from dflash_generate.target import TargetInfo, read_target
+from dflash_shared.cli import preemption_deferred
 from dflash_shared.errors import ConfigError
 from dflash_shared.records import PromptRecord
 
@@ -251,15 +252,15 @@ class VllmEngine:
                         yield key, item
                         continue
                     request_id = str(next(self._ids))
-                    # Counted in flight before the engine sees it: a preemption (SIGTERM raises Preempted from the
-                    # signal handler) that lands inside add_request, after the engine took the request, must still
-                    # find it to abort below.
+                    # Counted in flight before the engine sees it: a preemption held through add_request is raised
+                    # when it returns, after the engine took the request, which must still be found to abort below.
                     inflight[request_id] = (key, item)
                     try:
                         # Rendered by the engine's renderer first: add_request warns that raw prompts are deprecated.
                         prompt = parse_model_prompt(model_config, TokensPrompt(prompt_token_ids=item.token_ids))
                         (engine_input,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
-                        engine.add_request(request_id, engine_input, self._params(item, sampling))
+                        with preemption_deferred():
+                            engine.add_request(request_id, engine_input, self._params(item, sampling))
                     except EngineDeadError:
                         raise  # no later request can succeed; let the worker fail and be retried
                     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for a bad request
@@ -269,7 +270,9 @@ class VllmEngine:
                         continue
                 if not inflight:
                     return
-                for output in engine.step():
+                with preemption_deferred():  # a step interrupted halfway loses outputs the engine never resends
+                    outputs = engine.step()
+                for output in outputs:
                     if not output.finished:
                         continue
                     entry = inflight.pop(output.request_id, None)
