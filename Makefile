@@ -146,6 +146,9 @@ bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU set
 bench-quality: venv-generate ## The trained drafter against vLLM's n-gram speculation and the untrained drafter, on a target that speaks
 	.venv-generate/bin/python bench/bench_quality.py $(BENCH_ARGS)
 
+bench-learnability: venv-train ## The learnability gate against each defect it exists for, on both target families
+	.venv-train/bin/python bench/bench_learnability.py
+
 bench-numerics: venv-train ## How often bfloat16 rounding parts speculative from greedy output, and the lossy verifiers the policy catches
 	.venv-train/bin/python bench/bench_numerics.py
 
@@ -156,4 +159,4 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help tools demo demo-pilot venv venv-generate venv-train image-tools test test-fast test-images test-cuda-images lint docs k8s-base schemas build-images \
-	build-image dockerfiles base-image lock check-locks bench-tokenize bench-train bench-eval bench-numerics bench-quality
+	build-image dockerfiles base-image lock check-locks bench-tokenize bench-train bench-eval bench-learnability bench-numerics bench-quality

@@ -29,7 +29,8 @@ def test_the_demo_pilot_runs_resumes_reports_and_replans(s3_bucket: str, store: 
     out = tmp_path / "out"
     # The offline loop decodes one prompt at a time on CPU, the slowest part here: fewer prompts, same paths.
     overrides = tmp_path / "overrides.json"
-    overrides.write_text(json.dumps({"pilot": {"evaluate_prompts": 8, "baseline_prompts": 2, "lossless_prompts": 2}}))
+    overrides.write_text(json.dumps({"pilot": {"evaluate_prompts": 8, "baseline_prompts": 2, "lossless_prompts": 2,
+                                               "learnability_documents": 2}}))
     proc = subprocess.run([sys.executable, "demo/run_demo.py", "--pilot", "--target", "qwen3", "--out", str(out),
                            "--root", root, "--overrides", str(overrides)], cwd=REPO, capture_output=True, text=True,
                           timeout=2400, check=False, env=demo_env(tmp_path / "tmp"))
@@ -46,6 +47,8 @@ def test_the_demo_pilot_runs_resumes_reports_and_replans(s3_bucket: str, store: 
                 ("train", "peak memory per GPU"), ("train", "checkpoint save"), ("train", "resume from checkpoint"),
                 ("export", "loaded by the engine"), ("evaluate", "tau offline"), ("serve-check", "tau engine")]:
         assert figures[key].measured is not None and figures[key].measured > 0, key
+    # The pilot ran the learnability gate (the stage fails when it does): nearly every drafted token accepted.
+    assert (figures[("evaluate", "learnability gate")].measured or 0) >= 0.9
     # The memory plan's prediction sits beside the measured peak; on CPU no MFU is claimed.
     assert figures[("train", "peak memory per GPU")].planned is not None
     assert figures[("train", "MFU")].measured is None

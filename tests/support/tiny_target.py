@@ -294,6 +294,49 @@ def build_tiny_target(arch: TargetArch = "qwen3", out_dir: Path | None = None, s
     raise ValueError(f"unknown target architecture {arch!r}; expected one of {TARGET_ARCHS}")
 
 
+# The varied targets' output alphabet: ordinary tokens of both vocabularies, none of them special.
+VARIED_ALPHABET = range(1000, 1024)
+
+
+def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: float = 30.0) -> Path:
+    """The default tiny target of `arch` made to say something that takes context to predict, cached.
+
+    At the default initialisation the greedy output settles on one token repeated (a fixed point), which any
+    drafter predicts from nothing. Here the decoder layers' weight matrices are multiplied by `scale` (the network
+    is then far from linear: its output changes from token to token) and the LM head rows of a 24-token alphabet
+    by `boost` (the output stays within it, so a token does not say what follows it, the target's hidden states
+    do). The dense target's LM head is untied for this (as Qwen3-8B's is). The learnability gate's tests need it:
+    memorising such answers depends on the target layers the drafter reads.
+    """
+    base = build_tiny_target(arch)
+
+    def write(tmp: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_DONE))
+        weights = load_file(str(tmp / "model.safetensors"))
+        for name, tensor in weights.items():
+            # The text model's decoder layers only: the vision tower and the MTP head are not what is decoded.
+            if ".layers." in name and tensor.ndim == 2 and not name.startswith(("mtp.", "model.visual.")):
+                weights[name] = (tensor.float() * scale).to(torch.bfloat16).contiguous()
+        if "lm_head.weight" not in weights:  # tied: the head gets a copy of the embedding of its own
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+            config = json.loads((tmp / "config.json").read_text())
+            config["tie_word_embeddings"] = False
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        head = weights["lm_head.weight"].float()
+        head[list(VARIED_ALPHABET)] *= boost
+        weights["lm_head.weight"] = head.to(torch.bfloat16).contiguous()
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+
+    key = _cache_key({"family": arch, "base": base.name, "scale": scale, "boost": boost,
+                      "alphabet": [VARIED_ALPHABET.start, VARIED_ALPHABET.stop]})
+    return cached_model_build(qwen_assets.cache_root() / f"tiny-{arch}" / f"varied-{key}", key, write, None)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -211,9 +212,13 @@ def test_restart_after_step_stops_as_preempted_then_resumes_and_records_its_timi
     assert exit_code_for(stopped.value) == ExitCode.PREEMPTED
     assert not store.exists(join(out, "manifest.json"))
     assert store.exists(join(out, "checkpoints", "step-00000002", "COMPLETE.json"))
+    saved = json.loads(store.read_bytes(join(out, "checkpoints", "step-00000002", "trainer_state.json")))
+    first = saved["metrics"]["label_agreement_first"]  # step 1's window, logged by the stopped process
     uri = run(config, store)
     section = load_manifest(store, out, Kind.drafter).manifest.section
     assert isinstance(section, DrafterSection) and section.checkpoint_uri.endswith("step-00000004")
+    # The resumed process reports the run's first window, not its own.
+    assert section.final_metrics["label_agreement_first"] == first
     perf = section.performance
     assert perf["resumed_from_step"] == 2 and perf["resume_seconds"] > 0
     assert perf["checkpoint_save_seconds"] > 0 and perf["step_seconds"] > 0 and perf["tokens_per_s"] > 0

@@ -62,6 +62,31 @@ class PromptSetReport(_Frozen):
     bad_lines: list[str] = Field(description="Lines that could not be used, as 'file:line: why'.")
 
 
+class LearnabilityGate(_Frozen):
+    """A fresh drafter of the run's shape, trained to memorise the target's answers to a few prompts, exported and
+    decoding those prompts (dflash_train.evaluate.learnability): nearly every drafted token should be accepted."""
+
+    documents: int = Field(description="Prompts whose answers the gate's drafter memorised.")
+    new_tokens: int = Field(description="Tokens of each answer (the target's greedy output) and of each decode.")
+    train_steps: int = Field(description="Training steps run (it stops once the answers are memorised).")
+    train_accuracy: float = Field(description="Share of trained labels predicted at the last step.")
+    min_acceptance: float = Field(description="Least share of drafted tokens accepted for the gate to pass.")
+    acceptance_rate: float = Field(description="Drafted tokens accepted, over drafted tokens (block_size - 1 a step).")
+    drafter_export: str = Field(description="Where the gate's drafter was exported to (the serving check loads it).")
+    acceptance: Acceptance = Field(description="The offline loop over the memorised prompts.")
+    results: list[PromptResult] = Field(description="Per-prompt outputs and acceptance.")
+
+    @property
+    def passed(self) -> bool:
+        return self.acceptance_rate >= self.min_acceptance
+
+    def summary(self) -> str:
+        return (f"{'passed' if self.passed else 'FAILED'}: {100 * self.acceptance_rate:.1f}% of drafted tokens "
+                f"accepted (at least {100 * self.min_acceptance:.0f}% required), tau {self.acceptance.tau:.2f} over "
+                f"{self.documents} memorised prompts; training predicted {100 * self.train_accuracy:.1f}% of its "
+                f"labels after {self.train_steps} steps")
+
+
 class OfflineReport(_Frozen):
     """Content of `evaluation.json`: settings, per-prompt results and summaries of the offline loop."""
 
@@ -86,6 +111,19 @@ class OfflineReport(_Frozen):
         default=None, description="The same check for the untrained drafter on its prompts.")
     results: list[PromptResult] = Field(description="Per-prompt outputs and acceptance.")
     prompt_sets: dict[str, PromptSetReport] = Field(default_factory=dict, description="Per user prompt set.")
+    learnability: LearnabilityGate | None = Field(default=None, description="The learnability gate, where it ran.")
+
+    def learnability_replay(self) -> OfflineReport | None:
+        """The gate's prompts and outputs as a report of their own, for the serving check to replay with the gate's
+        export; None where the gate did not run."""
+        gate = self.learnability
+        if gate is None:
+            return None
+        return self.model_copy(update={
+            "max_new_tokens": gate.new_tokens, "drafter_export": gate.drafter_export, "prompt_split": "train",
+            "trained": gate.acceptance, "untrained": None, "training_acceptance_per_position": [],
+            "training_expected_tau": None, "lossless_checked": 0, "lossless_mismatches": [], "lossless": None,
+            "lossless_untrained": None, "results": gate.results, "prompt_sets": {}, "learnability": None})
 
 
 def parse_report(uri: str, data: bytes) -> OfflineReport:

@@ -47,6 +47,12 @@ DEBUG_PRESET: dict[str, Any] = {
 }
 
 
+def reads_target_output(objective: str, label_agreement: bool) -> bool:
+    """Whether a training step needs the target's own output layers (all layers kept, the final hidden states): for
+    the target-label objectives and for measuring the label agreement. The step and the memory plan both ask this."""
+    return objective != "data_ce" or label_agreement
+
+
 class TrainConfig(StageSettings):
     model_config = SettingsConfigDict(env_prefix="DFLASH_TRAIN_")
 

@@ -81,6 +81,15 @@ class ServeCheckReport(BaseModel):
         default=None, description="Drafter: output tokens per target step, every step counted (ngram_baseline.py).")
     ngram: BaselineAcceptance | None = Field(
         default=None, description="vLLM's n-gram speculation on the same prompts (ngram_baseline).")
+    learnability: ServeCheckReport | None = Field(
+        default=None, description="The learnability gate's drafter on its memorised prompts, checked the same way.")
+    min_acceptance: float | None = Field(
+        default=None, description="Learnability gate: least share of drafted tokens the engine must accept.")
+
+    @property
+    def engine_acceptance_rate(self) -> float:
+        """Drafted tokens the engine accepted, over drafted tokens."""
+        return self.engine.accepted_tokens / self.engine.draft_tokens if self.engine.draft_tokens else 0.0
 
 
 class SpeculativePass(BaseModel):

@@ -40,10 +40,10 @@ def start_checks(config: ServeCheckConfig, store: ObjectStore) -> Preflight:
                      [config.target])
 
 
-def _export_dir(store: ObjectStore, uri: str, scratch: str) -> str:
+def _export_dir(store: ObjectStore, uri: str, scratch: str, name: str = "export") -> str:
     if not is_s3(uri):
         return uri
-    dest = os.path.join(scratch, "export")
+    dest = os.path.join(scratch, name)
     for name in ("config.json", "model.safetensors"):
         store.download_to(join(uri, name), os.path.join(dest, name))
     return dest
@@ -88,9 +88,11 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
         engine = engine_config(config, report, target_dir)
         speculative = speculative_config(_export_dir(store, export_uri, scratch), report)
         policy = config.numerics_policy(engine.dtype)
+        gate = report.learnability_replay()  # the learnability gate's prompts and drafter, where it ran
         # Plain first: the speculative engine, started second, continues along the plain outputs past near-ties.
         with started_engine(engine, None) as (llm, plain_start):
             plain_outputs = generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
+            gate_plain = generate(llm, gate, logprobs=TOP_LOGPROBS, label="learnability plain") if gate else []
         with started_engine(engine, speculative) as (llm, spec_start):
             served = speculative_pass(llm, report, plain_outputs, policy)
         starts = {"speculative": spec_start, "plain": plain_start}
@@ -98,8 +100,32 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
         if (settings := config.ngram_settings()) is not None:
             with started_engine(engine, settings.speculative_config()) as (llm, starts["ngram"]):
                 ngram = ngram_pass(llm, report, plain_outputs, settings)
+        gate_check = None
+        if gate is not None and report.learnability is not None:
+            gate_export = _export_dir(store, gate.drafter_export, scratch, "learnability-export")
+            with started_engine(engine, speculative_config(gate_export, gate)) as (llm, gate_start):
+                gate_served = speculative_pass(llm, gate, gate_plain, policy)
+            gate_check = check_report(config, gate, engine.dtype, gate_served, {"speculative": gate_start})
+            gate_check = gate_check.model_copy(update={"min_acceptance": report.learnability.min_acceptance})
     check = check_report(config, report, engine.dtype, served, starts, ngram)
-    return commit(config, store, check, offline, drafter)
+    return commit(config, store, check.model_copy(update={"learnability": gate_check}), offline, drafter)
+
+
+def _agreement_failure(config: ServeCheckConfig, check: ServeCheckReport) -> str | None:
+    """Why the engine and the offline loop disagree on `check`'s prompts (outputs, steps, tau), or None."""
+    # Outputs first: an engine that is not lossless makes any acceptance figure meaningless.
+    different = check.outputs.failure()
+    if config.require_identical_outputs and different:
+        return different
+    # Then the steps: they name the first prompt and step where engine and offline loop part.
+    steps = check.steps.failure() if check.steps else None
+    if steps:
+        return f"{steps}: training and serving disagree (drafter weights, layer ids, masks, positions?)"
+    failure = tau_failure(check, config.min_matched_fraction)
+    if failure:
+        return (f"{failure}: training and serving disagree (layer ids, masks, positions, template?); engine per "
+                f"position {[round(a, 3) for a in check.engine.acceptance_per_position]}")
+    return None
 
 
 def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport,
@@ -113,20 +139,20 @@ def commit(config: ServeCheckConfig, store: ObjectStore, check: ServeCheckReport
              "alike: %s vs %s; steps: %s; outputs: %s", check.engine.tau, check.dtype, check.offline_tau,
              check.offline_dtype, 100 * check.relative_gap, check.engine.drafts, m.prompts, check.prompts, m.engine_tau,
              m.offline_tau, check.steps.summary() if check.steps else "not compared", check.outputs.summary())
-    # Outputs first: an engine that is not lossless makes any acceptance figure meaningless.
-    different = check.outputs.failure()
-    if config.require_identical_outputs and different:
-        raise BadInputError(f"{different}; report: {report_uri}")
-    # Then the steps: they name the first prompt and step where engine and offline loop part.
-    steps = check.steps.failure() if check.steps else None
-    if steps:
-        raise BadInputError(f"{steps}: training and serving disagree (drafter weights, layer ids, masks, positions?); "
-                            f"report: {report_uri}")
-    failure = tau_failure(check, config.min_matched_fraction)
-    if failure:
-        raise BadInputError(f"{failure}: training and serving disagree (layer ids, masks, positions, template?); "
-                            f"engine per position {[round(a, 3) for a in check.engine.acceptance_per_position]}; "
-                            f"report: {report_uri}")
+    if failure := _agreement_failure(config, check):
+        raise BadInputError(f"{failure}; report: {report_uri}")
+    if (gate := check.learnability) is not None:
+        log.info("learnability gate in the engine: %.1f%% of drafted tokens accepted (tau %.3f, offline %.3f) over "
+                 "%d memorised prompts", 100 * gate.engine_acceptance_rate, gate.engine.tau, gate.offline_tau,
+                 gate.prompts)
+        if failure := _agreement_failure(config, gate):
+            raise BadInputError(f"learnability gate: {failure}; report: {report_uri}")
+        if gate.engine_acceptance_rate < (gate.min_acceptance or 0.0):
+            raise BadInputError(
+                f"learnability gate: the engine accepted {100 * gate.engine_acceptance_rate:.1f}% of the drafted "
+                f"tokens of a drafter that memorised these answers (at least {100 * (gate.min_acceptance or 0):.0f}% "
+                f"required): the engine reads the export otherwise than training wrote it (layer ids, mask token, "
+                f"weights); report: {report_uri}")
     section = offline.section.model_copy(update={"engine_tau": check.engine.tau})
     shards = [*offline.manifest.shards,
               Shard(uri=report_uri, bytes=len(data), sha256=store.sha256(report_uri), records=check.prompts)]

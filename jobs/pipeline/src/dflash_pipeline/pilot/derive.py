@@ -88,7 +88,8 @@ def derive_pilot(run: RunConfig) -> RunConfig:
                     baseline_prompts=min(int(evaluate.get("baseline_prompts", p.baseline_prompts)),
                                          p.baseline_prompts),
                     lossless_prompts=min(int(evaluate.get("lossless_prompts", p.lossless_prompts)),
-                                         p.lossless_prompts))
+                                         p.lossless_prompts),
+                    learnability_documents=min(p.learnability_documents, p.evaluate_prompts))
 
     for name in data["stages"]:
         table = _stage(data, name)

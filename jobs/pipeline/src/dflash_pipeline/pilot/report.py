@@ -354,7 +354,17 @@ def _evaluate(m: Manifest, _: _Manifests, run: RunConfig, plan: dict[str, float]
                    note="a pilot's few-step drafter: a check of the path, not a forecast of the run's tau"),
             Figure(name="tau untrained", measured=section.tau_untrained, unit="tokens/step"),
             Figure(name="decode tokens/s", measured=rate, planned=plan.get("evaluate tokens/s"), unit="tok/s",
-                   note="over the stage's wall time, start-up included")], None, None
+                   note="over the stage's wall time, start-up included"),
+            *_learnability(section.metrics)], None, None
+
+
+def _learnability(metrics: dict[str, float]) -> list[Figure]:
+    """The learnability gate's row, where it ran (the stage fails when the gate does, so a row here passed)."""
+    if "learnability_acceptance" not in metrics:
+        return []
+    return [Figure(name="learnability gate", measured=metrics["learnability_acceptance"], unit="share",
+                   note="drafted tokens accepted after memorising a few answers: passed (a share below the gate's "
+                   "floor fails evaluate)")]
 
 
 def _serve_check(m: Manifest, _: _Manifests, run: RunConfig, plan: dict[str, float], wall: float | None,

@@ -40,6 +40,10 @@ class PilotSettings(BaseModel):
     )
     baseline_prompts: int = Field(default=4, ge=0, description="Of those, decoded by the untrained drafter too.")
     lossless_prompts: int = Field(default=4, ge=0, description="Of those, compared with the target alone.")
+    learnability_documents: int = Field(
+        default=4, ge=0, description="Of those, memorised by a fresh drafter that must then have nearly every drafted "
+        "token accepted, offline and in the engine (the learnability gate, evaluate.learnability; 0 = off).",
+    )
     stage_deadline_seconds: int = Field(
         default=2 * HOUR, ge=600,
         description="activeDeadlineSeconds of every pilot Job (or the full run's, if shorter): a pilot that hangs "

@@ -80,6 +80,22 @@ class EvaluateConfig(StageSettings, NumericsSettings):
         description="Width of the context-length buckets tau is also reported by (0-4K, 4K-8K, ...).",
     )
     seed: int = Field(default=0, description="Seed of the untrained baseline drafter.")
+    learnability_documents: int = Field(
+        default=0, ge=0, description="Learnability gate (evaluate.learnability): a fresh drafter of the run's shape "
+        "memorises the target's answers to this many of the prompts, is exported, and must then have "
+        "learnability_min_acceptance of its drafted tokens accepted on them (0 = off; the pilot runs it).",
+    )
+    learnability_new_tokens: int = Field(
+        default=64, ge=2, description="Learnability gate: tokens of each memorised answer; at most max_new_tokens "
+        "(the serving check sizes its engine's context by that)."
+    )
+    learnability_steps: int = Field(
+        default=400, ge=1, description="Learnability gate: most training steps (it stops once memorised)."
+    )
+    learnability_lr: float = Field(default=3e-3, gt=0, description="Learnability gate: the learning rate.")
+    learnability_min_acceptance: float = Field(
+        default=0.9, ge=0, le=1, description="Learnability gate: least share of drafted tokens accepted."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where to run; auto prefers CUDA.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",
@@ -88,6 +104,13 @@ class EvaluateConfig(StageSettings, NumericsSettings):
     )
     threads: int | None = Field(default=None, ge=1, description="CPU threads for torch (default: torch's choice).")
     scratch_dir: str | None = Field(default=None, description="Local scratch for a copied target or export.")
+
+    @model_validator(mode="after")
+    def _gate_within_budget(self) -> EvaluateConfig:
+        if self.learnability_documents > self.num_prompts:
+            raise ValueError(f"learnability_documents {self.learnability_documents} is above num_prompts "
+                             f"{self.num_prompts}: the gate memorises the first of the evaluated prompts")
+        return self
 
     @field_validator("prompt_sets")
     @classmethod
@@ -111,4 +134,5 @@ DEBUG_EVALUATE: dict[str, Any] = {
     "lossless_prompts": 2,
     "device": "cpu",
     "dtype": "float32",
+    "learnability_new_tokens": 24,  # the gate's training over the full vocabulary is most of its CPU time
 }

@@ -32,6 +32,7 @@ import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from dflash_shared.errors import BadInputError
@@ -53,6 +54,7 @@ from dflash_shared.runner import merge_accounting
 from dflash_shared.settings import public_dict
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.evaluate.config import EvaluateConfig
+from dflash_train.evaluate.learnability import EXPORT_FOLDER
 from dflash_train.evaluate.prompts import (
     ChatRenderer,
     PickedSet,
@@ -178,12 +180,21 @@ def stop_token_ids(model: Any) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+@dataclass(frozen=True)
+class GateOutput:
+    """Where the learnability gate exports its drafter, and local scratch to load it back from."""
+
+    store: ObjectStore
+    export_uri: str
+    scratch: str
+
+
 def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, export_uri: str,
                      final_metrics: dict[str, float], prompts: list[tuple[str, list[int]]],
                      split: Literal["heldout", "train", "all"] = "all",
-                     sets: dict[str, PickedSet] | None = None) -> OfflineReport:
+                     sets: dict[str, PickedSet] | None = None, gate_output: GateOutput | None = None) -> OfflineReport:
     """Decode `prompts` (and each prompt set) with the exported drafter, and the baselines; the report of the
-    offline loop."""
+    offline loop. With `config.learnability_documents` (and `gate_output`) the learnability gate runs first."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -204,6 +215,16 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
                             f"(0..{target.vocab_rows - 1})")
     block = config.block_size or cfg.block_size
     stop = stop_token_ids(model)
+    gate = None
+    if config.learnability_documents and gate_output is not None:
+        from dflash_train.evaluate.learnability import GateSettings, run_gate
+
+        settings = GateSettings(config.learnability_documents,
+                                min(config.learnability_new_tokens, config.max_new_tokens),
+                                config.learnability_steps, config.learnability_lr,
+                                config.learnability_min_acceptance, config.seed)
+        gate = run_gate(model, cfg, prompts, stop, settings, device, dtype, gate_output.store,
+                        gate_output.export_uri, gate_output.scratch)
 
     policy = config.numerics_policy(str(dtype).removeprefix("torch."))
     checked = prompts[: config.lossless_prompts]
@@ -266,6 +287,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
         results=[PromptResult(id=rid, prompt_token_ids=ids, output_token_ids=r.tokens, accepted=r.accepted)
                  for (rid, ids), r in zip(prompts, results, strict=True)],
         prompt_sets=per_set,
+        learnability=gate,
     )
 
 
@@ -305,8 +327,9 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
             for line in source.bad:
                 log.warning("prompt set %s: unusable line %s", name, line)
         export_dir = local_dir(store, export_uri, scratch, "export")
+        gate_output = GateOutput(store, join(config.output, EXPORT_FOLDER), scratch)
         report = evaluate_drafter(config, target_dir, export_dir, export_uri, section.final_metrics,
-                                  picked, split, sets)
+                                  picked, split, sets, gate_output)
     return commit(config, store, report, drafter, prompts_loaded, merge_accounting(parts), identity)
 
 
@@ -333,6 +356,15 @@ def commit(config: EvaluateConfig, store: ObjectStore, report: OfflineReport,
         if failure:
             raise BadInputError(f"the speculative loop ({name} drafter) is not lossless: {failure}; its tau would "
                                 f"not match an engine's. Report: {report_uri}")
+    gate = report.learnability
+    if gate is not None:
+        metrics.update({"learnability_acceptance": gate.acceptance_rate, "learnability_tau": gate.acceptance.tau})
+        if not gate.passed:
+            raise BadInputError(
+                f"learnability gate {gate.summary()}. A drafter that memorised these answers drafts what the target "
+                f"says unless training and decoding disagree: labels or positions shifted in training, target layer "
+                f"ids that differ between training and the export, or weights lost in the export; per position "
+                f"{[round(a, 3) for a in gate.acceptance.acceptance_per_position]}; report: {report_uri}")
     if trained.tau < config.min_tau:
         raise BadInputError(
             f"offline acceptance length tau {trained.tau:.3f} is below min_tau {config.min_tau} (untrained "

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_shared.errors import ConfigError
+from dflash_train.config import reads_target_output
 from dflash_train.drafter.config import DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -432,7 +433,7 @@ def run_inputs(config: Any, cfg: DrafterConfig, target: TargetShape, max_length:
         parallelism=parallelism, world_size=world_size, shard_size=shard_size,
         activation_checkpointing=config.activation_checkpointing, chunk_tokens=config.chunk_tokens,
         feature_noise=cfg.feature_noise_std > 0,
-        target_output=config.objective != "data_ce" or bool(config.label_agreement),
+        target_output=reads_target_output(config.objective, bool(config.label_agreement)),
         soft_labels=config.objective == "target_kl",
     )
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.config import reads_target_output
 from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.attention import build_drafter_mask, resolve_backend
 from dflash_train.drafter.config import DrafterConfig
@@ -42,7 +43,7 @@ class LossRecipe:
 
     @property
     def needs_target_output(self) -> bool:
-        return self.objective != "data_ce" or self.label_agreement
+        return reads_target_output(self.objective, self.label_agreement)
 
 
 @dataclass(frozen=True)
