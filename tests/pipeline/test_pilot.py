@@ -34,7 +34,8 @@ COUNTS = {
     "train": {"DFLASH_TRAIN_MAX_STEPS", "DFLASH_TRAIN_CHECKPOINT_EVERY", "DFLASH_TRAIN_RESTART_AFTER_STEP",
               "DFLASH_TRAIN_LOG_EVERY"},
     "evaluate": {"DFLASH_EVALUATE_NUM_PROMPTS", "DFLASH_EVALUATE_BASELINE_PROMPTS",
-                 "DFLASH_EVALUATE_LOSSLESS_PROMPTS", "DFLASH_EVALUATE_MIN_TAU"},
+                 "DFLASH_EVALUATE_LOSSLESS_PROMPTS", "DFLASH_EVALUATE_MIN_TAU",
+                 "DFLASH_EVALUATE_LEARNABILITY_DOCUMENTS"},
 }
 
 
@@ -100,6 +101,9 @@ def test_only_counts_differ_and_each_is_smaller(runs: tuple[Any, Any]) -> None:
     assert env_of(containers(pilot_jobs["import"])[-1])["DFLASH_IMPORT_SAMPLE_RECORDS"] == "256"
     evaluate = env_of(containers(pilot_jobs["evaluate"])[-1])
     assert evaluate["DFLASH_EVALUATE_NUM_PROMPTS"] == "16"
+    # The pilot runs the learnability gate; the full run does not: the gate tests the code path the pilot ran.
+    assert evaluate["DFLASH_EVALUATE_LEARNABILITY_DOCUMENTS"] == "4"
+    assert "DFLASH_EVALUATE_LEARNABILITY_DOCUMENTS" not in env_of(containers(full_jobs["evaluate"])[-1])
     assert int(env_of(containers(full_jobs["evaluate"])[-1])["DFLASH_EVALUATE_NUM_PROMPTS"]) > 16
     assert pilot_jobs["generate"]["spec"]["completions"] < full_jobs["generate"]["spec"]["completions"]
     for stage, job in pilot_jobs.items():
@@ -205,7 +209,7 @@ def test_submit_warns_without_a_pilot_report_and_stops_warning_once_there_is_one
                               env=dict(os.environ)).stderr
 
     first = submit()
-    assert "warning: no pilot report at" in first and "pilot --config" in first
+    assert "warning: no pilot report at" in first and f"pilot --config {run_file}`" in first  # the file, not the id
     assert "no pilot report" not in submit("--no-pilot")
     store.write_bytes(pilot_report_uri(data["root"], data["run_id"]),
                       _report(load_run_config(HEADLINE), {}).model_dump_json().encode())

@@ -296,6 +296,20 @@ def test_the_plan_warns_where_a_gpu_stage_is_not_pinned_to_the_gpu_it_assumes() 
     assert all(f"warning: {w}" in format_plan(build_plan(parse_run_config(data))) for w in warnings)
 
 
+def test_a_gpu_type_no_node_is_labelled_with_is_named_with_the_label_it_likely_means() -> None:
+    """The plan places "H200" (its matching is liberal) but a node selector matches exactly: the Job would pend."""
+    data = read_run_file(HEADLINE_RUN)
+    data["stages"]["train"]["gpu_types"] = ["H200"]
+    warnings = gpu_model_warnings(parse_run_config(data))
+    assert warnings[0] == (
+        "train: gpu_types 'H200' is not a value GPU feature discovery writes to nvidia.com/gpu.product: no node would "
+        "match it; did you mean 'NVIDIA-H200'? (`kubectl get nodes -L nvidia.com/gpu.product` lists your nodes' "
+        "values)")
+    assert f"warning: {warnings[0]}" in format_plan(build_plan(parse_run_config(data)))
+    data["stages"]["train"]["gpu_types"] = ["NVIDIA-H100-PCIe", "RTX-PRO-6000"]  # a real label; one it cannot place
+    assert not any("gpu_types" in w for w in gpu_model_warnings(parse_run_config(data)))
+
+
 def test_the_gpu_cluster_overlay_schedules_the_gpu_the_plan_assumes(tmp_path: Path) -> None:
     """The headline run's base through the shipped gpu-cluster overlay: every GPU pod may only land on the plan's
     GPU, and the overlay pins no other product."""

@@ -64,9 +64,12 @@ class Cluster:
     """
 
     def __init__(self, api: FakeKubeApi, store: ObjectStore, *, fail: dict[str, tuple[int, str]] | None = None,
-                 run_ticks: dict[str, int] | None = None, kill_when_running: str | None = None) -> None:
+                 run_ticks: dict[str, int] | None = None, kill_when_running: str | None = None,
+                 stuck: dict[str, dict[str, Any]] | None = None) -> None:
         self.api, self.store = api, store
         self.fail = fail or {}
+        # stage -> a pod status that never changes: its Job stays active (a pod that cannot start), never finishing.
+        self.stuck = stuck or {}
         self.run_ticks = run_ticks or {}
         self.kill_when_running = kill_when_running
         self.sleeps: list[float] = []
@@ -93,6 +96,12 @@ class Cluster:
                 continue
             if not status.get("active"):
                 self.api.set_status(NS, name, {"active": 1})
+                if stage in self.stuck:
+                    self.api.add({"apiVersion": "v1", "kind": "Pod", "metadata": {
+                        "name": f"{name}-0-q8r4w", "namespace": NS, "labels": {"batch.kubernetes.io/job-name": name},
+                        "creationTimestamp": "2026-12-01T12:00:00Z"}, "status": self.stuck[stage]})
+                continue
+            if stage in self.stuck:
                 continue
             if stage == self.kill_when_running:
                 raise DriverKilledError(stage)
@@ -229,6 +238,74 @@ def test_a_failed_stage_stops_the_run_with_its_reason_and_a_rerun_after_the_fix_
     assert [stage for stage, _ in rerun.created] == ["train", "export", "evaluate", "serve-check"]
     assert stage_states(store, run) == {**dict.fromkeys(STAGES[:3], "skipped"),
                                         **dict.fromkeys(STAGES[3:], "succeeded")}
+
+
+def waiting_pod(reason: str, message: str, phase: str = "Pending") -> dict[str, Any]:
+    return {"phase": phase, "containerStatuses": [{"name": "main", "state": {"waiting": {
+        "reason": reason, "message": message}}}]}
+
+
+IMAGE_PULL = waiting_pod("ImagePullBackOff", 'Back-off pulling image "registry.invalid/dflash-generator@sha256:ab"')
+UNSCHEDULABLE = {"phase": "Pending", "conditions": [{
+    "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": "2026-12-01T12:00:00Z",
+    "message": "0/8 nodes are available: 8 node(s) didn't match Pod's node affinity/selector."}]}
+# Each reason the driver fails a stage for, the words of the message it passes on, and of the fix it names.
+STUCK = {
+    "ImagePullBackOff": (IMAGE_PULL, "Back-off pulling image", "imagePullSecret"),
+    "ErrImagePull": (waiting_pod("ErrImagePull", "manifest unknown"), "manifest unknown", "make build-images"),
+    "CreateContainerConfigError": (waiting_pod("CreateContainerConfigError", 'secret "dflash-s3" not found'),
+                                   'secret "dflash-s3" not found', "create the Secret"),
+    "Unschedulable": (UNSCHEDULABLE, "didn't match Pod's node affinity/selector", "nvidia.com/gpu.product"),
+    "CrashLoopBackOff": (waiting_pod("CrashLoopBackOff", "back-off 5m0s restarting failed container", "Running"),
+                         "restarting failed container", "dflash_pipeline logs"),
+}
+
+
+@pytest.mark.parametrize("reason", list(STUCK))
+def test_a_pod_that_cannot_start_fails_its_stage_in_minutes_naming_why_and_the_fix(
+        api: FakeKubeApi, store: ObjectStore, run: RunConfig, reason: str) -> None:
+    """Its Job counts the pod as active: without the check the run would read "running" until the deadline."""
+    status, message, fix = STUCK[reason]
+    sim = Cluster(api, store, stuck={"generate": status})
+    with pytest.raises(StageFailedError) as failed:
+        driver(api, store, run, sim).run()
+    text = str(failed.value)
+    assert text.startswith("stage generate failed (Job dflash-example-generate): its pod cannot start: pod "), text
+    assert f"{reason} for " in text and message in text and fix in text
+    assert [stage for stage, _ in sim.created] == ["import", "generate"]
+    state = read_run_state(store, run.root, run.run_id)
+    assert state is not None and state.stages["generate"].state == "failed"
+
+
+def test_status_shows_a_waiting_pod_while_the_grace_runs(api: FakeKubeApi, store: ObjectStore, run: RunConfig) -> None:
+    from dflash_pipeline.drive.kube import pods_waiting
+
+    sim = Cluster(api, store, stuck={"generate": IMAGE_PULL})
+    grace = driver(api, store, run, sim)
+    grace.stuck_after_s = 10 * 365 * 86400  # longer than the test pod's age: the stage keeps waiting
+    templates = grace.cluster.templates(run.run_id)
+    for _ in range(8):  # import runs and commits, generate's Job starts and its pod waits
+        grace.step(templates)
+        sim(0.0)
+    grace.step(templates)
+    entry = grace.state.stages["generate"]
+    assert entry.state == "running" and "ImagePullBackOff" in (entry.reason or ""), entry
+    assert "the stage fails after" in (entry.reason or "")
+    assert pods_waiting([{"metadata": {"name": "p"}, "status": {**IMAGE_PULL, "phase": "Failed"}}], 0.0) == []
+
+
+def test_a_pod_is_stuck_only_for_a_reason_no_wait_heals() -> None:
+    from dflash_pipeline.drive.kube import pods_waiting
+
+    def pod(status: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": "p", "creationTimestamp": "2026-12-01T12:00:00Z"}, "status": status}
+
+    created = 1796126400.0  # 2026-12-01T12:00:00Z
+    (pull,) = pods_waiting([pod(IMAGE_PULL)], created + 601)
+    assert pull.reason == "ImagePullBackOff" and round(pull.seconds) == 601
+    assert pods_waiting([pod(waiting_pod("ContainerCreating", ""))], created + 3600) == []  # a large image pulling
+    (unscheduled,) = pods_waiting([pod(UNSCHEDULABLE)], created + 601)
+    assert "0/8 nodes are available" in unscheduled.describe()
 
 
 def test_a_failed_job_left_in_place_stops_the_rerun_again(api: FakeKubeApi, store: ObjectStore, run: RunConfig) -> None:

@@ -176,3 +176,18 @@ def test_the_command_imports_a_single_file_locally_and_from_s3(tmp_path: Path, s
                               check=False)
         assert proc.returncode == 0, proc.stderr
         assert "left out nothing: 5 of 5 records kept" in proc.stderr
+
+
+def test_openai_text_parts_are_joined_with_a_newline_and_sharegpt_roles_are_read() -> None:
+    """As vLLM's chat server joins a message's text parts for a string template ("What is in" + "this log?" must
+    not become "What is inthis log?"); ShareGPT's role names are aliases, an unknown role is malformed."""
+    from dflash_shared.conversations import RecordError, parse_messages
+
+    parts = [{"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": "x"}},
+             {"type": "text", "text": "this log?"}]
+    (user, answer) = parse_messages({"messages": [{"role": "human", "content": parts},
+                                                  {"role": "gpt", "content": "Nothing."}]})
+    assert (user.role, user.content) == ("user", "What is in\nthis log?")
+    assert answer.role == "assistant"
+    with pytest.raises(RecordError, match="role"):
+        parse_messages({"messages": [{"role": "narrator", "content": "x"}]})

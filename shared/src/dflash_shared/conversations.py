@@ -50,7 +50,8 @@ def _text_parts(parts: list[Any], index: int) -> str:
             raise RecordError(MALFORMED, f"message {index} content part {number} text is a {type(text).__name__}, "
                                          "not text")
         texts.append(text)
-    return "".join(texts)
+    # As vLLM's chat server joins text parts for a string-content template: the target's own rendering of them.
+    return "\n".join(texts)
 
 
 def _message(raw: Any, index: int) -> Message:

@@ -11,6 +11,7 @@
     plan   --config run.toml [--json] [--offline] [--pilot | --from-pilot REPORT] [--target-config config.json]
     local  --config run.toml [--stage tokenize] [--repo DIR] [--log-dir DIR] [--verbose] [--pilot]
     drive  --run-id ID --root s3://... [--namespace NS] [--poll-seconds S] [--max-poll-seconds S]
+           [--stuck-after-seconds S]
     wait   --manifest s3://.../prefix[/manifest.json] [--config run.toml] [--timeout-seconds N] [--poll-seconds S]
     restart --config run.toml --stage tokenize [--dry-run]
     stage-model --from DIR|s3://... [--to s3://.../models/NAME] [--config run.toml] [--workers N] [--replace]
@@ -152,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     drive.add_argument("--run-object", default=os.environ.get("DFLASH_RUN_OBJECT") or None,
                        help="the run object ConfigMap (default: $DFLASH_RUN_OBJECT, else dflash-<run-id>-run)")
     drive.add_argument("--poll-seconds", type=float, default=15.0, help="first interval between checks")
+    drive.add_argument("--stuck-after-seconds", type=float, default=600.0,
+                       help="fail a stage whose pod cannot start (image pull, missing Secret, no node) after this")
     drive.add_argument("--max-poll-seconds", type=float, default=300.0,
                        help="the interval doubles up to this while nothing changes")
     wait = sub.add_parser("wait", help="block until a manifest is committed (scripts, CI)")
@@ -238,7 +241,7 @@ def _render(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     if args.command == "submit" and not args.setup and not args.no_pilot:
-        _warn_without_pilot(load_run_config(args.config))
+        _warn_without_pilot(load_run_config(args.config), args.config)
     if args.command == "pilot":
         _print_pilot_plan(args, sys.stderr)
         args.setup, args.stage = False, None
@@ -264,7 +267,7 @@ def _apply(stream: str, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _warn_without_pilot(run: RunConfig) -> None:
+def _warn_without_pilot(run: RunConfig, run_file: str) -> None:
     """A full run submitted without a pilot report: say so, and how to get one (a warning, not a refusal)."""
     from dflash_pipeline.pilot.report import pilot_report_uri, read_report
     from dflash_shared.storage import StorageError
@@ -280,7 +283,7 @@ def _warn_without_pilot(run: RunConfig) -> None:
         return
     if not found:
         print(f"warning: no pilot report at {uri}: this run's settings have not run on the cluster. First "
-              f"`python -m dflash_pipeline pilot --config {run.run_id}.toml` (under an hour at full shape, reduced "
+              f"`python -m dflash_pipeline pilot --config {run_file}` (under an hour at full shape, reduced "
               "counts), then `plan --from-pilot` its report; --no-pilot skips this warning", file=sys.stderr)
 
 
@@ -431,7 +434,8 @@ def _drive(args: argparse.Namespace) -> int:
     if not args.namespace:
         raise ConfigError("drive: --namespace is not given and POD_NAMESPACE is not set")
     driver = RunDriver(Cluster(args.namespace), ObjectStore(), args.root, args.run_id, poll_s=args.poll_seconds,
-                       max_poll_s=args.max_poll_seconds, run_object=args.run_object)
+                       max_poll_s=args.max_poll_seconds, run_object=args.run_object,
+                       stuck_after_s=args.stuck_after_seconds)
     return driver.run()
 
 

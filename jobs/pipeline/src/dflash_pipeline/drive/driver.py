@@ -6,6 +6,8 @@ decides everything:
     output manifest committed        -> succeeded (or skipped: done before this driver saw it); next stage
     Job exists, failed               -> stop: exit 65 naming the stage, the Job's reason, the pod's exit
     Job exists, still going          -> wait (an existing Job is adopted, never created twice)
+    Job exists, its pod cannot start -> stop after `stuck_after_s` (an image that does not pull, a missing Secret,
+                                        no node for its selector: waiting longer would not help)
     no Job, input manifest committed -> create the Job from its template
     no Job, input not there yet      -> wait
 
@@ -51,12 +53,15 @@ class RunDriver:
         max_poll_s: float = 300.0,
         sleep: Callable[[float], None] = time.sleep,
         run_object: str | None = None,
+        stuck_after_s: float = 600.0,
     ) -> None:
         if not 0 < poll_s <= max_poll_s:
             raise ConfigError(f"poll interval {poll_s} s must be positive and at most the maximum {max_poll_s} s")
         self.cluster, self.store, self.root, self.run_id = cluster, store, root, run_id
         self.poll_s, self.max_poll_s, self.sleep = poll_s, max_poll_s, sleep
         self.run_object = run_object
+        # A pod that cannot start (image, Secret, no node) fails its stage after this long (kube.pod_stuck).
+        self.stuck_after_s = stuck_after_s
         self.state = RunState()
         # The run object's ownerReference, read once at the start: every Job created carries it.
         self._owner: dict[str, Any] | None = None
@@ -129,7 +134,13 @@ class RunDriver:
                     continue
                 self._fail(t, templates, JobView(job.name, "failed",
                                                  f"the Job completed but {t.output_manifest} is missing"))
+            waiting = [] if job.suspended else self.cluster.pods_waiting(job.name)
+            if waiting and waiting[0].seconds >= self.stuck_after_s:
+                self._fail(t, templates, JobView(job.name, "failed", f"its pod cannot start: {waiting[0].describe()}"))
             reason = (self.cluster.admission(job) if job.phase == "created" else None) or job.reason
+            if waiting:  # `status` shows it while the grace runs
+                reason = (f"{waiting[0].describe()} (the stage fails after {self.stuck_after_s / 60:.0f} min of "
+                          "this)")
             return False, self._set(t.stage, job.phase, job=job.name, reason=reason) or changed
         return True, changed
 

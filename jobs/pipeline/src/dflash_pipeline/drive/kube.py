@@ -172,6 +172,76 @@ def pod_failure(pods: list[dict[str, Any]]) -> str | None:
     return max(found)[1] if found else None
 
 
+# Container waiting reasons that no wait heals, and what fixes each: an image that cannot be pulled or named, a
+# Secret or ConfigMap the pod reads that does not exist, a container the runtime cannot create, one that keeps
+# exiting.
+_IMAGE_FIX = ("check the stage's image reference and that the nodes can pull it (`make build-images`, push, "
+              "`images.registry` and digests in the run file, an imagePullSecret for a private registry)")
+STUCK_WAITING: dict[str, str] = {
+    "ImagePullBackOff": _IMAGE_FIX, "ErrImagePull": _IMAGE_FIX, "InvalidImageName": _IMAGE_FIX,
+    "ErrImageNeverPull": _IMAGE_FIX,
+    "CreateContainerConfigError": "create the Secret or ConfigMap it names in the run's namespace (the S3 "
+                                  "credentials Secret: k8s/README.md)",
+    "CreateContainerError": "read the pod's events (`kubectl describe pod`): the runtime cannot create the container",
+    "CrashLoopBackOff": "read its log (`python -m dflash_pipeline logs --config RUN.toml STAGE`): the container keeps "
+                        "exiting",
+}
+_UNSCHEDULABLE_FIX = ("check the stage's gpu_types against the nodes' nvidia.com/gpu.product labels, their allocatable "
+                      "GPUs and memory, and their taints")
+
+
+@dataclass(frozen=True)
+class PodWaiting:
+    """A pod that cannot start, why, since how long, and what fixes it."""
+
+    pod: str
+    reason: str
+    message: str
+    seconds: float
+    fix: str
+
+    def describe(self) -> str:
+        message = f": {self.message}" if self.message else ""
+        return f"pod {self.pod} {self.reason} for {self.seconds / 60:.0f} min{message}; fix: {self.fix}"
+
+
+def _age(timestamp: str | None, now: float) -> float:
+    """Seconds since a Kubernetes timestamp ('2026-12-01T12:00:00Z'); 0 where there is none."""
+    if not timestamp:
+        return 0.0
+    from datetime import datetime
+
+    return max(0.0, now - datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp())
+
+
+def pods_waiting(pods: list[dict[str, Any]], now: float) -> list[PodWaiting]:
+    """The pods that cannot start however long the run waits: a container waiting for a reason of STUCK_WAITING
+    (counted from the pod's creation), or no node for the pod (Unschedulable, counted from its PodScheduled
+    condition's last change, with the scheduler's message). Longest-waiting first.
+
+    A Job counts such a pod as active, so without this the run would read "running" until the Job's deadline
+    (hours) instead of failing in minutes with the reason.
+    """
+    found: list[PodWaiting] = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        if status.get("phase") not in (None, "Pending", "Running"):
+            continue
+        age = _age(pod["metadata"].get("creationTimestamp"), now)
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if (reason := waiting.get("reason")) in STUCK_WAITING:
+                message = (waiting.get("message") or "").strip()[-_MESSAGE_CHARS:]
+                found.append(PodWaiting(f"{name} (container {cs.get('name')})", reason, message, age,
+                                        STUCK_WAITING[reason]))
+        for cond in status.get("conditions") or []:
+            if (cond.get("type"), cond.get("status"), cond.get("reason")) == ("PodScheduled", "False", "Unschedulable"):
+                found.append(PodWaiting(name, "Unschedulable", (cond.get("message") or "").strip()[-_MESSAGE_CHARS:],
+                                        _age(cond.get("lastTransitionTime"), now) or age, _UNSCHEDULABLE_FIX))
+    return sorted(found, key=lambda w: -w.seconds)
+
+
 class Cluster:
     """The namespace the driver runs in, through one ApiClient: the pod's own ServiceAccount in the cluster,
     else the kubeconfig ($KUBECONFIG, ~/.kube/config) as for kubectl, or an ApiClient given by the caller."""
@@ -338,11 +408,21 @@ class Cluster:
             return f"Kueue: {message}"
         return None
 
-    def failure_detail(self, job_name: str) -> str | None:
+    def _job_pods(self, job_name: str) -> list[dict[str, Any]]:
         selector = f"{JOB_NAME_LABEL}={job_name}"
         with self.call(f"list pods ({selector})"):
             resp = self.core.list_namespaced_pod(self.namespace, label_selector=selector, _preload_content=False)
-        return pod_failure(json.loads(resp.data).get("items", []))
+        items: list[dict[str, Any]] = json.loads(resp.data).get("items", [])
+        return items
+
+    def failure_detail(self, job_name: str) -> str | None:
+        return pod_failure(self._job_pods(job_name))
+
+    def pods_waiting(self, job_name: str, now: float | None = None) -> list[PodWaiting]:
+        """The Job's pods that cannot start (`pods_waiting`)."""
+        import time
+
+        return pods_waiting(self._job_pods(job_name), time.time() if now is None else now)
 
 
 def quantities_as_strings(obj: Any, key: str = "") -> Any:

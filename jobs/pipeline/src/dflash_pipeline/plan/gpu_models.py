@@ -67,6 +67,27 @@ TABLE: tuple[tuple[str, GpuModel], ...] = (
 )
 
 
+# The values GPU feature discovery writes to `nvidia.com/gpu.product` for these GPUs (nvidia-smi's name with
+# dashes for spaces). A node selector matches a label exactly: "H200" or "nvidia-h200" matches no node.
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+PRODUCT_LABELS = frozenset({
+    "NVIDIA-B200", "NVIDIA-H200", "NVIDIA-H200-NVL", "NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL",
+    "NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB", "NVIDIA-L40S",
+})
+
+
+def product_label_warning(value: str) -> str | None:
+    """Why `value`, set for the GPU product label, may match no node (with the closest label the table knows), or
+    None for a label GPU feature discovery writes, or one the table cannot place (a GPU it does not know)."""
+    if value in PRODUCT_LABELS:
+        return None
+    model = lookup(value)
+    if model is None:
+        return None
+    return (f"{value!r} is not a value GPU feature discovery writes to {PRODUCT_LABEL}: no node would match it; "
+            f"did you mean {model.name!r}? (`kubectl get nodes -L {PRODUCT_LABEL}` lists your nodes' values)")
+
+
 def normalise(name: str) -> str:
     text = re.sub(r"[\s_]+", "-", name.strip().upper())
     return re.sub(r"^(NVIDIA-)?(TESLA-)?", "", text)

@@ -491,13 +491,20 @@ def _reserved_while_waiting(run: RunConfig, stages: list[StagePlan]) -> list[str
 
 
 def gpu_model_warnings(run: RunConfig) -> list[str]:
-    """The GPU the throughputs assume against the GPUs each stage may be scheduled on (gpu_types or a node
-    selector on the GPU product label): a cluster overlay that pins another product than the plan assumes
-    would make every figure of the plan wrong."""
+    """Each GPU stage's gpu_types against the product labels GPU feature discovery writes (a value no node carries
+    leaves the Job pending), and the GPU the throughputs assume against the GPUs each stage may be scheduled on
+    (gpu_types or a node selector on the GPU product label): a cluster overlay that pins another product than the
+    plan assumes would make every figure of the plan wrong."""
+    from dflash_pipeline.plan.gpu_models import PRODUCT_LABEL, product_label_warning
+
+    out = []
+    for stage in run_stages(run):
+        settings = run.stages.for_stage(stage.name)
+        if settings.gpus and settings.gpu_type_label == PRODUCT_LABEL:
+            out += [f"{stage.name}: gpu_types {w}" for v in settings.gpu_types if (w := product_label_warning(v))]
     model = run.plan.gpu_model
     if model is None:
-        return []
-    out = []
+        return out
     for stage in run_stages(run):
         settings = run.stages.for_stage(stage.name)
         if not settings.gpus:
