@@ -122,3 +122,9 @@ def test_restart_and_cancel_from_the_command_line(tmp_path: Path) -> None:
         refused = pipeline("cancel", *args, "--dry-run", env=os.environ.copy())
         assert refused.returncode == ExitCode.USAGE, refused.stderr
         assert "cancel: name the run once: --config RUN.toml, or its RUN_ID" in refused.stderr
+
+
+def test_local_finds_the_stage_environments_in_its_checkout_from_any_directory(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", "import dflash_pipeline.__main__ as m; print(m._checkout())"],
+                          cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert Path(proc.stdout.strip()) == Path(__file__).resolve().parents[2]

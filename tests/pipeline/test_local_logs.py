@@ -43,3 +43,27 @@ def test_a_local_run_keeps_each_shards_log_in_the_store_with_how_it_ended(tmp_pa
     assert kept == (tmp_path / "logs" / "import-0.log").read_text()
     (log,), notes = collect_logs(run, ObjectStore(), "import")
     assert (log.stage, log.pod, notes) == ("import", "import-0", [])
+
+
+@pytest.mark.parametrize(("environment", "expected"), [("http://127.0.0.1:9", "http://127.0.0.1:9"),
+                                                       (None, "http://run-file-store:9000")])
+def test_the_environments_store_endpoint_wins_for_the_stages_as_for_every_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: str | None, expected: str) -> None:
+    """A port-forward to the store (AWS_ENDPOINT_URL) reaches the stages too, not only this process; without one
+    the stages get the run file's endpoint."""
+    data = read_run_file(EXAMPLE_RUN)
+    data["root"] = str(tmp_path / "store")
+    data["storage"] = {**data.get("storage", {}), "endpoint_url": "http://run-file-store:9000"}
+    run = parse_run_config(data)
+    if environment is None:
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", environment)
+    python = tmp_path / "repo" / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "endpoint $AWS_ENDPOINT_URL"\nexit 65\n')
+    python.chmod(0o755)
+    with pytest.raises(StageFailedError):
+        run_local(run, tmp_path / "repo", environments=dict.fromkeys(IMAGE_ENVIRONMENTS, "env"), only=["import"],
+                  console=Console(io.StringIO(), is_tty=False), log_dir=tmp_path / "logs")
+    assert (tmp_path / "logs" / "import-0.log").read_text().splitlines()[0] == f"endpoint {expected}"

@@ -118,7 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     pilot.add_argument("--kubectl", default="kubectl", help="kubectl executable")
     local = sub.add_parser("local", help="run every stage on this machine, each in its own environment")
     local.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
-    local.add_argument("--repo", type=Path, default=Path.cwd(), help="checkout holding .venv, .venv-generate, ...")
+    local.add_argument("--repo", type=Path, default=_checkout(),
+                       help="checkout holding .venv, .venv-generate, ... (default: the one this package runs from, "
+                       "whatever the current directory)")
     local.add_argument("--stage", action="append", help="only this stage (repeatable)")
     local.add_argument("--log-dir", type=Path, default=None,
                        help="where each stage's full output goes (default: <repo>/logs/<run_id>)")
@@ -373,8 +375,13 @@ def _replan(run: RunConfig, report_at: str, store: ObjectStore | None, as_json: 
 
 def _local(args: argparse.Namespace) -> int:
     from dflash_pipeline.local.runner import run_local_and_report
+    from dflash_pipeline.run.endpoint import run_store
 
-    return run_local_and_report(_run(args), args.repo.resolve(), args.stage, args.log_dir, args.verbose)
+    run = _run(args)
+    # The same store for this process and its stages, chosen as every command beside the cluster chooses it: the
+    # environment's AWS_ENDPOINT_URL and AWS_REGION win over the run file's [storage] (run/endpoint.py).
+    run_store(run, args.config, [run.root])
+    return run_local_and_report(run, args.repo.resolve(), args.stage, args.log_dir, args.verbose)
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -425,6 +432,13 @@ def _cancel(args: argparse.Namespace) -> int:
     if not deleted:
         print(f"no objects of run {args.run_id} in namespace {args.namespace}", file=sys.stderr)
     return ExitCode.OK
+
+
+def _checkout() -> Path:
+    """The checkout this package is installed from (editable, as `make venv` installs it), else the current
+    directory: `local` finds the stage environments there from any working directory."""
+    root = Path(__file__).resolve().parents[4]
+    return root if (root / "jobs" / "pipeline").is_dir() and (root / "Makefile").is_file() else Path.cwd()
 
 
 def _drive(args: argparse.Namespace) -> int:

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # Which Python module is the CLI of each image, and which local environment stands in for the image.
 IMAGE_MODULES = {"tokenizer": "dflash_tokenize", "generator": "dflash_generate", "trainer": "dflash_train"}
+# The object store's variables: the environment's win over the run file's, for the stages as for this process.
+STORE_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_REGION")
 IMAGE_ENVIRONMENTS = {"tokenizer": ".venv", "generator": ".venv-generate", "trainer": ".venv-train"}
 # A local store is cheap to write: the shards' logs are copied to it more often than a pod's.
 LOG_UPLOAD_S = 30.0
@@ -122,7 +124,11 @@ def run_local(
         if not os.path.exists(python):
             raise ConfigError(f"stage {stage.name} needs the environment {envs[stage.image]} (make venv-*)")
         settings = run.stages.for_stage(stage.name)
-        env = {**os.environ, **stage_environment(run, stage, settings), **(extra_env or {})}
+        stage_env = stage_environment(run, stage, settings)
+        for key in STORE_VARIABLES:  # set from the run file where the environment had none (`local`'s entry)
+            if os.environ.get(key):
+                stage_env.pop(key, None)
+        env = {**os.environ, **stage_env, **(extra_env or {})}
         shards = settings.shards if stage.sharded else 1
         start, started = time.monotonic(), time.time()
         for index in range(shards):

@@ -625,7 +625,9 @@ def _figure(name: str, value: float) -> str:
         return f"{value:.1%}"
     if name in _PER_RECORD:
         return f"{value:,.0f}"
-    return _count(value) if value >= 1000 else f"{value:,.2f}"
+    if value >= 1000 or float(value).is_integer():  # counts (prompts, records) print whole, never "256.00"
+        return _count(value) if value >= 1000 else f"{value:,.0f}"
+    return f"{value:,.2f}"
 
 
 def _window_lines(figures: dict[str, Figure]) -> list[str]:

@@ -1,7 +1,7 @@
 """The object store of a command run beside the cluster: the run file's [storage], as the run's pods get it.
 
 The pods of a run get [storage] endpoint_url, region and the checksum setting as environment variables
-(`pods.storage_env`). The commands a person runs from a laptop (status, plan, wait, restart, stage-model) read
+(`pods.storage_env`). The commands a person runs from a laptop (status, plan, wait, restart, stage-model, local) read
 the same run file, so they use the same settings wherever the environment does not set its own
 (AWS_ENDPOINT_URL, AWS_REGION win: a port-forward to the store, say), and each says on stderr which endpoint it
 uses and where that came from: the one line that explains a 403 or a timeout from the wrong store.
