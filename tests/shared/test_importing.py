@@ -122,10 +122,37 @@ def test_too_much_bad_input_fails_the_import(tmp_path, store: ObjectStore) -> No
     bad = [b"not json"] * 3 + [{"messages": []}] * 3 + [conversation(i) for i in range(4)]
     store.write_bytes(join(prefix, "x.jsonl"), jsonl(bad))
     spec = ImportSpec(kind=Kind.completions, source_prefix=prefix, output_prefix=str(tmp_path / "out"), run_id="r")
-    with pytest.raises(BadInputError, match="10 of 10 records in shard 0 are unusable") as err:
+    with pytest.raises(BadInputError, match="10 of 10 records of the import are unusable") as err:
         run_import(store, spec, PRODUCER)
     assert err.value.counts == {"malformed_record": 6, "no_final_assistant_turn": 4}
+    assert "6 malformed_record, 4 no_final_assistant_turn. By worker: shard-00000 10 of 10." in str(err.value)
     assert not store.exists(join(str(tmp_path / "out"), "manifest.json"))
+
+
+def test_the_bad_record_limit_is_judged_on_the_whole_import_whatever_the_shard_count(tmp_path, store: ObjectStore,
+                                                                                     ) -> None:  # type: ignore[no-untyped-def]
+    """6 bad records in 60 pass a 10% limit on one worker and on four alike (one file each: three clean, one with
+    all the bad records, which alone would be 6 of 15)."""
+    prefix = str(tmp_path / "external")
+    good = [conversation(i, answer=str(2 * i)) for i in range(54)]
+    for n in range(3):
+        store.write_bytes(join(prefix, f"clean-{n}.jsonl"), jsonl(good[15 * n : 15 * n + 15]))
+    store.write_bytes(join(prefix, "mixed.jsonl"), jsonl([b"not json"] * 6 + good[45:]))
+    for workers in (1, 4):
+        out = str(tmp_path / f"out-{workers}")
+        spec = ImportSpec(kind=Kind.completions, source_prefix=prefix, output_prefix=out, run_id="r",
+                          max_bad_fraction=0.10)
+        done = [run_import(store, spec, PRODUCER, index=i, count=workers) for i in range(workers)]
+        assert done[-1] is not None, workers
+        accounting = load_manifest(store, out, Kind.completions).manifest.accounting
+        assert (accounting.input_records, accounting.failed) == (60, 6)
+    strict = ImportSpec(kind=Kind.completions, source_prefix=prefix, output_prefix=str(tmp_path / "strict"),
+                        run_id="r", max_bad_fraction=0.05)
+    for i in range(3):
+        run_import(store, strict, PRODUCER, index=i, count=4)
+    with pytest.raises(BadInputError, match=r"6 of 60 records of the import are unusable \(10.0%") as err:
+        run_import(store, strict, PRODUCER, index=3, count=4)
+    assert "By worker: " in str(err.value) and "6 of 15" in str(err.value)
 
 
 def test_no_source_files_is_bad_input(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]

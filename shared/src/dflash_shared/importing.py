@@ -463,18 +463,43 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
                         tally.succeeded, tally.succeeded + tally.skips[SAMPLED_OUT], spec.sample_records, ctx.count)
     roll()
     accounting = tally.accounting()
-    if accounting.input_records and accounting.failed / accounting.input_records > spec.max_bad_fraction:
-        raise BadInputError(
-            f"{accounting.failed} of {accounting.input_records} records in shard {ctx.index} are unusable "
-            f"(limit {spec.max_bad_fraction:.0%}): {accounting.failures_by_reason}; e.g. "
-            + "; ".join(ex for exs in accounting.examples.values() for ex in exs[:2])
-            + "\n" + fix_hints([], env_prefix(ImportConfig), ImportConfig.model_fields, [], accounting.failed,
-                               accounting.input_records),
-            counts=accounting.failures_by_reason,
-            examples=accounting.examples,
-        )
+    # The bad-record limit is judged on the whole import when it commits (`check_unusable`): a worker's share says
+    # little (one file of several, a range of records), and the same input must pass or fail on any shard count.
+    # The worker's own counts ride in its outcome, keyed by shard, so the verdict can show them.
+    shard = f"shard-{ctx.index:05d}"
     return ctx.outcome(accounting, totals={"duplicates": accounting.skips_by_reason.get(DUPLICATE, 0),
-                                           "output_tokens": output_tokens})
+                                           "output_tokens": output_tokens,
+                                           f"{UNUSABLE_KEY}{shard}": accounting.failed,
+                                           f"{READ_KEY}{shard}": accounting.input_records})
+
+
+# Outcome totals naming one worker's unusable and read records (`process_import`), for `check_unusable`'s message.
+UNUSABLE_KEY, READ_KEY = "unusable.", "read."
+
+
+def check_unusable(spec: ImportSpec, merged: MergedOutcome) -> None:
+    """The import's bad-record limit over all of its records: BadInputError naming the counts by reason, each
+    worker's share and examples (failures first), and what would change the verdict."""
+    accounting = merged.accounting
+    if not accounting.input_records or accounting.failed / accounting.input_records <= spec.max_bad_fraction:
+        return
+    reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(accounting.failures_by_reason.items(),
+                                                                 key=lambda kv: -kv[1]))
+    workers = [(key.removeprefix(UNUSABLE_KEY), int(n), int(merged.totals.get(READ_KEY + key.removeprefix(
+        UNUSABLE_KEY), 0))) for key, n in sorted(merged.totals.items()) if key.startswith(UNUSABLE_KEY)]
+    shares = "; ".join(f"{shard} {bad:,} of {read:,}" for shard, bad, read in workers)
+    failures = [ex for reason in accounting.failures_by_reason for ex in accounting.examples.get(reason, [])[:2]]
+    raise BadInputError(
+        f"{accounting.failed:,} of {accounting.input_records:,} records of the import are unusable "
+        f"({accounting.failed / accounting.input_records:.1%}, more than max_bad_fraction "
+        f"{spec.max_bad_fraction:.0%}): {reasons}. By worker: {shares}. For example: " + "; ".join(failures)
+        + ".\n" + fix_hints([], env_prefix(ImportConfig), ImportConfig.model_fields, [], accounting.failed,
+                            accounting.input_records)
+        + "\nThe import's output holds no manifest: after changing the data or the limit, clear it "
+          "(`dflash-pipeline restart --config RUN.toml --stage import`) and run the import again.",
+        counts=accounting.failures_by_reason,
+        examples=accounting.examples,
+    )
 
 
 def _copied_section(origin: CompletionsSection, merged: MergedOutcome) -> CompletionsSection:
@@ -537,8 +562,11 @@ def run_import(
         lambda ctx: process_import(ctx, spec, origin),
         identity=identity,
     )
-    return finalize(store, spec.output_prefix, count,
-                    lambda merged: build_import_manifest(spec, producer, merged, source.origin), identity=identity)
+    def build(merged: MergedOutcome) -> Manifest:
+        check_unusable(spec, merged)
+        return build_import_manifest(spec, producer, merged, source.origin)
+
+    return finalize(store, spec.output_prefix, count, build, identity=identity)
 
 
 def import_share(config: ImportConfig, store: ObjectStore, kind: Kind, packages: list[str],

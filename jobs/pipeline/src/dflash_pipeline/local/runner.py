@@ -191,7 +191,12 @@ def run_local_and_report(config: RunConfig, repo: Path, only: Sequence[str] | No
             reason = f"shard {err.index} exited {describe(err.code)} (log: {logs / f'{err.stage}-{err.index}.log'})"
             uri = write_report(ObjectStore(), config, build_report(ObjectStore(), config, failures={err.stage: reason}))
             print(f"pilot report written to {uri}", file=sys.stderr)
-        print(f"pipeline stopped: {err}; rerun the same command to resume", file=sys.stderr)
+        if err.code in (ExitCode.USAGE, ExitCode.BAD_INPUT):  # a rerun of the same settings and data fails alike
+            then = ("fix what its log names (a setting, or the data), then rerun the same command; finished stages "
+                    "are skipped")
+        else:
+            then = "rerun the same command to resume"
+        print(f"pipeline stopped: {err}; {then}", file=sys.stderr)
         return err.code
     for item in runs:
         state = "skipped (complete)" if item.skipped else f"ran in {item.seconds:.0f} s"
