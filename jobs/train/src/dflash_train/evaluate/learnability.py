@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -108,13 +109,10 @@ def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], 
     recipe = LossRecipe(objective="data_ce", weighting="dpace")
     # A bfloat16 target trains an fp32 drafter under autocast, as the trainer does.
     low_precision = next(model.parameters()).dtype == torch.bfloat16
-    amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if low_precision else None
     accuracy, step, streak = 0.0, 0, 0
     for step in range(1, settings.steps + 1):
-        if amp is not None:
-            with amp:
-                out = dflash_step(drafter, target, batch, cfg, generator=generator, recipe=recipe)
-        else:
+        amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if low_precision else nullcontext()
+        with amp:
             out = dflash_step(drafter, target, batch, cfg, generator=generator, recipe=recipe)
         optim.zero_grad(set_to_none=True)
         out.loss.backward()
