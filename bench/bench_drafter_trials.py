@@ -38,7 +38,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 # Each trial: what it changes of the bench's [stages.train] config. `today` is the recipe these trials started from
 # (CE on the data token, exponential decay, cosine: the defaults before the trials chose D-PACE), and every other
-# trial changes one thing of it; `dpace_wsd` is the two changes that each beat it, together.
+# trial changes one thing of it; `dpace_wsd` is the two changes that each beat it, together; `*_seed1` are reruns under
+# another seed.
 BEFORE = {"position_weighting": "exp_decay"}
 TRIALS: dict[str, dict[str, Any]] = {
     "today": BEFORE,
@@ -48,6 +49,10 @@ TRIALS: dict[str, dict[str, Any]] = {
     "dpace": {"position_weighting": "dpace"},
     "wsd": {**BEFORE, "lr_schedule": "wsd"},
     "dpace_wsd": {"position_weighting": "dpace", "lr_schedule": "wsd"},
+    # A second seed (drafter init, data order, anchors) of the recipe before and of the chosen default: how much of
+    # a difference between trials one seed can move.
+    "today_seed1": {**BEFORE, "seed": 1},
+    "dpace_seed1": {"position_weighting": "dpace", "seed": 1},
 }
 STAGES = ("import", "tokenize", "train", "export")
 PROMPTS = 48
