@@ -45,3 +45,4 @@ def test_without_a_signal_a_deferred_block_changes_nothing() -> None:
     with preemption_handler(), preemption_deferred():
         value = 1
     assert value == 1
+

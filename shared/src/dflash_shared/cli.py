@@ -130,6 +130,18 @@ def _summary(exc: BaseException) -> str:
     return describe_os_error(refused) if refused is not None and not text else text
 
 
+def _detail_lines(exc: BaseException) -> list[str]:
+    """The lines of a plain multi-line message (the first is the headline); [] for a one-line message and for the
+    messages `one_line` words itself (validation errors, access failures)."""
+    pydantic_core: Any = sys.modules.get("pydantic_core")
+    if pydantic_core is not None and isinstance(exc, pydantic_core.ValidationError):
+        return []
+    if isinstance(exc, OSError):
+        return []
+    lines = [line.rstrip() for line in str(exc).splitlines() if line.strip()]
+    return lines if len(lines) > 1 else []
+
+
 def report_failure(stage: str, exc: BaseException) -> ExitCode:
     """Log the failure as one line (plus details for bad input) and return its exit code."""
     code = exit_code_for(exc)
@@ -142,7 +154,13 @@ def report_failure(stage: str, exc: BaseException) -> ExitCode:
         storage: Any = sys.modules.get("dflash_shared.storage")
         known = code in _EXPECTED or (storage is not None and isinstance(exc, storage.StorageError))
         kind = "" if known else "unexpected failure (traceback at DEBUG level): "
-        logger.error("%s failed, exit %s: %s%s", stage, describe(code), kind, summary)
+        details = _detail_lines(exc)
+        headline = redact(details.pop(0)) if details else summary
+        logger.error("%s failed, exit %s: %s%s", stage, describe(code), kind, headline)
+        # A message of several lines (a fit refusal's plan table, the fixes one per line) keeps its lines: one
+        # ERROR line each, indented below the headline, instead of one line thousands of characters long.
+        for line in details:
+            logger.error("  %s", redact(line))
     if isinstance(exc, BadInputError):
         for reason, count in sorted(exc.counts.items()):
             examples = "; ".join(exc.examples.get(reason, [])[:3])
