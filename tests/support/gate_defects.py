@@ -98,4 +98,4 @@ def gate_on(target_dir: Path, scratch: Path, documents: int, new_tokens: int, st
     model = ef.load_target(target_dir)
     prompts = [(f"p{i}", ids) for i, ids in enumerate(ef.chat_prompts(target_dir, ef.heldout_texts(documents)))]
     return run_gate(model, ef.drafter_config(8, ef.arch_of(target_dir)), prompts, stop_token_ids(model), settings,
-                    torch.device("cpu"), torch.float32, ObjectStore(), str(scratch / "gate-export"), str(scratch))
+                    torch.device("cpu"), torch.float32, ObjectStore(), str(scratch / "gate-export"))

@@ -55,6 +55,8 @@ class RunDriver:
         run_object: str | None = None,
         stuck_after_s: float = 600.0,
     ) -> None:
+        if stuck_after_s < 0:
+            raise ConfigError(f"--stuck-after-seconds {stuck_after_s} must be 0 or more")
         if not 0 < poll_s <= max_poll_s:
             raise ConfigError(f"poll interval {poll_s} s must be positive and at most the maximum {max_poll_s} s")
         self.cluster, self.store, self.root, self.run_id = cluster, store, root, run_id

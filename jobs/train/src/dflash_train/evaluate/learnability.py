@@ -23,7 +23,6 @@ prompts; the run's own drafter is not touched.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -130,12 +129,12 @@ def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], 
 
 
 def run_gate(model: Any, run_drafter_cfg: Any, prompts: Sequence[tuple[str, list[int]]], stop: Sequence[int],
-             settings: GateSettings, device: torch.device, dtype: torch.dtype, store: ObjectStore, export_uri: str,
-             scratch: str) -> LearnabilityGate:
+             settings: GateSettings, device: torch.device, dtype: torch.dtype, store: ObjectStore,
+             export_uri: str) -> LearnabilityGate:
     """The gate (module docstring) on the first `settings.documents` of `prompts`; its report, pass or fail."""
     from dflash_train.evaluate.speculate import HookedTarget, greedy_with_logprobs, speculative_generate
     from dflash_train.evaluate.stage import summarize
-    from dflash_train.export.files import export_drafter, load_export_dir
+    from dflash_train.export.files import export_drafter, load_export
 
     chosen = list(prompts[: settings.documents])
     references = [greedy_with_logprobs(model, ids, settings.new_tokens, stop) for _, ids in chosen]
@@ -145,10 +144,7 @@ def run_gate(model: Any, run_drafter_cfg: Any, prompts: Sequence[tuple[str, list
     memorised = memorise(model, run_drafter_cfg, docs, settings, device)
     export_dtype = str(dtype).removeprefix("torch.")
     export_drafter(memorised.drafter, model.config, export_uri, store, export_dtype)
-    local = os.path.join(scratch, EXPORT_FOLDER)
-    for name in ("config.json", "model.safetensors"):
-        store.download_to(export_uri.rstrip("/") + "/" + name, os.path.join(local, name))
-    exported = load_export_dir(local, device, dtype)
+    exported = load_export(export_uri, store, device, dtype)  # read back from the store, as the engines will
     block = exported.config.block_size
     target = HookedTarget(model, exported.config.target_layer_ids)
     try:

@@ -182,11 +182,10 @@ def stop_token_ids(model: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class GateOutput:
-    """Where the learnability gate exports its drafter, and local scratch to load it back from."""
+    """Where the learnability gate exports its drafter."""
 
     store: ObjectStore
     export_uri: str
-    scratch: str
 
 
 def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, export_uri: str,
@@ -224,7 +223,7 @@ def evaluate_drafter(config: EvaluateConfig, target_dir: str, export_dir: str, e
                                 config.learnability_steps, config.learnability_lr,
                                 config.learnability_min_acceptance, config.seed)
         gate = run_gate(model, cfg, prompts, stop, settings, device, dtype, gate_output.store,
-                        gate_output.export_uri, gate_output.scratch)
+                        gate_output.export_uri)
 
     policy = config.numerics_policy(str(dtype).removeprefix("torch."))
     checked = prompts[: config.lossless_prompts]
@@ -327,7 +326,7 @@ def run(config: EvaluateConfig, store: ObjectStore | None = None) -> str:
             for line in source.bad:
                 log.warning("prompt set %s: unusable line %s", name, line)
         export_dir = local_dir(store, export_uri, scratch, "export")
-        gate_output = GateOutput(store, join(config.output, EXPORT_FOLDER), scratch)
+        gate_output = GateOutput(store, join(config.output, EXPORT_FOLDER))
         report = evaluate_drafter(config, target_dir, export_dir, export_uri, section.final_metrics,
                                   picked, split, sets, gate_output)
     return commit(config, store, report, drafter, prompts_loaded, merge_accounting(parts), identity)
