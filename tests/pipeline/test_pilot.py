@@ -28,7 +28,7 @@ HEADLINE = REPO / "k8s" / "examples" / "qwen3.6-27b.toml"
 # Per stage, the stage config variables that are counts (the pilot may shrink them); every other variable must
 # be identical, apart from the names that carry the run id.
 COUNTS = {
-    "import": {"DFLASH_IMPORT_SAMPLE_RECORDS"},
+    "import": {"DFLASH_IMPORT_SAMPLE_RECORDS", "DFLASH_NUM_SHARDS"},
     "tokenize": {"DFLASH_TOKENIZE_HELDOUT_MIN_RECORDS", "DFLASH_NUM_SHARDS"},
     "generate": {"DFLASH_NUM_SHARDS"},
     "train": {"DFLASH_TRAIN_MAX_STEPS", "DFLASH_TRAIN_CHECKPOINT_EVERY", "DFLASH_TRAIN_RESTART_AFTER_STEP",
@@ -99,6 +99,8 @@ def test_only_counts_differ_and_each_is_smaller(runs: tuple[Any, Any]) -> None:
         assert train[shape] == full_train[shape]
     assert (train["DFLASH_TRAIN_MAX_STEPS"], train["DFLASH_TRAIN_RESTART_AFTER_STEP"]) == ("30", "15")
     assert env_of(containers(pilot_jobs["import"])[-1])["DFLASH_IMPORT_SAMPLE_RECORDS"] == "256"
+    # The sample is drawn over every record by one worker: one import pod.
+    assert pilot_jobs["import"]["spec"]["completions"] == 1 < full_jobs["import"]["spec"]["completions"]
     evaluate = env_of(containers(pilot_jobs["evaluate"])[-1])
     assert evaluate["DFLASH_EVALUATE_NUM_PROMPTS"] == "16"
     # The pilot runs the learnability gate; the full run does not: the gate tests the code path the pilot ran.
@@ -138,6 +140,9 @@ def test_a_pilot_is_not_derived_twice_and_its_run_id_must_fit(runs: tuple[Any, A
     data["run_id"] = "short"
     data["pilot"] = {"train_steps": 10, "restart_at_step": 10}
     with pytest.raises(ConfigError, match="restart_at_step 10 must come before"):
+        derive_pilot(parse_run_config(data))
+    data["pilot"] = {"prompts": 48, "evaluate_prompts": 16}
+    with pytest.raises(ConfigError, match="prompts must be at least 64"):
         derive_pilot(parse_run_config(data))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 
@@ -9,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_shared.errors import BadInputError
+from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.importing import ImportConfig, ImportSpec, run_import
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.layouts import Layout
@@ -255,6 +256,65 @@ def test_a_sample_is_drawn_by_content_hash_whatever_the_files_and_counted(tmp_pa
     # The same sample from the files in another order and split.
     _, again = _sampled(tmp_path, store, records[::-1], files=3, count=1, sample=16, name="reordered")
     assert again == kept
-    # Two workers keep 8 each of their own files (their share), still counting every record.
-    acc2, split = _sampled(tmp_path, store, records, files=4, count=2, sample=16, name="two")
-    assert len(split) == 16 and acc2.succeeded == 16 and acc2.skipped == 104
+    # Any number of workers draw the same sample: one of them reads every record, still counting each.
+    for files, count in ((4, 2), (1, 3)):
+        acc2, split = _sampled(tmp_path, store, records, files=files, count=count, sample=16, name=f"{files}-{count}")
+        assert split == kept and acc2.succeeded == 16 and acc2.skipped == 104
+
+
+def test_a_sample_larger_than_the_source_fails_naming_what_it_holds(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    records = [conversation(i) for i in range(30)] + [conversation(3), b"not json"]
+    with pytest.raises(ConfigError, match="the sample kept 30 records, fewer than sample_records 40") as err:
+        _sampled(tmp_path, store, records, files=1, count=2, sample=40, name="short")
+    assert "30 usable records of the 32 read (1 duplicate, 1 malformed_record)" in str(err.value)
+    assert not store.exists(join(str(tmp_path / "out-short"), "manifest.json"))
+
+
+def _import_with(store: ObjectStore, source: str, out: str, workers: int) -> tuple:
+    spec = ImportSpec(kind=Kind.completions, source_prefix=source, output_prefix=out, run_id="r")
+    outcomes = [run_import(store, spec, PRODUCER, index=i, count=workers) for i in range(workers)]
+    assert outcomes[-1] is not None
+    manifest = load_manifest(store, out, Kind.completions).manifest
+    return manifest, sorted(r.source for r in read_records(store, out, Kind.completions, CompletionRecord))
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "parquet", "jsonl.zst"])
+def test_one_file_is_striped_over_every_worker_with_the_same_records_as_one_worker(  # type: ignore[no-untyped-def]
+        tmp_path, store: ObjectStore, layout: str, caplog) -> None:
+    import zstandard
+
+    rows = [conversation(i, answer=str(2 * i)) for i in range(90)]
+    if layout == "parquet":
+        payload = parquet(rows)
+    else:
+        # Repeated lines and a malformed one: each is counted once, in whichever stripe it falls.
+        payload = jsonl([*rows, rows[5], rows[5], b"{broken"])
+        if layout == "jsonl.zst":
+            payload = zstandard.ZstdCompressor().compress(payload)
+    source = str(tmp_path / f"one.{layout}")
+    store.write_bytes(source, payload)
+    alone, records = _import_with(store, source, str(tmp_path / "alone"), 1)
+    caplog.set_level("INFO")
+    striped, striped_records = _import_with(store, source, str(tmp_path / "striped"), 4)
+    assert striped_records == records and striped.accounting == alone.accounting
+    # Every worker had a stripe of the file and wrote records from it.
+    assert "processing 0 of" not in caplog.text
+    assert sorted(caplog.text.count(f"shard {i}/4] processing 1 of 4 items") for i in range(4)) == [1, 1, 1, 1]
+    assert len(striped.shards) == 4 and all(shard.records > 0 for shard in striped.shards)
+    if layout != "parquet":
+        assert alone.accounting.skips_by_reason == {"duplicate": 2}
+        assert alone.accounting.failures_by_reason == {"malformed_record": 1}
+
+
+def test_a_truncated_file_is_counted_once_whatever_the_stripes(tmp_path, store: ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    import zstandard
+
+    # Digests do not compress, so half of the file holds many whole reads of records before the break.
+    rows = [conversation(i, answer=hashlib.sha256(b"%d" % i).hexdigest()) for i in range(4000)]
+    whole = zstandard.ZstdCompressor().compress(jsonl(rows))
+    source = str(tmp_path / "cut.jsonl.zst")
+    store.write_bytes(source, whole[: len(whole) // 2])
+    alone, _ = _import_with(store, source, str(tmp_path / "alone"), 1)
+    striped, _ = _import_with(store, source, str(tmp_path / "striped"), 3)
+    assert striped.accounting.failures_by_reason == alone.accounting.failures_by_reason == {"unreadable_file": 1}
+    assert striped.accounting.input_records == alone.accounting.input_records > 1000

@@ -9,6 +9,12 @@ A source is one of:
 - a folder written by datasets' `save_to_disk` (its Arrow files), or a Hub dataset (row ranges);
 - a prefix of such files, searched recursively; other files are ignored.
 
+Workers share a source's items. Where a source has fewer files than workers (the common case: one JSONL file
+of all prompts), each file is cut into stripes (`stripe_items`), one work item each, so N workers all work: a
+stripe's worker reads the whole file but decodes, validates and writes only its stripe's records, which is most
+of an import's cost. A JSONL record belongs to the stripe its line's bytes hash to, so lines repeated within a
+file meet in one worker and are de-duplicated as with one worker; a Parquet row to the stripe of its row number.
+
 `.json` files are not read: a `.json` file is one JSON document (often a list of records, as Alpaca's
 alpaca_data.json), which read as JSON lines would yield nothing but malformed records, and the JSON objects
 beside a stage's data (its manifest, shard markers, progress records) are not conversations either.
@@ -21,11 +27,19 @@ folder, a stage that has not finished) is the input's: BadInputError, exit 65.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_shared.dataset_sources import hub_items, is_hub_source, parse_hub_source, saved_dataset_files
+from dflash_shared.dataset_sources import (
+    hub_items,
+    is_dataset_item,
+    is_hub_source,
+    parse_hub_source,
+    saved_dataset_files,
+)
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.manifest_io import LoadedManifest, parse_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Kind
@@ -34,6 +48,8 @@ from dflash_shared.storage import ObjectNotFoundError, ObjectStore, is_s3, join
 SOURCE_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".parquet")
 # The folders the runner keeps beside a stage's data while the stage runs (runner.MARKERS_DIR, PROGRESS_DIR).
 _RUNNER_FOLDERS = ("/_markers/", "/_progress/")
+# A stripe's work item: the file's URI, this mark, then "<stripe>/<stripes>" (`stripe_items`).
+STRIPE_MARK = "#stripe="
 
 
 @dataclass(frozen=True)
@@ -113,3 +129,46 @@ def resolve_source(store: ObjectStore, source: str, kind: Kind) -> ImportSource:
     note = (f" ({skipped} .json file(s) were not read: a .json file is one JSON document, not one record per "
             "line; convert them to .jsonl)" if skipped else "")
     raise BadInputError(f"no {', '.join(SOURCE_SUFFIXES)} files under {source}{note}")
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """One of `count` stripes of a file (`index` from 0); the whole file is stripe 0 of 1."""
+
+    uri: str
+    index: int = 0
+    count: int = 1
+
+    def holds_line(self, line: bytes) -> bool:
+        # crc32: cheap next to decoding the record, and the same on every worker and run.
+        return self.count == 1 or zlib.crc32(line) % self.count == self.index
+
+    def holds_row(self, row: int) -> bool:
+        return row % self.count == self.index
+
+    @property
+    def first(self) -> bool:
+        """The stripe that owns what belongs to no record (a file that stops decoding), so it counts once."""
+        return self.index == 0
+
+
+def stripe_items(items: list[str], workers: int) -> list[str]:
+    """`items` with each file cut into as many stripes as it takes for every worker to have an item, when there
+    are fewer items than workers; dataset items (Arrow files, Hub row ranges) are kept whole."""
+    files = [item for item in items if not is_dataset_item(item)]
+    if workers <= len(items) or not files:
+        return items
+    cuts = math.ceil((workers - (len(items) - len(files))) / len(files))
+    if cuts <= 1:
+        return items
+    return [item if is_dataset_item(item) else f"{item}{STRIPE_MARK}{k}/{cuts}"
+            for item in items for k in (range(cuts) if not is_dataset_item(item) else (0,))]
+
+
+def parse_stripe(item: str) -> Stripe:
+    """The stripe a work item names (`stripe_items`); a plain file's URI is its one stripe."""
+    uri, mark, spec = item.rpartition(STRIPE_MARK)
+    if not mark:
+        return Stripe(item)
+    index, _, count = spec.partition("/")
+    return Stripe(uri, int(index), int(count))

@@ -26,15 +26,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.conversations import RecordError, parse_finish_reason, parse_messages, parse_tools
 from dflash_shared.dataset_sources import is_dataset_item, is_hub_source, iter_dataset_item
-from dflash_shared.errors import BadInputError
+from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.exit_codes import ExitCode
-from dflash_shared.import_sources import ImportSource, resolve_source
+from dflash_shared.import_sources import ImportSource, Stripe, parse_stripe, resolve_source, stripe_items
 from dflash_shared.jsonl import (
     JsonlZstWriter,
     LineError,
@@ -59,7 +60,15 @@ from dflash_shared.manifests import (
 from dflash_shared.preflight import CheckError, Preflight
 from dflash_shared.quality import MALFORMED, fix_hints
 from dflash_shared.records import CompletionRecord, Message, PromptRecord, record_id
-from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, finalize, run_shard
+from dflash_shared.runner import (
+    MergedOutcome,
+    ShardContext,
+    ShardOutcome,
+    assign,
+    assign_all_to_first,
+    finalize,
+    run_shard,
+)
 from dflash_shared.settings import StageSettings, env_prefix
 from dflash_shared.stage_identity import StageIdentity
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, is_s3
@@ -104,7 +113,8 @@ class ImportConfig(StageSettings):
         default="keep_first",
         description="A record whose source id repeats an earlier record's, with other content: keep_first skips "
         "it (reason duplicate_id), refuse counts it as a failure (so max_bad_fraction applies). Ids are compared "
-        "within one worker's share of the source (its files or row ranges): run one worker to check a whole source.",
+        "within one worker's share of the source (its files, stripes of a file or row ranges): run one worker to "
+        "check a whole source.",
     )
     id_field: str = Field(
         default="id", description="Field holding the record's own id, kept as source_id (a string, number or "
@@ -126,9 +136,10 @@ class ImportConfig(StageSettings):
     )
     sample_records: int | None = Field(
         default=None, ge=1,
-        description="Keep only this many records (split evenly over the shards), chosen by a hash of each "
-        "record's content id: the same sample whatever the file order; the rest are counted as skipped "
-        "(sampled_out). A pilot run's sample of the full run's source; None keeps every record.",
+        description="Keep only this many records, chosen by a hash of each record's content id over the whole "
+        "source: the same sample whatever the file order or shard count (shard 0 reads every record; the other "
+        "shards have nothing to do); the rest are counted as skipped (sampled_out). Fewer usable records than "
+        "this fail the import (exit 64). A pilot run's sample of the full run's source; None keeps every record.",
     )
 
     @model_validator(mode="after")
@@ -154,7 +165,7 @@ class ImportSpec:
     max_bad_fraction: float = 0.05
     on_duplicate_id: Literal["keep_first", "refuse"] = "keep_first"
     layout: Layout = field(default_factory=Layout)
-    sample_records: int | None = None  # the whole import's sample; each shard keeps its share
+    sample_records: int | None = None  # the whole import's sample, drawn by shard 0 over every record
 
 
 def sample_key(record_id: str) -> bytes:
@@ -238,49 +249,57 @@ def _json_row(row: Any) -> Any:
         return RecordError(MALFORMED, f"row is not JSON ({type(err).__name__}: {excerpt(str(err))})")
 
 
-def _iter_parquet(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
-    row = 0
+def _iter_parquet(store: ObjectStore, stripe: Stripe) -> Iterator[tuple[str, Any]]:
+    uri, row = stripe.uri, 0
     with store.open_read(uri) as handle:
         source = StorageReads(handle, uri)
         try:
             batches = pq.ParquetFile(source).iter_batches(batch_size=4096)
             for batch in batches:
-                for obj in _parquet_rows(batch):
-                    yield f"{uri}#{row}", _json_row(obj)
-                    row += 1
+                rows = batch.num_rows
+                mine = [r for r in range(rows) if stripe.holds_row(row + r)]
+                if len(mine) < rows:  # only this stripe's rows are converted
+                    batch = batch.take(pa.array(mine, pa.int64()))
+                for offset, obj in zip(mine, _parquet_rows(batch), strict=True):
+                    yield f"{uri}#{row + offset}", _json_row(obj)
+                row += rows
         except StorageError:
             raise
         except (OSError, ValueError) as err:  # pyarrow: not Parquet, a corrupt page or footer
             source.raise_failure()
-            detail = printable(str(err))[:200]
-            yield f"{uri}#{row}", RecordError(
-                UNREADABLE_FILE, f"cannot be read after row {row} ({type(err).__name__}: {detail})")
+            if stripe.first:
+                detail = printable(str(err))[:200]
+                yield f"{uri}#{row}", RecordError(
+                    UNREADABLE_FILE, f"cannot be read after row {row} ({type(err).__name__}: {detail})")
 
 
-def iter_source(store: ObjectStore, uri: str) -> Iterator[tuple[str, Any]]:
-    """(file:line or file#row, parsed object or a RecordError) for every record of one source file.
+def iter_source(store: ObjectStore, stripe: Stripe) -> Iterator[tuple[str, Any]]:
+    """(file:line or file#row, parsed object or a RecordError) for every record of one stripe of a source file.
 
     A file that stops decoding part-way yields the records before that point and then one UNREADABLE_FILE
-    error; a storage failure is raised (retryable), never counted against the data.
+    error (in its first stripe only); a storage failure is raised (retryable), never counted against the data.
     """
-    if uri.endswith(".parquet"):
-        yield from _iter_parquet(store, uri)
+    if stripe.uri.endswith(".parquet"):
+        yield from _iter_parquet(store, stripe)
         return
     try:
-        for number, line in iter_lines(store, uri):
+        for number, line in iter_lines(store, stripe.uri):
+            if not stripe.holds_line(line):
+                continue
             try:
-                yield f"{uri}:{number}", decode_line(line)
+                yield f"{stripe.uri}:{number}", decode_line(line)
             except LineError as err:
-                yield f"{uri}:{number}", RecordError(MALFORMED, str(err))
+                yield f"{stripe.uri}:{number}", RecordError(MALFORMED, str(err))
     except UnreadableFileError as err:
-        yield f"{uri}:{err.line + 1}", RecordError(UNREADABLE_FILE, err.detail)
+        if stripe.first:
+            yield f"{stripe.uri}:{err.line + 1}", RecordError(UNREADABLE_FILE, err.detail)
 
 
 def iter_item(store: ObjectStore, item: str) -> Iterator[tuple[str, Any]]:
-    """(where, object or RecordError) for one work item: a source file, a saved dataset's Arrow file, or
-    a Hub row range; dataset rows pass the same row checks as Parquet rows."""
+    """(where, object or RecordError) for one work item: a source file or a stripe of one, a saved dataset's
+    Arrow file, or a Hub row range; dataset rows pass the same row checks as Parquet rows."""
     if not is_dataset_item(item):
-        yield from iter_source(store, item)
+        yield from iter_source(store, parse_stripe(item))
         return
     for where, row in iter_dataset_item(store, item, _parquet_rows):
         yield where, _json_row(row)
@@ -394,9 +413,8 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
     id_counter = tally.failures if spec.on_duplicate_id == "refuse" else tally.skips
     unexpected = 0
     part, writer = 0, None
-    # Each shard keeps its share of the sample; the lines wait in memory until the shard has read everything.
-    sample = (_Sample(max(1, math.ceil(spec.sample_records / ctx.count))) if spec.sample_records is not None
-              else None)
+    # One worker reads every record when sampling (`run_import`); the sample's lines wait in memory until it has.
+    sample = _Sample(spec.sample_records) if spec.sample_records is not None else None
 
     def roll() -> None:
         nonlocal part, writer
@@ -459,8 +477,8 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
             tally.succeeded += 1
             if spec.kind is Kind.completions:
                 output_tokens += _completion_tokens(line)
-        ctx.logger.info("sample: kept %d of %d usable records (sample_records %d over %d shard(s))",
-                        tally.succeeded, tally.succeeded + tally.skips[SAMPLED_OUT], spec.sample_records, ctx.count)
+        ctx.logger.info("sample: kept %d of %d usable records (sample_records %d)",
+                        tally.succeeded, tally.succeeded + tally.skips[SAMPLED_OUT], spec.sample_records)
     roll()
     accounting = tally.accounting()
     # The bad-record limit is judged on the whole import when it commits (`check_unusable`): a worker's share says
@@ -499,6 +517,23 @@ def check_unusable(spec: ImportSpec, merged: MergedOutcome) -> None:
           "(`dflash-pipeline restart --config RUN.toml --stage import`) and run the import again.",
         counts=accounting.failures_by_reason,
         examples=accounting.examples,
+    )
+
+
+def check_sample(spec: ImportSpec, merged: MergedOutcome) -> None:
+    """A sample that kept fewer records than `sample_records` asked for: ConfigError (exit 64) naming how many the
+    source holds, so a pilot never runs on fewer prompts than its counts were planned for."""
+    wanted, accounting = spec.sample_records, merged.accounting
+    if wanted is None or accounting.succeeded >= wanted:
+        return
+    left_out = ", ".join(f"{n:,} {reason}" for reason, n in sorted({**accounting.failures_by_reason,
+                                                                    **accounting.skips_by_reason}.items()))
+    raise ConfigError(
+        f"the sample kept {accounting.succeeded:,} records, fewer than sample_records {wanted:,}: the source "
+        f"holds only {accounting.succeeded:,} usable records of the {accounting.input_records:,} read"
+        + (f" ({left_out})" if left_out else "") + f". Ask for at most {accounting.succeeded:,} (a pilot: "
+        "[pilot] prompts in the run file), or import a larger source. The import's output holds no manifest: "
+        "clear it (`dflash-pipeline restart --config RUN.toml --stage import`) before running it again."
     )
 
 
@@ -552,18 +587,28 @@ def run_import(
     """
     source: ImportSource = resolve_source(store, spec.source_prefix, spec.kind)
     origin = source.origin.manifest.kind if source.origin is not None else None
+    if spec.sample_records is None:
+        # Files cut into stripes where there are fewer files than workers, so every worker has records to read.
+        items, share = stripe_items(source.items, count), assign
+    else:
+        # A sample is the records of lowest key over the whole source: one worker reads them all, so the sample is
+        # the same whatever the shard count (the others finish at once, with nothing to read).
+        items, share = source.items, assign_all_to_first
     run_shard(
         f"import-{spec.kind.value}",
         store,
         spec.output_prefix,
-        source.items,
+        items,
         index,
         count,
         lambda ctx: process_import(ctx, spec, origin),
         identity=identity,
+        share=share,
     )
+
     def build(merged: MergedOutcome) -> Manifest:
         check_unusable(spec, merged)
+        check_sample(spec, merged)
         return build_import_manifest(spec, producer, merged, source.origin)
 
     return finalize(store, spec.output_prefix, count, build, identity=identity)

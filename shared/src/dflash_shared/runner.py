@@ -101,8 +101,7 @@ def config_shard(config: Any) -> tuple[int, int]:
     return resolve_shard(config.shard_index, config.num_shards)
 
 
-def assign(items: Sequence[str], index: int, count: int) -> list[str]:
-    """This shard's items: ``sorted(items)[index::count]``, independent of the listing order."""
+def _checked_order(items: Sequence[str], index: int, count: int) -> list[str]:
     if count < 1 or not 0 <= index < count:
         raise ShardingError(f"shard index {index} is out of range for {count} shards")
     ordered = sorted(items)
@@ -110,7 +109,19 @@ def assign(items: Sequence[str], index: int, count: int) -> list[str]:
         # A duplicate could land on two shards and be processed twice.
         if prev == item:
             raise ShardingError(f"item {item!r} is listed more than once; every item must be unique")
-    return ordered[index::count]
+    return ordered
+
+
+def assign(items: Sequence[str], index: int, count: int) -> list[str]:
+    """This shard's items: ``sorted(items)[index::count]``, independent of the listing order."""
+    return _checked_order(items, index, count)[index::count]
+
+
+def assign_all_to_first(items: Sequence[str], index: int, count: int) -> list[str]:
+    """Every item to shard 0, none to the others: for work that must see all of its input in one place (an
+    import's sample, drawn over every record whatever the shard count)."""
+    ordered = _checked_order(items, index, count)
+    return ordered if index == 0 else []
 
 
 # ---------------------------------------------------------------------------------------- outcomes
@@ -513,8 +524,10 @@ def run_shard(
     scratch_root: str | None = None,
     fingerprint: str = "",
     identity: StageIdentity | None = None,
+    share: Callable[[Sequence[str], int, int], list[str]] = assign,
 ) -> ShardOutcome:
-    """Run shard ``index`` of ``count`` over ``assign(items, index, count)`` unless it is already done.
+    """Run shard ``index`` of ``count`` over ``share(items, index, count)`` (default `assign`) unless it is
+    already done.
 
     ``items`` is the full listing of the stage's inputs. The marker is written after ``process`` returns,
     i.e. after every file it published; a crash before that leaves the shard to be redone by a rerun. With
@@ -523,7 +536,7 @@ def run_shard(
     markers agree with each other, or `finalize` refuses them).
     """
     log = _ShardLog(logger, f"{stage} shard {index}/{count}")
-    assigned = assign(items, index, count)
+    assigned = share(items, index, count)
     digest = _items_digest(assigned)
     markers = _scan_markers(store, output_prefix, count)
     own = marker_uri(output_prefix, index, count)

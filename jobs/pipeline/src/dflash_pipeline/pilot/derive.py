@@ -5,7 +5,8 @@ namespace, scheduling and placement, the GPU model, tensor parallelism, the trai
 parallelism (the multi-node gang must form), and every shape: training window, anchors, batch tokens, block
 size, generation budget, thinking mode. What shrinks (`[pilot]`, `PilotSettings`):
 
-- import draws a sample of the run's own source (`sample_records`, a hash of each record's content id);
+- import draws a sample of the run's own source (`sample_records`, a hash of each record's content id), on one
+  pod, since the sample is drawn over every record;
 - generate and tokenize run on fewer pods, each with the full run's resources;
 - train runs `train_steps` steps, saves a checkpoint at `restart_at_step`, stops there as a preemption does
   and is resumed by the Job's retry (`restart_after_step`): save, exit, rendezvous and resume all happen once;
@@ -26,6 +27,9 @@ from dflash_pipeline.run.config import MAX_RUN_ID, STAGE_DEFAULTS, RunConfig, pa
 PILOT_SUFFIX = "-pilot"
 # evaluate's quality floor (min_tau) in a pilot: its drafter trained 30 steps, which says nothing of the run's.
 PILOT_MIN_TAU = 0.0
+# The pilot's sample against evaluate's prompts: tokenize holds out two per evaluated prompt, and at least as many
+# again must be left to train on.
+HELD_OUT_SHARE = 4
 
 
 def pilot_run_id(run_id: str) -> str:
@@ -70,8 +74,13 @@ def derive_pilot(run: RunConfig) -> RunConfig:
     data["run_id"] = pilot_run_id(full_id)
     data["pilot_of"] = full_id
 
+    if p.prompts < HELD_OUT_SHARE * p.evaluate_prompts:
+        raise ConfigError(f"pilot.prompts {p.prompts} is too few for pilot.evaluate_prompts {p.evaluate_prompts}: "
+                          f"tokenize holds out twice evaluate's prompts and the rest trains, so prompts must be at "
+                          f"least {HELD_OUT_SHARE * p.evaluate_prompts}")
     imp = _stage(data, "import")
     imp["config"]["sample_records"] = p.prompts
+    _shrink_shards(imp, 1)
     if run.source.kind == "prompts":
         _shrink_shards(_stage(data, "generate"), p.generate_shards)
     tokenize = _stage(data, "tokenize")

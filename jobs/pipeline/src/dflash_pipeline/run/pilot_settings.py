@@ -20,7 +20,9 @@ class PilotSettings(BaseModel):
     prompts: int = Field(
         default=256, ge=1,
         description="Records of the run's own source the pilot imports: a sample chosen by a hash of each "
-        "record's content id (import's sample_records), split evenly over the import's shards.",
+        "record's content id over the whole source (import's sample_records, read by one import pod). A source "
+        "with fewer usable records fails the pilot's import (exit 64); at least 4 x evaluate_prompts, so that "
+        "tokenize can hold out evaluate's prompts and keep the rest to train on.",
     )
     generate_shards: int = Field(
         default=4, ge=1, description="Generate pods (at most the full run's), each with the full run's GPUs."
