@@ -12,6 +12,8 @@ for errors, 404/409 codes):
     GET    /api/v1/namespaces/{ns}/pods/{name}/log?tailLines=N              a pod's log (plain text, `logs`)
     GET    /apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets?labelSelector=...   list
     GET    /api/v1/namespaces/{ns}/configmaps/{name}                        get (and the other core kinds)
+    GET    /api/v1/nodes, /api/v1/namespaces/{name}                         cluster-scoped list and get
+    POST   /apis/authorization.k8s.io/v1/selfsubjectaccessreviews           answered from the Role
     DELETE .../{plural}/{name}?propagationPolicy=Background                 delete, with garbage collection
 
 Every request is authorized against the rules of a Role (the driver's rendered Role): a verb the Role does
@@ -46,12 +48,17 @@ _PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1|apis/jobset\.x-k8s\.io/v1
                    r"|apis/rbac\.authorization\.k8s\.io/v1)/namespaces/(?P<ns>[^/]+)/"
                    r"(?P<plural>[a-z]+)"
                    r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status|log))?$")
+# Cluster-scoped: nodes and namespaces (read by `doctor`), and the access reviews it asks.
+_CLUSTER_PATH = re.compile(r"^/(?P<prefix>api/v1|apis/authorization\.k8s\.io/v1)/"
+                           r"(?P<plural>nodes|namespaces|selfsubjectaccessreviews)(?:/(?P<name>[^/]+))?$")
 _GROUP = {"api/v1": "", "apis/batch/v1": "batch", "apis/jobset.x-k8s.io/v1alpha2": "jobset.x-k8s.io",
+          "apis/authorization.k8s.io/v1": "authorization.k8s.io",
           "apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io",
           "apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io"}
 _KIND = {"cronjobs": "CronJob", "jobs": "Job", "pods": "Pod", "jobsets": "JobSet", "configmaps": "ConfigMap",
          "services": "Service", "serviceaccounts": "ServiceAccount", "roles": "Role",
-         "rolebindings": "RoleBinding", "workloads": "Workload", "namespaces": "Namespace", "secrets": "Secret"}
+         "rolebindings": "RoleBinding", "workloads": "Workload", "namespaces": "Namespace", "secrets": "Secret",
+         "nodes": "Node", "localqueues": "LocalQueue"}
 _PLURAL = {kind: plural for plural, kind in _KIND.items()}
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
@@ -197,12 +204,12 @@ class FakeKubeApi:
             @contextmanager
             def _route(self, method: str) -> Iterator[tuple[dict[str, str], dict[str, list[str]]] | None]:
                 url = urlsplit(self.path)
-                match = _PATH.match(url.path)
+                match = _PATH.match(url.path) or _CLUSTER_PATH.match(url.path)
                 if match is None:
                     self._status(404, "NotFound", f"no route for {url.path}")
                     yield None
                     return
-                parts = {k: v or "" for k, v in match.groupdict().items()}
+                parts = {"ns": "", "sub": "", **{k: v or "" for k, v in match.groupdict().items()}}
                 query = parse_qs(url.query)
                 verb = {"GET": "get" if parts["name"] else "list", "POST": "create", "DELETE": "delete",
                         "PUT": "update"}[method]
@@ -210,7 +217,9 @@ class FakeKubeApi:
                     verb = "watch"
                 resource = parts["plural"] + (f'/{parts["sub"]}' if parts["sub"] else "")
                 api.requests.append((verb, resource))
-                if not api._allowed(verb, _GROUP[parts["prefix"]], resource, parts["name"]):
+                # Every authenticated user may ask what it may do (the API server's default ClusterRole).
+                reviewing = parts["plural"] == "selfsubjectaccessreviews"
+                if not reviewing and not api._allowed(verb, _GROUP[parts["prefix"]], resource, parts["name"]):
                     self._status(403, "Forbidden",
                                  f'{parts["plural"]} is forbidden: User "system:serviceaccount:{parts["ns"]}:driver" '
                                  f'cannot {verb} resource "{resource}" in API group "{_GROUP[parts["prefix"]]}" '
@@ -267,6 +276,9 @@ class FakeKubeApi:
                         return
                     parts, _ = routed
                     body = self._body()
+                    if parts["plural"] == "selfsubjectaccessreviews":
+                        self._review(body)
+                        return
                     body["metadata"].setdefault("namespace", parts["ns"])
                     key = (parts["plural"], parts["ns"], body["metadata"]["name"])
                     with api._lock:
@@ -283,6 +295,13 @@ class FakeKubeApi:
                             return
                     api.add(body)
                     self._send(201, api.get(*key) or {})
+
+            def _review(self, body: dict[str, Any]) -> None:
+                """A SelfSubjectAccessReview, answered from the Role the requests are authorized against."""
+                attrs = body["spec"]["resourceAttributes"]
+                resource = attrs["resource"] + (f'/{attrs["subresource"]}' if attrs.get("subresource") else "")
+                allowed = api._allowed(attrs["verb"], attrs.get("group", ""), resource)
+                self._send(201, {**body, "status": {"allowed": allowed}})
 
             def do_DELETE(self) -> None:  # noqa: N802
                 with self._route("DELETE") as routed:

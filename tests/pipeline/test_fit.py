@@ -227,3 +227,24 @@ def test_gpu_products_are_matched_liberally_and_never_guessed() -> None:
     assert h200 is not None and h200.usable == GPU_CLASSES["141 GB"]
     assert h100 is not None and h100.usable == GPU_CLASSES["80 GB"]
     assert FitReport("x", ran=False).lines() == ["fit before any GPU is held: not checked, x"]
+
+
+def test_a_staged_target_far_from_the_size_its_id_states_is_refused_unless_allowed(s3_bucket: str,
+                                                                                   store: ObjectStore) -> None:
+    """The wrong model staged at target.uri (Qwen3-8B's config under the Qwen3.6-27B id): refused before any GPU is
+    held, naming both counts; the named size (26.9B against "27B") passes; allow_size_mismatch accepts it."""
+    data = on_gpu(HEADLINE_RUN, H200)
+    data["target"]["uri"] = join(s3_bucket, "models", "Qwen3.6-27B")
+    store.write_bytes(join(data["target"]["uri"], "config.json"), json.dumps(QWEN3_8B).encode())
+    report = check_fit(parse_run_config(data), store)
+    assert report.blocked and not report.refused
+    assert "describes 8.19B parameters, target.model_id 'Qwen/Qwen3.6-27B' 27B" in report.target_refusal
+    assert report.message().startswith("the staged target is not the model the run file names:")
+    assert any("NOT THE NAMED MODEL" in line for line in report.lines())
+    with pytest.raises(ConfigError, match="target.allow_size_mismatch"):
+        build_plan(parse_run_config(data), target_config=QWEN3_8B)
+    data["target"]["allow_size_mismatch"] = True
+    assert not check_fit(parse_run_config(data), store).blocked
+    store.write_bytes(join(data["target"]["uri"], "config.json"), json.dumps(QWEN3_6_27B).encode())
+    data["target"]["allow_size_mismatch"] = False
+    assert not check_fit(parse_run_config(data), store).blocked

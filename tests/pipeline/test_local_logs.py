@@ -37,9 +37,9 @@ def test_a_local_run_keeps_each_shards_log_in_the_store_with_how_it_ended(tmp_pa
                   console=console, log_dir=tmp_path / "logs")
     assert failed.value.code == 65
     kept = ObjectStore().read_bytes(join(layout(run.root, run.run_id).logs("import"), "import-0.log")).decode()
-    assert kept.splitlines() == ["running dflash_generate import (shard 0)",
+    assert kept.splitlines() == ["running dflash_tokenize import-prompts (shard 0)",
                                  "quality gate: 9 of 10 conversations are empty",
-                                 "pod-log: dflash_generate exited 65 (BAD_INPUT)"]
+                                 "pod-log: dflash_tokenize exited 65 (BAD_INPUT)"]
     assert kept == (tmp_path / "logs" / "import-0.log").read_text()
     (log,), notes = collect_logs(run, ObjectStore(), "import")
     assert (log.stage, log.pod, notes) == ("import", "import-0", [])

@@ -135,12 +135,14 @@ def test_manifests_and_an_earlier_run_replace_the_estimates(s3_bucket: str, stor
         kind=Kind.prompts, run_id=run.run_id, producer=Producer(stage="import"),
         shards=[Shard(uri="p.jsonl.zst", bytes=1, sha256="0" * 64, records=5000)],
         accounting=Accounting(input_records=5000, succeeded=5000, failed=0, skipped=0),
-        section=PromptsSection(sources=[run.source.uri], duplicates=0)))
+        section=PromptsSection(sources=[run.source.uri], duplicates=0, prompt_tokens=5000 * 321)))
     write_manifest(store, join(earlier, "completions"), _completions("last-month", 1000, 2_500_000, 5_000_000, 3125.0))
 
     plan = build_plan(run, store)
     sources = {name: (f.value, f.source) for name, f in plan.figures.items()}
     assert sources["prompts"] == (5000, "manifest")
+    # The import counted the prompts with the target's tokenizer: their mean replaces the estimate.
+    assert sources["mean prompt tokens"] == (321, "manifest")
     # The measured mean is the mean under a 4,096-token budget (this run's: the earlier manifest records none);
     # the uncut answer length behind it, cut at the same budget again, gives it back.
     answer, source = sources["mean answer tokens (uncut)"]
@@ -340,3 +342,26 @@ def test_a_queued_jobset_is_warned_for_the_quota_it_holds_while_it_waits() -> No
     (warning,) = [w for w in plan.warnings if "reserves quota" in w]
     waited = sum(s.wall_seconds or 0 for s in plan.stages[:3])  # import, generate, tokenize
     assert "its 32 GPUs" in warning and f"~{32 * waited / 3600:,.0f} GPU-hours of quota held" in warning
+
+
+def test_default_throughputs_are_scaled_to_each_stages_gpu_and_say_so() -> None:
+    """The defaults are H200 figures: on H100s decoding scales by memory bandwidth (3.35 / 4.8 TB/s) and training by
+    dense bf16 throughput (989 / 989 TFLOPS); a figure the run file sets is used as it is."""
+    h200 = build_plan(headline())
+    data = read_run_file(HEADLINE_RUN)
+    for table in data["stages"].values():
+        if table.get("gpu_types"):
+            table["gpu_types"] = ["NVIDIA-H100-80GB-HBM3"]
+    h100 = build_plan(parse_run_config(data))
+    figures = {name: (f.value, f.source) for name, f in h100.figures.items()}
+    assert h200.figures["generate tokens/s/GPU"].value == 1500
+    assert h200.figures["generate tokens/s/GPU"].source == "estimate for NVIDIA-H200"
+    assert figures["generate tokens/s/GPU"] == (pytest.approx(1500 * 3.35 / 4.8), (
+        "estimate for NVIDIA-H100-80GB-HBM3: the NVIDIA-H200's 1,500 x 0.70, memory bandwidth 3.35 / 4.8 TB/s"))
+    assert figures["train tokens/s/GPU"][0] == pytest.approx(3000)
+    assert figures["evaluate tokens/s"][0] == pytest.approx(100 * 3.35 / 4.8)
+    h200_hours, h100_hours = (sum(s.gpu_hours or 0 for s in plan.stages) for plan in (h200, h100))
+    assert h100_hours > 1.05 * h200_hours
+    data["plan"]["generate_tokens_per_s_per_gpu"] = 900
+    given = build_plan(parse_run_config(data)).figures["generate tokens/s/GPU"]
+    assert (given.value, given.source) == (900, "run file")

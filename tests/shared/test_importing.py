@@ -16,7 +16,7 @@ from dflash_shared.jsonl import iter_lines
 from dflash_shared.layouts import Layout
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind, Producer
-from dflash_shared.records import CompletionRecord, PromptRecord
+from dflash_shared.records import CompletionRecord, Message, PromptRecord
 from dflash_shared.storage import ObjectStore, join
 
 PRODUCER = Producer(stage="import")
@@ -318,3 +318,36 @@ def test_a_truncated_file_is_counted_once_whatever_the_stripes(tmp_path, store: 
     striped, _ = _import_with(store, source, str(tmp_path / "striped"), 3)
     assert striped.accounting.failures_by_reason == alone.accounting.failures_by_reason == {"unreadable_file": 1}
     assert striped.accounting.input_records == alone.accounting.input_records > 1000
+
+
+def test_prompts_are_counted_with_the_targets_template_and_an_over_long_one_is_refused(  # type: ignore[no-untyped-def]
+        tmp_path, store: ObjectStore) -> None:
+    """Each prompt's tokens as generate renders it (chat template, thinking mode, generation prompt): summed in the
+    manifest, the longest kept, and a prompt over max_prompt_tokens refused at import with its count."""
+    from dflash_shared.chat_render import ChatRenderer
+    from dflash_shared.importing import ImportConfig
+    from dflash_shared.manifests import PromptsSection
+    from tests.support.qwen_assets import shared_tokenizer_dir
+
+    tokenizer = str(shared_tokenizer_dir("qwen3"))
+    long_question = "why " * 300
+    records = [conversation(i) for i in range(40)] + [{"messages": [{"role": "user", "content": long_question}]}]
+    store.write_bytes(str(tmp_path / "prompts.jsonl"), jsonl(records))
+    render = ChatRenderer(tokenizer, enable_thinking=True)
+    expected = [len(render([Message(**m) for m in r["messages"]], None)) for r in records[:40]]
+    too_long = len(render([Message(role="user", content=long_question)], None))
+    assert max(expected) < 100 < too_long
+    config = ImportConfig(source=str(tmp_path / "prompts.jsonl"), output=str(tmp_path / "out"), run_id="r",
+                          tokenizer=tokenizer, max_prompt_tokens=100)
+    for index in range(2):  # striped over two workers: the counts are the whole import's
+        run_import(store, config.spec(Kind.prompts), PRODUCER, index=index, count=2)
+    manifest = load_manifest(store, str(tmp_path / "out"), Kind.prompts).manifest
+    assert isinstance(manifest.section, PromptsSection)
+    assert (manifest.section.prompt_tokens, manifest.section.longest_prompt_tokens) == (sum(expected), max(expected))
+    assert manifest.accounting.failures_by_reason == {"prompt_too_long": 1}
+    assert f"prompt of {too_long:,} tokens, more than max_prompt_tokens 100" in \
+        manifest.accounting.examples["prompt_too_long"][0]
+    with pytest.raises(ValueError, match="max_prompt_tokens is set without tokenizer"):
+        ImportConfig(source="s", output="o", max_prompt_tokens=100)
+    with pytest.raises(ConfigError, match="leave --tokenizer out"):
+        config.spec(Kind.completions)

@@ -37,4 +37,4 @@ def test_no_command_exits_64_with_the_usage(capsys: pytest.CaptureFixture[str]) 
 def test_the_installed_entrypoint_answers_help() -> None:
     done = subprocess.run([sys.executable, "-m", "dflash_tokenize", "--help"], capture_output=True, text=True,
                           check=False, timeout=60)
-    assert done.returncode == 0 and "{import|preflight|run}" in done.stdout
+    assert done.returncode == 0 and "{import|import-prompts|preflight|run}" in done.stdout

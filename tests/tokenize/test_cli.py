@@ -36,7 +36,7 @@ def tok() -> str:
 
 def test_no_command_is_a_usage_error() -> None:
     proc = cli()
-    assert proc.returncode == 64 and "usage: dflash-tokenize {import|preflight|run}" in proc.stderr
+    assert proc.returncode == 64 and "usage: dflash-tokenize {import|import-prompts|preflight|run}" in proc.stderr
 
 
 def test_unknown_flag_names_the_flag(tmp_path: Path, tok: str) -> None:

@@ -131,11 +131,12 @@ def run_preflight(config: Any, store: Any, build: str) -> int:
     return int(load(build)(config, store).run())
 
 
-def import_command(kind: Any, package: str) -> StageCommand:
-    """The `import` command both the tokenizer and the generator image carry: conversations into a `kind` output
-    (completions for tokenize, prompts for generate), recorded as made by the image's `package`."""
+def import_command(kind: Any, package: str, name: str = "import") -> StageCommand:
+    """An import command: conversations into a `kind` output (completions for tokenize, prompts for generate),
+    recorded as made by the image's `package`. The tokenizer image carries both kinds (`import`, `import-prompts`):
+    import needs neither torch nor vLLM, so the pipeline runs it there."""
     return StageCommand(
-        name="import", log_as="import", sharding="workers",
+        name=name, log_as="import", sharding="workers",
         about=f"read conversations (JSONL, Parquet, a saved or Hub dataset) into a {kind.value} manifest",
         config="dflash_shared.importing:ImportConfig", run="dflash_shared.importing:import_share",
         run_kwargs={"kind": kind, "packages": [package]}, start_checks="dflash_shared.importing:start_checks")

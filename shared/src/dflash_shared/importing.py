@@ -71,7 +71,7 @@ from dflash_shared.runner import (
 )
 from dflash_shared.settings import StageSettings, env_prefix
 from dflash_shared.stage_identity import StageIdentity
-from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, is_s3
+from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, is_s3, join
 
 DUPLICATE = "duplicate"
 # Another record with the same source id came first: ids must name one conversation each.
@@ -82,6 +82,9 @@ EMPTY_PROMPT = "empty_prompt"
 NO_FINAL_ASSISTANT = "no_final_assistant_turn"
 # A file that stops decoding part-way (truncated or corrupt zstd/gzip, not Parquet): its rest is one record.
 UNREADABLE_FILE = "unreadable_file"
+# Prompts counted with the target's tokenizer (`tokenizer`): too long for generate, or refused by the template.
+PROMPT_TOO_LONG = "prompt_too_long"
+TEMPLATE_REFUSED = "chat_template_refused"
 RECORDS_PER_PART = 50_000
 log = logging.getLogger(__name__)
 
@@ -142,8 +145,26 @@ class ImportConfig(StageSettings):
         "this fail the import (exit 64). A pilot run's sample of the full run's source; None keeps every record.",
     )
 
+    tokenizer: str | None = Field(
+        default=None,
+        description="Prompts only: the target model's directory, local or s3:// (only its tokenizer files are "
+        "read). Each prompt is rendered with its chat template and counted: the manifest records the prompts' "
+        "tokens, which `plan` reads in place of an estimate. The pipeline sets it to target.uri.",
+    )
+    enable_thinking: bool = Field(
+        default=True, description="With tokenizer: the thinking mode the prompts are rendered in (generate's)."
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1,
+        description="With tokenizer: a prompt of more tokens is unusable (prompt_too_long), counted at import "
+        "instead of at generate. The pipeline sets it to generate's max_model_len - 1.",
+    )
+
     @model_validator(mode="after")
     def _one_layout(self) -> ImportConfig:
+        if self.max_prompt_tokens is not None and self.tokenizer is None:
+            raise ValueError("max_prompt_tokens is set without tokenizer: prompts are counted with the target's "
+                             "tokenizer; set tokenizer to the target model's directory")
         if self.response_field is not None and self.prompt_field is None:
             raise ValueError("response_field is set without prompt_field; set both")
         if self.messages_field is not None and self.prompt_field is not None:
@@ -152,8 +173,22 @@ class ImportConfig(StageSettings):
 
     def spec(self, kind: Kind) -> ImportSpec:
         layout = Layout(self.id_field, self.messages_field, self.prompt_field, self.response_field, self.system_field)
+        if self.tokenizer is not None and kind is not Kind.prompts:
+            raise ConfigError("tokenizer counts prompts; an import of completions is counted by the tokenize stage: "
+                              "leave --tokenizer out")
+        counting = (PromptCounting(self.tokenizer, self.enable_thinking, self.max_prompt_tokens)
+                    if self.tokenizer is not None else None)
         return ImportSpec(kind, self.source, self.output, self.run_id, self.max_bad_fraction, self.on_duplicate_id,
-                          layout, self.sample_records)
+                          layout, self.sample_records, counting)
+
+
+@dataclass(frozen=True)
+class PromptCounting:
+    """How an import of prompts counts their tokens: the target's tokenizer and thinking mode, and the limit."""
+
+    tokenizer: str  # the target model's directory, local or s3://
+    enable_thinking: bool = True
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +201,7 @@ class ImportSpec:
     on_duplicate_id: Literal["keep_first", "refuse"] = "keep_first"
     layout: Layout = field(default_factory=Layout)
     sample_records: int | None = None  # the whole import's sample, drawn by shard 0 over every record
+    counting: PromptCounting | None = None  # prompts only: count each one's tokens with the target's tokenizer
 
 
 def sample_key(record_id: str) -> bytes:
@@ -179,23 +215,24 @@ class _Sample:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._heap: list[tuple[bytes, int, bytes]] = []  # (inverted key, arrival, line): heap[0] = largest key
+        # (inverted key, arrival, line, prompt tokens): heap[0] holds the largest key
+        self._heap: list[tuple[bytes, int, bytes, int]] = []
         self.arrivals = 0
 
-    def offer(self, record_id: str, line: bytes) -> bool:
+    def offer(self, record_id: str, line: bytes, tokens: int) -> bool:
         """Take the record; False when it (or the record it displaced) falls out of the sample."""
         inverted = bytes(255 - b for b in sample_key(record_id))
         self.arrivals += 1
         if len(self._heap) < self.size:
-            heapq.heappush(self._heap, (inverted, self.arrivals, line))
+            heapq.heappush(self._heap, (inverted, self.arrivals, line, tokens))
             return True
         if inverted > self._heap[0][0]:
-            heapq.heapreplace(self._heap, (inverted, self.arrivals, line))
+            heapq.heapreplace(self._heap, (inverted, self.arrivals, line, tokens))
         return False
 
-    def lines(self) -> list[bytes]:
-        """The kept records in the order they were read."""
-        return [line for _, _, line in sorted(self._heap, key=lambda item: item[1])]
+    def kept(self) -> list[tuple[bytes, int]]:
+        """The kept records (line, prompt tokens) in the order they were read."""
+        return [(line, tokens) for _, _, line, tokens in sorted(self._heap, key=lambda item: item[1])]
 
 
 def _parquet_rows(batch: Any) -> Iterator[Any]:
@@ -415,6 +452,8 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
     part, writer = 0, None
     # One worker reads every record when sampling (`run_import`); the sample's lines wait in memory until it has.
     sample = _Sample(spec.sample_records) if spec.sample_records is not None else None
+    counter = _PromptCounter(spec.counting, ctx) if spec.counting is not None else None
+    prompt_tokens = longest = 0
 
     def roll() -> None:
         nonlocal part, writer
@@ -456,25 +495,34 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
                              "with other content")
                 continue
             seen.add(record.id)
+            tokens = 0
+            if counter is not None:
+                try:
+                    tokens = counter.count(record)
+                except RecordError as err:
+                    tally.reject(tally.failures, err.reason, where, str(err))
+                    continue
             if sample is not None:
-                if not sample.offer(record.id, line):
+                if not sample.offer(record.id, line, tokens):
                     tally.skips[SAMPLED_OUT] += 1
                 continue
             if writer is None:
                 writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
             writer.write_line(line)
             tally.succeeded += 1
+            prompt_tokens, longest = prompt_tokens + tokens, max(longest, tokens)
             if isinstance(record, CompletionRecord):
                 output_tokens += len(record.completion_token_ids or ())
             if writer.records >= RECORDS_PER_PART:
                 roll()
         ctx.logger.info("read %s (%d records so far)", uri, tally.input_records)
     if sample is not None:
-        for line in sample.lines():
+        for line, tokens in sample.kept():
             if writer is None:
                 writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
             writer.write_line(line)
             tally.succeeded += 1
+            prompt_tokens, longest = prompt_tokens + tokens, max(longest, tokens)
             if spec.kind is Kind.completions:
                 output_tokens += _completion_tokens(line)
         ctx.logger.info("sample: kept %d of %d usable records (sample_records %d)",
@@ -485,14 +533,38 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
     # little (one file of several, a range of records), and the same input must pass or fail on any shard count.
     # The worker's own counts ride in its outcome, keyed by shard, so the verdict can show them.
     shard = f"shard-{ctx.index:05d}"
+    counted = {"prompt_tokens": prompt_tokens, f"{LONGEST_KEY}{shard}": longest} if counter is not None else {}
     return ctx.outcome(accounting, totals={"duplicates": accounting.skips_by_reason.get(DUPLICATE, 0),
                                            "output_tokens": output_tokens,
                                            f"{UNUSABLE_KEY}{shard}": accounting.failed,
-                                           f"{READ_KEY}{shard}": accounting.input_records})
+                                           f"{READ_KEY}{shard}": accounting.input_records, **counted})
 
 
-# Outcome totals naming one worker's unusable and read records (`process_import`), for `check_unusable`'s message.
-UNUSABLE_KEY, READ_KEY = "unusable.", "read."
+# Outcome totals naming one worker's unusable and read records (`process_import`), for `check_unusable`'s message,
+# and its longest prompt (outcome totals are summed, so a maximum is kept per worker).
+UNUSABLE_KEY, READ_KEY, LONGEST_KEY = "unusable.", "read.", "longest_prompt."
+
+
+class _PromptCounter:
+    """Each prompt's tokens under the target's chat template and thinking mode (dflash_shared.chat_render)."""
+
+    def __init__(self, counting: PromptCounting, ctx: ShardContext) -> None:
+        from dflash_shared.chat_render import ChatRenderer, fetch_tokenizer
+
+        self.limit = counting.max_prompt_tokens
+        self.render = ChatRenderer(fetch_tokenizer(ctx.store, counting.tokenizer, ctx.scratch_dir),
+                                   counting.enable_thinking)
+
+    def count(self, record: PromptRecord | CompletionRecord) -> int:
+        try:
+            tokens = len(self.render(record.messages, record.tools))
+        except Exception as err:  # the template's own refusal (a jinja raise_exception), of this record only
+            raise RecordError(TEMPLATE_REFUSED, f"the target's chat template refuses it ({type(err).__name__}: "
+                              f"{excerpt(str(err))})") from None
+        if self.limit is not None and tokens > self.limit:
+            raise RecordError(PROMPT_TOO_LONG, f"prompt of {tokens:,} tokens, more than max_prompt_tokens "
+                              f"{self.limit:,} (generate's max_model_len leaves no room to answer it)")
+        return tokens
 
 
 def check_unusable(spec: ImportSpec, merged: MergedOutcome) -> None:
@@ -555,7 +627,11 @@ def build_import_manifest(spec: ImportSpec, producer: Producer, merged: MergedOu
     section: PromptsSection | CompletionsSection
     copied = origin.manifest.section if origin is not None else None
     if spec.kind is Kind.prompts:
-        section = PromptsSection(sources=[spec.source_prefix], duplicates=int(merged.totals.get("duplicates", 0)))
+        longest = [int(n) for key, n in merged.totals.items() if key.startswith(LONGEST_KEY)]
+        counted = spec.counting is not None
+        section = PromptsSection(sources=[spec.source_prefix], duplicates=int(merged.totals.get("duplicates", 0)),
+                                 prompt_tokens=int(merged.totals.get("prompt_tokens", 0)) if counted else None,
+                                 longest_prompt_tokens=max(longest, default=0) if counted else None)
     elif isinstance(copied, CompletionsSection):
         section = _copied_section(copied, merged)
     else:
@@ -644,4 +720,17 @@ def start_checks(config: ImportConfig, store: ObjectStore) -> Preflight:
             raise CheckError(f"source {config.source} cannot be read by this user", ExitCode.ENVIRONMENT)
         return f"{config.source} exists"
 
-    return checks.add("source", source).storage_write(config.output)
+    def tokenizer() -> str:
+        # A tokenizer that is not there would otherwise fail every shard after its source was listed.
+        location = str(config.tokenizer)
+        found = (checks.store.exists(join(location, "tokenizer.json")) if is_s3(location)
+                 else os.path.isfile(os.path.join(location, "tokenizer.json")))
+        if not found:
+            raise CheckError(f"tokenizer {location} holds no tokenizer.json: point --tokenizer at the target "
+                             "model's directory", ExitCode.USAGE)
+        return f"{location} has tokenizer.json"
+
+    checks.add("source", source)
+    if config.tokenizer is not None:
+        checks.add("tokenizer", tokenizer)
+    return checks.storage_write(config.output)

@@ -111,6 +111,11 @@ class PromptsSection(_Frozen):
     kind: Literal[Kind.prompts] = Kind.prompts
     sources: list[str] = Field(description="Source files or prefixes the prompts were imported from.")
     duplicates: int = Field(ge=0, description="Records dropped because their content id was seen before.")
+    prompt_tokens: int | None = Field(
+        default=None, ge=0, description="Tokens of the prompts kept, rendered with the target's chat template and "
+        "thinking mode (import's tokenizer); None where they were not counted.")
+    longest_prompt_tokens: int | None = Field(
+        default=None, ge=0, description="Tokens of the longest prompt kept; None where they were not counted.")
 
 
 class CompletionsSection(_Frozen):

@@ -63,6 +63,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 _EXAMPLES = """examples:
+  dflash-pipeline doctor --config k8s/example-run.toml
   dflash-pipeline plan --config k8s/example-run.toml --offline
   dflash-pipeline render --config k8s/example-run.toml | less
   dflash-pipeline submit --config k8s/example-run.toml --dry-run
@@ -172,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
     restart.add_argument("--stage", required=True, help="the stage to start over (the later stages' outputs go too)")
     restart.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     restart.add_argument("--pilot", action="store_true", help="the run's pilot instead (<run_id>-pilot)")
+    doctor = sub.add_parser("doctor", help="check the run file against the cluster and the object store before the "
+                            "pilot: namespace, rights, Secret, nodes, queues, images; exit 0 or 69")
+    doctor.add_argument("--config", required=True, type=Path, help="run file (.toml or .json)")
+    doctor.add_argument("--no-image-probe", action="store_true",
+                        help="leave out the probe pods that pull each image on its stage's nodes")
+    doctor.add_argument("--probe-timeout-seconds", type=int, default=300,
+                        help="how long a probe pod may take to be scheduled and pull its image")
     stage = sub.add_parser("stage-model", help="upload a target model's folder to the object store, each file "
                            "verified (size, sha256); a rerun resumes")
     stage.add_argument("--from", dest="source", required=True,
@@ -264,8 +272,11 @@ def _apply(stream: str, args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.kubectl!r} not found on PATH; install kubectl or pass --kubectl")
     proc = subprocess.run(command, input=stream, text=True, check=False)
     if proc.returncode != 0:
-        print(f"{' '.join(command)} exited {proc.returncode}", file=sys.stderr)
-        return ExitCode.RETRYABLE
+        # Like resume and cancel: the cluster or the user's access, which `doctor` checks one by one.
+        print(f"{shutil.which(args.kubectl)} apply exited {proc.returncode} (its message is above): check its context "
+              f"(`kubectl config current-context`) and your rights, e.g. `python -m dflash_pipeline doctor --config "
+              f"{args.config}`", file=sys.stderr)
+        return ExitCode.ENVIRONMENT
     return ExitCode.OK
 
 
@@ -477,6 +488,15 @@ def _restart(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from dflash_pipeline.doctor.command import run_doctor
+    from dflash_pipeline.run.endpoint import run_store
+
+    run = load_run_config(args.config)
+    return run_doctor(run, run_store(run, args.config, [run.root, run.target.uri]),
+                      probe_images=not args.no_image_probe, probe_timeout_s=args.probe_timeout_seconds)
+
+
 def _stage_model(args: argparse.Namespace) -> int:
     from dflash_pipeline.staging.stage_model import run_stage_model
 
@@ -488,7 +508,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = _parser().parse_args(argv)
     commands = {"render": _render, "submit": _submit, "pilot": _submit, "status": _status, "plan": _plan,
                 "local": _local, "cancel": _cancel, "drive": _drive, "wait": _wait, "stage-model": _stage_model,
-                "logs": _logs, "resume": _resume, "restart": _restart}
+                "logs": _logs, "resume": _resume, "restart": _restart, "doctor": _doctor}
     run_stage_main(f"pipeline {args.command}", lambda: commands[args.command](args))
 
 

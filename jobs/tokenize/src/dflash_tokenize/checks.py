@@ -5,13 +5,14 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from dflash_shared.chat_render import fetch_tokenizer
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
 from dflash_shared.preflight import CheckError, Preflight
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_tokenize.chat import ChatFormat, ChatFormatError
 from dflash_tokenize.config import TokenizeConfig
-from dflash_tokenize.stage import STAGE, fetch_tokenizer, open_source
+from dflash_tokenize.stage import STAGE, open_source
 
 REQUIRED = ["dflash_tokenize", "dflash_shared", "tokenizers", "jinja2", "pyarrow", "orjson"]
 # The origin pipeline's tokenizer died importing a torch it never used: this image must not have it.

@@ -10,6 +10,7 @@ PROGRAM = StageProgram(
     stage="tokenize",
     commands=(
         import_command(Kind.completions, "dflash-tokenize"),
+        import_command(Kind.prompts, "dflash-tokenize", name="import-prompts"),
         preflight_command(
             "tokenize", "dflash_tokenize.config:TokenizeConfig", "dflash_tokenize.checks:build_preflight",
             "check storage, the tokenizer, the input manifest and disk before a run; exit 0, 64, 65 or 69"),
@@ -21,6 +22,7 @@ PROGRAM = StageProgram(
     ),
     examples=(
         "dflash-tokenize import --source chats/ --output store/completions",
+        "dflash-tokenize import-prompts --source prompts/ --output store/prompts --tokenizer models/Qwen3-8B",
         "dflash-tokenize run --input store/completions --output store/tokenized --tokenizer models/Qwen3-8B",
     ),
 )

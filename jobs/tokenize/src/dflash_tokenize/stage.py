@@ -24,6 +24,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_shared.chat_render import fetch_tokenizer
 from dflash_shared.errors import BadInputError
 from dflash_shared.jsonl import iter_lines
 from dflash_shared.manifest_io import LoadedManifest, check_compatible, load_manifest
@@ -45,11 +46,11 @@ from dflash_shared.runner import MergedOutcome, ShardContext, ShardOutcome, fina
 from dflash_shared.scratch import make_scratch
 from dflash_shared.settings import env_prefix, public_dict
 from dflash_shared.stage_identity import StageIdentity, stage_identity
-from dflash_shared.storage import ObjectStore, is_s3, join
+from dflash_shared.storage import ObjectStore
 from dflash_shared.window import window_fraction
 from dflash_tokenize import hints, resume, split, worker
 from dflash_tokenize.arrow_shards import FinishedFile, RollingArrowWriter, Sequences
-from dflash_tokenize.chat import ChatFormat, ChatFormatError
+from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.config import TokenizeConfig
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,6 @@ STAGE = "tokenize"
 # Records per reason (and kept ones) a failed gate tries other settings on: enough for "most", seconds of work.
 SAMPLES_PER_REASON = 32
 PACKAGES = ["dflash-tokenize", "tokenizers", "transformers", "pyarrow", "pydantic"]
-# Only the small files of a model directory: the weights are never downloaded by this stage.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "config.json")
 
 
 def embedding_rows(directory: str, chat: ChatFormat) -> int:
@@ -105,21 +103,6 @@ class Resolved:
     def budget_cuts(self) -> bool:
         """Whether a "length" finish is the generate stage's own budget (see worker.WorkerSettings)."""
         return self.mode == "token_exact" and self.source.section.target is not None
-
-
-def fetch_tokenizer(store: ObjectStore, location: str, scratch: str) -> str:
-    """A local directory with the tokenizer files (copied from S3 when needed)."""
-    if not is_s3(location):
-        return location
-    local = os.path.join(scratch, "tokenizer")
-    os.makedirs(local, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        uri = join(location, name)
-        if store.exists(uri):
-            store.download_to(uri, os.path.join(local, name))
-    if not os.path.exists(os.path.join(local, "tokenizer.json")):
-        raise ChatFormatError(f"no tokenizer.json under {location}: point --tokenizer at the target model's directory")
-    return local
 
 
 def open_source(store: ObjectStore, config: TokenizeConfig, chat: ChatFormat,

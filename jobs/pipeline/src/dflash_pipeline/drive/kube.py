@@ -278,7 +278,7 @@ class Cluster:
         try:
             yield
         except ApiException as err:
-            detail = _api_message(err)
+            detail = api_message(err)
             # Admission webhooks (Kueue's, Gatekeeper's) deny with 403 too, naming themselves; RBAC names the verb.
             if err.status in (400, 422) or (err.status == 403 and "admission webhook" in detail):
                 raise ClusterRejectedError(f"the API server refused to {what}: {err.status} {detail}") from err
@@ -440,7 +440,7 @@ def quantities_as_strings(obj: Any, key: str = "") -> Any:
     return obj
 
 
-def _api_message(err: Any) -> str:
+def api_message(err: Any) -> str:
     """The Status message the API server sent, else the HTTP reason."""
     try:
         return str(json.loads(err.body).get("message") or err.reason)

@@ -44,6 +44,7 @@ from typing import Any
 from dflash_pipeline.plan.fit_engine import Engine
 from dflash_pipeline.plan.fit_engine import remedies as engine_remedies
 from dflash_pipeline.plan.gpu_models import GpuModel, fitting, lookup, with_memory
+from dflash_pipeline.render.scheduling import PARAMETER_COUNT
 from dflash_pipeline.run.config import JobSettings, RunConfig, load_run_config, quantity_value
 from dflash_pipeline.run.stages import EVALUATE, GENERATE, SERVE_CHECK, TOKENIZE, TRAIN, selected_stages, stage_values
 from dflash_shared.errors import ConfigError
@@ -97,10 +98,16 @@ class FitReport:
     target: str  # where config.json was read, or why it was not
     stages: tuple[StageFit, ...] = ()
     ran: bool = True
+    target_refusal: str = ""  # the staged target is not the model the run file names (`size_mismatch`)
 
     @property
     def refused(self) -> list[StageFit]:
         return [s for s in self.stages if s.verdict == "refused"]
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the run must not be submitted: a stage does not fit, or the target is not the one named."""
+        return bool(self.refused or self.target_refusal)
 
     def warnings_of(self, stage: str) -> list[str]:
         return [w for s in self.stages if s.stage == stage for w in s.warnings]
@@ -112,6 +119,8 @@ class FitReport:
         if not self.stages:
             return [f"fit before any GPU is held ({self.target}): no stage runs on a GPU"]
         out = [f"fit before any GPU is held (target {self.target}):"]
+        if self.target_refusal:
+            out.append(f"  target: NOT THE NAMED MODEL: {self.target_refusal}")
         for s in self.stages:
             out += s.lines() + ([f"  warning: {s.stage}: {w}" for w in s.warnings] if warnings else [])
         return out
@@ -119,6 +128,8 @@ class FitReport:
     def message(self) -> str:
         """The refusal: each stage that does not fit, why, and what would make it fit."""
         parts = ["the run does not fit its GPUs (checked before any GPU is held):"]
+        if self.target_refusal:
+            parts = [f"the staged target is not the model the run file names: {self.target_refusal}"]
         for s in self.refused:
             if s.detail:  # the memory plan's own refusal: its largest terms, the fixes, its table
                 parts.append(f"{s.stage}: {s.detail}")
@@ -394,7 +405,29 @@ def check_fit(run: RunConfig, store: ObjectStore | None, *, target_config: Path 
         elif stage.name == "evaluate":
             out.append(_evaluate(run, sizes, cfg, gpu, note))
     params = f"{sizes.architecture}, {sizes.params / 1e9:.2f}B parameters"
-    return FitReport(f"{source}: {params}", tuple(out))
+    return FitReport(f"{source}: {params}", tuple(out), target_refusal=size_mismatch(run, sizes.params, source))
+
+
+# How far the staged target's parameter count may stray from the count in its model id ("27B"): a name rounds
+# (Qwen3-8B has 8.2B parameters, 30B-A3B 30.5B), a different model is off by several times.
+SIZE_TOLERANCE = 1.5
+
+
+def size_mismatch(run: RunConfig, params: int, source: str) -> str:
+    """Why the target's config.json (`params` parameters, read from `source`) is not the model target.model_id
+    names, or "" when it is, the id states no count, or target.allow_size_mismatch is set."""
+    if run.target.allow_size_mismatch:
+        return ""
+    stated = [float(m.group(1)) * 1e9 for m in PARAMETER_COUNT.finditer(run.target.model_id.rsplit("/", 1)[-1])]
+    if not stated or not params:
+        return ""
+    named = max(stated)  # of "30B-A3B" the total
+    if 1 / SIZE_TOLERANCE <= params / named <= SIZE_TOLERANCE:
+        return ""
+    return (f"{source} describes {params / 1e9:.2f}B parameters, target.model_id {run.target.model_id!r} "
+            f"{named / 1e9:g}B. Stage the named model at target.uri (`dflash-pipeline stage-model`), correct "
+            "target.model_id, or, for a model whose name states another size, set target.allow_size_mismatch = "
+            "true")
 
 
 def check_before_submit(run_file: Path, target_config: Path | None, only: list[str] | None, setup: bool) -> None:
@@ -405,5 +438,5 @@ def check_before_submit(run_file: Path, target_config: Path | None, only: list[s
                        only=only)
     for line in report.lines(warnings=True):
         print(line, file=sys.stderr)
-    if report.refused:
+    if report.blocked:
         raise ConfigError(report.message())

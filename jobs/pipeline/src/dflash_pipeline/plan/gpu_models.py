@@ -12,15 +12,20 @@ reports free on an idle GPU, the total less about 0.6 GiB of CUDA context (as `m
 reasons; its two figures are used as they are for the 80 GB and 141 GB cards). `[plan] gpu_memory_gib` replaces
 the table's total for a GPU the table lacks or a driver that reports otherwise.
 
-| product (label) | nvidia-smi total | usable |
-|---|---|---|
-| NVIDIA-B200 | 183,359 MiB | 178.5 GiB |
-| NVIDIA-H200 (also NVL) | 143,771 MiB | 139.8 GiB |
-| NVIDIA-H100-NVL | 95,830 MiB | 93.0 GiB |
-| NVIDIA-H100-80GB-HBM3 (also PCIe) | 81,559 MiB | 79.0 GiB |
-| NVIDIA-A100-SXM4-80GB (also PCIe 80GB) | 81,559 MiB | 79.0 GiB |
-| NVIDIA-A100-SXM4-40GB (also PCIe 40GB) | 40,960 MiB | 39.4 GiB |
-| NVIDIA-L40S | 46,068 MiB | 44.4 GiB |
+Two more, from the vendors' data sheets, scale the plan's default throughputs, which are H200 figures, to the GPU
+a stage runs on (`throughput_scale`): memory bandwidth for decoding (generate, evaluate: each token reads the
+weights and the KV cache) and dense bf16 tensor throughput for training (large matrix products). A default scaled
+so is an estimate, and the plan says so; a rate measured by a pilot or set in the run file is used as it is.
+
+| product (label) | nvidia-smi total | usable | memory bandwidth | dense bf16 |
+|---|---|---|---|---|
+| NVIDIA-B200 | 183,359 MiB | 178.5 GiB | 8.0 TB/s | 2,250 TFLOPS |
+| NVIDIA-H200 (also NVL) | 143,771 MiB | 139.8 GiB | 4.8 TB/s | 989 TFLOPS |
+| NVIDIA-H100-NVL | 95,830 MiB | 93.0 GiB | 3.9 TB/s | 835 TFLOPS |
+| NVIDIA-H100-80GB-HBM3 (also PCIe, which is slower) | 81,559 MiB | 79.0 GiB | 3.35 TB/s | 989 TFLOPS |
+| NVIDIA-A100-SXM4-80GB (also PCIe 80GB) | 81,559 MiB | 79.0 GiB | 2.04 TB/s | 312 TFLOPS |
+| NVIDIA-A100-SXM4-40GB (also PCIe 40GB) | 40,960 MiB | 39.4 GiB | 1.56 TB/s | 312 TFLOPS |
+| NVIDIA-L40S | 46,068 MiB | 44.4 GiB | 0.86 TB/s | 362 TFLOPS |
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class GpuModel:
     name: str
     total: int  # bytes, as nvidia-smi reports
     usable: int  # bytes torch.cuda.mem_get_info reports free on an idle GPU
+    memory_tb_s: float | None = None  # the data sheet's memory bandwidth (None: a GPU known by its memory only)
+    bf16_tflops: float | None = None  # the data sheet's dense bf16 tensor throughput
 
     @property
     def a100(self) -> bool:
@@ -50,21 +57,41 @@ class GpuModel:
         return "A100" in self.name.upper()
 
 
-def _model(name: str, total_mib: int, gpu_class: str | None = None) -> GpuModel:
+def _model(name: str, total_mib: int, speeds: tuple[float, float], gpu_class: str | None = None) -> GpuModel:
     total = total_mib * MIB
-    return GpuModel(name, total, GPU_CLASSES[gpu_class] if gpu_class else total - CUDA_CONTEXT_BYTES)
+    return GpuModel(name, total, GPU_CLASSES[gpu_class] if gpu_class else total - CUDA_CONTEXT_BYTES, *speeds)
 
 
 # First match wins: the patterns run over the normalised name (upper case, dashes, no vendor prefix).
+# Speeds: (memory bandwidth TB/s, dense bf16 TFLOPS), the module docstring's table.
 TABLE: tuple[tuple[str, GpuModel], ...] = (
-    (r"\bB200\b", _model("NVIDIA-B200", 183_359)),
-    (r"\bH200\b", _model("NVIDIA-H200", 143_771, "141 GB")),
-    (r"\bH100-NVL\b|\bH100-94GB\b", _model("NVIDIA-H100-NVL", 95_830)),
-    (r"\bH100\b", _model("NVIDIA-H100-80GB-HBM3", 81_559, "80 GB")),
-    (r"\bA100\b.*\b80GB?\b", _model("NVIDIA-A100-SXM4-80GB", 81_559, "80 GB")),
-    (r"\bA100\b.*\b40GB?\b", _model("NVIDIA-A100-SXM4-40GB", 40_960)),
-    (r"\bL40S\b", _model("NVIDIA-L40S", 46_068)),
+    (r"\bB200\b", _model("NVIDIA-B200", 183_359, (8.0, 2250))),
+    (r"\bH200\b", _model("NVIDIA-H200", 143_771, (4.8, 989), "141 GB")),
+    (r"\bH100-NVL\b|\bH100-94GB\b", _model("NVIDIA-H100-NVL", 95_830, (3.9, 835))),
+    (r"\bH100\b", _model("NVIDIA-H100-80GB-HBM3", 81_559, (3.35, 989), "80 GB")),
+    (r"\bA100\b.*\b80GB?\b", _model("NVIDIA-A100-SXM4-80GB", 81_559, (2.04, 312), "80 GB")),
+    (r"\bA100\b.*\b40GB?\b", _model("NVIDIA-A100-SXM4-40GB", 40_960, (1.56, 312))),
+    (r"\bL40S\b", _model("NVIDIA-L40S", 46_068, (0.86, 362))),
 )
+# The GPU the plan's default throughputs are figures for.
+REFERENCE_GPU = "NVIDIA-H200"
+
+
+def throughput_scale(model: GpuModel, bound: str) -> tuple[float, str] | None:
+    """The factor a default throughput (an H200 figure) takes on `model`, and why: by memory bandwidth for a
+    `bound` of "memory" (decoding), by dense bf16 throughput for "compute" (training). None where the model's
+    speeds are unknown."""
+    reference = lookup(REFERENCE_GPU)
+    assert reference is not None and reference.memory_tb_s and reference.bf16_tflops
+    if bound == "memory":
+        if model.memory_tb_s is None:
+            return None
+        return (model.memory_tb_s / reference.memory_tb_s,
+                f"memory bandwidth {model.memory_tb_s:g} / {reference.memory_tb_s:g} TB/s")
+    if model.bf16_tflops is None:
+        return None
+    return (model.bf16_tflops / reference.bf16_tflops,
+            f"dense bf16 {model.bf16_tflops:,g} / {reference.bf16_tflops:,g} TFLOPS")
 
 
 # The values GPU feature discovery writes to `nvidia.com/gpu.product` for these GPUs (nvidia-smi's name with

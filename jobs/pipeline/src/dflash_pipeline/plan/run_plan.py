@@ -26,24 +26,40 @@ that would make it fit.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.plan.fit import FitReport, check_fit
+from dflash_pipeline.plan.fit import FitReport, check_fit, gpu_of
 from dflash_pipeline.plan.gang_hold import GangHold, dead_rank_hold
+from dflash_pipeline.plan.gpu_models import REFERENCE_GPU, throughput_scale
 from dflash_pipeline.plan.tokens import RecordTokens, answer_mean_for
 from dflash_pipeline.render.run_objects import objects_of_stage
 from dflash_pipeline.render.scheduling import active_deadline_seconds, scratch_limit, target_disk_bytes
 from dflash_pipeline.run.config import RunConfig, quantity_value
 from dflash_pipeline.run.layout import layout
-from dflash_pipeline.run.stages import EVALUATE, GENERATE, TOKENIZE, TRAIN, stage_values, training_window
+from dflash_pipeline.run.stages import (
+    EVALUATE,
+    GENERATE,
+    TOKENIZE,
+    TRAIN,
+    generation_budget,
+    stage_values,
+    target_family,
+    training_window,
+)
 from dflash_pipeline.run.stages import plan as run_stages
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifest_io import ManifestError, parse_manifest
-from dflash_shared.manifests import MANIFEST_NAME, CompletionsSection, Kind, Manifest, TokenizedSection
+from dflash_shared.manifests import (
+    MANIFEST_NAME,
+    CompletionsSection,
+    Kind,
+    Manifest,
+    PromptsSection,
+    TokenizedSection,
+)
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
 from dflash_shared.window import MAX_UNREAD_FRACTION
 
@@ -155,8 +171,8 @@ class _Figures:
         read = self.manifests.read
         self.own = {kind: read(lay.prefix(kind)) for kind in (Kind.prompts, Kind.completions, Kind.tokenized)}
         earlier = run.plan.measured_from
-        self.earlier = ({kind: read(join(earlier, kind.value)) for kind in (Kind.completions, Kind.tokenized,
-                                                                            Kind.drafter)}
+        self.earlier = ({kind: read(join(earlier, kind.value)) for kind in (Kind.prompts, Kind.completions,
+                                                                            Kind.tokenized, Kind.drafter)}
                         if earlier else {})
         self.table: dict[str, Figure] = {}
 
@@ -178,6 +194,13 @@ class _Figures:
         return None
 
     def prompt_tokens(self) -> float:
+        """The mean prompt length: counted by this run's import (or the pilot's, measured), else the run file's,
+        else an estimate."""
+        for manifest, source in ((self.own[Kind.prompts], "manifest"), (self.earlier.get(Kind.prompts), "measured")):
+            section = getattr(manifest, "section", None)
+            if manifest is not None and isinstance(section, PromptsSection) and section.prompt_tokens \
+                    and manifest.total_records:
+                return self.put("mean prompt tokens", Figure(section.prompt_tokens / manifest.total_records, source))
         given = self.inputs.mean_prompt_tokens
         return self.put("mean prompt tokens", Figure(given, "run file") if given else
                         Figure(DEFAULT_PROMPT_TOKENS, "estimate"))
@@ -198,12 +221,30 @@ class _Figures:
         return self.put("mean answer tokens (uncut)",
                         Figure(DEFAULT_COMPLETION_FRACTION * limits.family_budget, "estimate"))
 
-    def rate(self, name: str, given: float | None, measured: float | None, default: float) -> float:
+    def rate(self, name: str, given: float | None, measured: float | None, default: float,
+             scaled: tuple[str, str] | None = None) -> float:
+        """A rate measured, else set in the run file, else the default; `scaled` = (stage, "memory" or "compute"):
+        the default is an H200 figure, scaled to the stage's GPU (`gpu_models.throughput_scale`)."""
         if measured:
             return self.put(name, Figure(measured, "measured"))
         if given:
             return self.put(name, Figure(given, "run file"))
-        return self.put(name, Figure(default, "estimate"))
+        if scaled is None:
+            return self.put(name, Figure(default, "estimate"))
+        return self.put(name, self._for_gpu(default, *scaled))
+
+    def _for_gpu(self, default: float, stage: str, bound: str) -> Figure:
+        model, _ = gpu_of(self.run, self.run.stages.for_stage(stage))
+        if model is None:
+            return Figure(default, f"estimate: an {REFERENCE_GPU} figure, the stage's GPU unknown")
+        if model.name == REFERENCE_GPU:
+            return Figure(default, f"estimate for {REFERENCE_GPU}")
+        scale = throughput_scale(model, bound)
+        if scale is None:
+            return Figure(default, f"estimate: an {REFERENCE_GPU} figure, {model.name}'s speed unknown")
+        factor, why = scale
+        return Figure(default * factor, f"estimate for {model.name}: the {REFERENCE_GPU}'s {default:,.0f} x "
+                                        f"{factor:.2f}, {why}")
 
     def measured_generate_rate(self) -> float | None:
         manifest = self.earlier.get(Kind.completions)
@@ -237,18 +278,15 @@ def _limits(run: RunConfig) -> Limits:
     """The run's limits, settled as the stages settle them: the generation budget by the generate stage's own
     rule (`generation_limits`), the windows from tokenize's and train's max_length (train's default: the
     tokenized data's)."""
-    # The generate config's module is importable once stage_values has read its model.
     generate = stage_values(run, GENERATE)
-    from dflash_generate.config import DEFAULT_LIMITS, generation_limits
+    max_new, context = generation_budget(run)
+    from dflash_generate.config import DEFAULT_LIMITS
 
-    # The family from the model id alone (the plan reads no target files): Qwen3.5 and later are hybrids.
-    family = "qwen3_5" if re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) else "qwen3"
+    family = target_family(run)
     tokenize_window = int(stage_values(run, TOKENIZE)["max_length"])
     window = min(int(stage_values(run, TRAIN)["max_length"] or tokenize_window), tokenize_window)
     capped = bool(generate["cap_to_training_window"])
     generate_window = int(generate["training_window"])
-    max_new, context = generation_limits(family, capped, generate_window, generate["max_new_tokens"],
-                                         generate["max_model_len"])
     refusal = None
     if capped and (context > generate_window or max_new >= generate_window):
         refusal = (f"max_new_tokens {max_new:,} / max_model_len {context:,} do not fit inside its training_window "
@@ -350,7 +388,8 @@ def _import(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: in
 
 def _generate(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
     rate = figures.rate("generate tokens/s/GPU", run.plan.generate_tokens_per_s_per_gpu,
-                        figures.measured_generate_rate(), DEFAULT_GENERATE_TOKENS_PER_S_PER_GPU)
+                        figures.measured_generate_rate(), DEFAULT_GENERATE_TOKENS_PER_S_PER_GPU,
+                        scaled=("generate", "memory"))
     work = None if w.prompts is None else w.prompts * w.completion_tokens
     per_token = figures.bytes_per_token(Kind.completions, "output_tokens", COMPLETION_BYTES_PER_TOKEN)
     # Every pod copies the whole target to its scratch and serves it from there.
@@ -393,7 +432,7 @@ def _tokenize(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: 
 
 def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
     rate = figures.rate("train tokens/s/GPU", run.plan.train_tokens_per_s_per_gpu, None,
-                        DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU)
+                        DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU, scaled=("train", "compute"))
     train = stage_values(run, TRAIN)
     epochs = int(train["epochs"])
     max_steps = train["max_steps"]
@@ -420,7 +459,8 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
 
 
 def _decode(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int, stage: str) -> StagePlan:
-    rate = figures.rate("evaluate tokens/s", run.plan.evaluate_tokens_per_s, None, DEFAULT_EVALUATE_TOKENS_PER_S)
+    rate = figures.rate("evaluate tokens/s", run.plan.evaluate_tokens_per_s, None, DEFAULT_EVALUATE_TOKENS_PER_S,
+                        scaled=("evaluate", "memory"))
     # The serving check replays the offline evaluation's prompts at its budget (evaluation.json).
     evaluate = stage_values(run, EVALUATE)
     prompts = int(evaluate["num_prompts"])
@@ -459,7 +499,7 @@ def build_plan(run: RunConfig, store: ObjectStore | None = None, *,
         out.append(item)
     # The store as the manifests left it: one that refused them is not asked for the target's config again.
     fit = check_fit(run, figures.manifests.store, target_config=target_config, run_file=run_file)
-    if fit.refused:
+    if fit.blocked:
         raise ConfigError(fit.message())
     for item in out:
         item.warnings += fit.warnings_of(item.stage)

@@ -41,7 +41,7 @@ GIB = Decimal(2**30)
 BYTES_PER_PARAMETER = Decimal(2)
 SIZE_MARGIN = Decimal("1.1")
 # "Qwen3-8B", "Qwen3.6-27B", "Qwen3-30B-A3B" (total, not active), "Llama-3.1-70B-Instruct", "gpt-oss-120b".
-_PARAMETERS = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[bB](?![A-Za-z0-9])")
+PARAMETER_COUNT = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[bB](?![A-Za-z0-9])")
 
 
 def _up_to_gib(num_bytes: Decimal) -> Decimal:
@@ -61,7 +61,7 @@ def target_disk_bytes(run: RunConfig) -> Decimal:
         # A local run's target (the demo's): its files are here to be counted.
         return Decimal(sum(p.stat().st_size for p in Path(run.target.uri).rglob("*") if p.is_file()))
     name = run.target.model_id.rsplit("/", 1)[-1]
-    counts = [Decimal(m.group(1)) for m in _PARAMETERS.finditer(name)]
+    counts = [Decimal(m.group(1)) for m in PARAMETER_COUNT.finditer(name)]
     if not counts:
         raise ConfigError(
             f"cannot tell the size of target.model_id {run.target.model_id!r} from its name (no parameter count "

@@ -367,6 +367,12 @@ class TargetModel(_Frozen):
     enable_thinking: bool | None = Field(
         default=None, description="Thinking mode for generation and tokenization; None keeps each stage's default."
     )
+    allow_size_mismatch: bool = Field(
+        default=False,
+        description="The fit check refuses a target whose config.json has 1.5 times more or fewer parameters than "
+        "model_id states ('27B'): the wrong model staged at target.uri. True accepts it (a model whose name "
+        "states another size).",
+    )
     disk_size: Quantity | None = Field(
         default=None,
         description="Bytes of the model directory, which the GPU stages copy to their scratch: sizes their "

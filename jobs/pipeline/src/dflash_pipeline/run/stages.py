@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -115,10 +116,35 @@ def _config_model(stage: str, config_class: str) -> type[StageSettings]:
 
 
 def _import_wiring(kind: Kind) -> Wiring:
-    def wiring(run: RunConfig, lay: RunLayout, _: JobSettings) -> dict[str, Any]:
-        return {"source": run.source.uri, "output": lay.prefix(kind), "run_id": run.run_id}
+    def wiring(run: RunConfig, lay: RunLayout, _settings: JobSettings) -> dict[str, Any]:
+        wired: dict[str, Any] = {"source": run.source.uri, "output": lay.prefix(kind), "run_id": run.run_id}
+        if kind is Kind.prompts:
+            # Each prompt counted as generate will render it; one generate could not answer is refused here.
+            context = generation_budget(run)[1]
+            wired.update(tokenizer=run.target.uri, enable_thinking=run.target.enable_thinking,
+                         max_prompt_tokens=context - 1)
+        return wired
 
     return wiring
+
+
+def target_family(run: RunConfig) -> str:
+    """The target's family from its model id alone (the pipeline reads no target files): Qwen3.5 and later are
+    hybrids."""
+    return "qwen3_5" if re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) else "qwen3"
+
+
+def generation_budget(run: RunConfig) -> tuple[int, int]:
+    """(max_new_tokens, max_model_len) as the generate stage will settle them for this run (its own rule,
+    `generation_limits`, over the run file's values)."""
+    generate = stage_values(run, GENERATE)
+    # The generate config's module is importable once stage_values has read its model.
+    from dflash_generate.config import generation_limits
+
+    max_new, context = generation_limits(target_family(run), bool(generate["cap_to_training_window"]),
+                                         int(generate["training_window"]), generate["max_new_tokens"],
+                                         generate["max_model_len"])
+    return int(max_new), int(context)
 
 
 def _generate_wiring(run: RunConfig, lay: RunLayout, settings: JobSettings) -> dict[str, Any]:
@@ -205,8 +231,10 @@ IMPORT_COMPLETIONS = StageDef(
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.completions,
     wiring=_import_wiring(Kind.completions),
 )
+# Prompts are imported in the tokenizer image too: import needs neither torch nor vLLM, and the target's tokenizer
+# counts each prompt there.
 IMPORT_PROMPTS = StageDef(
-    name="import", image="generator", command=(IMAGE_ENTRYPOINT, "import"),
+    name="import", image="tokenizer", command=(IMAGE_ENTRYPOINT, "import-prompts"),
     config_class="dflash_shared.importing:ImportConfig", input_kind=None, output_kind=Kind.prompts,
     wiring=_import_wiring(Kind.prompts),
 )

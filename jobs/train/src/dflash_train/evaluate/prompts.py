@@ -9,9 +9,9 @@
   (MATH500) or `prompt` (HumanEval). A line that cannot be used is counted with its file and line, never
   fatal: the set's accounting says how many.
 
-Conversations are rendered with the target's chat template and thinking mode, to text and then to ids
-without added specials (what the generate stage and the engines do), so every set measures acceptance on
-the served distribution. Everything here runs before a model loads: a bad input fails in seconds.
+Conversations are rendered with the target's chat template and thinking mode (dflash_shared.chat_render), so
+every set measures acceptance on the served distribution. Everything here runs before a model loads: a bad
+input fails in seconds.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from dflash_shared.chat_render import ChatRenderer
 from dflash_shared.conversations import RecordError, parse_messages, parse_tools
 from dflash_shared.errors import BadInputError
 from dflash_shared.jsonl import iter_lines
@@ -43,26 +44,6 @@ Tools = tuple[dict[str, Any], ...] | None
 
 
 # ------------------------------------------------------------------------------- a manifest's prompts
-
-
-class ChatRenderer:
-    """Prompt token ids of a conversation under the target's chat template (the tokenizer loads on first use)."""
-
-    def __init__(self, tokenizer_dir: str, enable_thinking: bool) -> None:
-        self.tokenizer_dir, self.enable_thinking = tokenizer_dir, enable_thinking
-        self._tokenizer: Any = None
-
-    def __call__(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None) -> list[int]:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        # Rendered to text, then encoded without added specials: what the generate stage and the engine do.
-        text = self._tokenizer.apply_chat_template(
-            [m.template_dict() for m in messages], tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=True, enable_thinking=self.enable_thinking,
-        )
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def prompt_split(loaded: LoadedManifest, split: Literal["heldout", "train"]) -> Literal["heldout", "train", "all"]:
