@@ -59,9 +59,10 @@ endef
 DEV_LOCK := requirements/dev.lock
 $(VENV_STAMP): $(DEV_LOCK) requirements/dev.in shared/pyproject.toml jobs/pipeline/pyproject.toml jobs/tokenize/pyproject.toml \
 		jobs/generate/pyproject.toml jobs/train/pyproject.toml | $(UV_DEP)
-	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) $(UV) pip sync --quiet --require-hashes $(DEV_LOCK)
-	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet --no-deps -r <($(PYTHON) scripts/locks.py editables requirements/dev.in)
+	$(call logged,venv,{ $(UV) venv --allow-existing -p $(PYTHON) $(VENV) \
+	  && VIRTUAL_ENV=$(VENV) $(UV) pip sync --require-hashes $(DEV_LOCK) \
+	  && VIRTUAL_ENV=$(VENV) $(UV) pip install --no-deps -r <($(PYTHON) scripts/locks.py editables requirements/dev.in) \
+	  && echo "venv: $(VENV) holds exactly $(DEV_LOCK) and the project's packages (editable)"; })
 	@touch $@
 
 venv: $(VENV_STAMP) ## Create the development environment (.venv)
