@@ -22,8 +22,9 @@ from dflash_generate.sampling import (
     qwen3_5_non_thinking,
     qwen3_5_thinking,
 )
-from dflash_generate.target import TargetInfo, family_of, is_hybrid, read_target
+from dflash_generate.target import TargetInfo, family_of, read_target
 from dflash_shared.errors import ConfigError
+from dflash_shared.target_family import is_hybrid_config as is_hybrid
 
 QWEN3_6 = TargetInfo(model_type="qwen3_5", family="qwen3_5", hybrid=True, multimodal=True)
 SHIPPED = {"do_sample": True, "temperature": 0.9, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.05}

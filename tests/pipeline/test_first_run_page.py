@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from dflash_shared.storage import ObjectStore, join
 from tests.pipeline.k8s_support import REPO_ROOT
 from tests.support.published_configs import QWEN3_6_27B

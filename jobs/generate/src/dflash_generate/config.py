@@ -24,14 +24,11 @@ from dflash_generate.target import Family, TargetInfo
 from dflash_shared.errors import ConfigError
 from dflash_shared.quality import QualityPolicy
 from dflash_shared.settings import StageSettings
+from dflash_shared.target_family import BY_NAME
 from dflash_shared.window import DEFAULT_TRAINING_WINDOW
 
 # Sampling fields that may override the target's defaults.
 SAMPLING_OVERRIDES = SAMPLING_FIELDS
-# Per family: (max_new_tokens, max_model_len) when not set and the budget is not capped to the training
-# window. Qwen3.6's card suggests ~32K output tokens for most queries in thinking mode; the context adds 8K
-# of prompt. Qwen3 keeps 8K of output in a 16K context.
-DEFAULT_LIMITS: dict[Family, tuple[int, int]] = {"qwen3": (8192, 16384), "qwen3_5": (32768, 40960)}
 
 
 @dataclass(frozen=True)
@@ -232,7 +229,8 @@ def generation_limits(
 ) -> tuple[int, int]:
     """(max_new_tokens, max_model_len): explicit values, else the window's (`capped`: cap_to_training_window) or
     the family's. `pipeline plan` sizes generation with this rule too."""
-    default_new, default_len = DEFAULT_LIMITS[family]
+    # The family's own budget (dflash_shared.target_family) when none is set and it is not capped to the window.
+    default_new, default_len = BY_NAME[family].max_new_tokens, BY_NAME[family].max_model_len
     if capped:
         # The window is the context: vLLM then stops every completion at training_window - prompt tokens.
         max_model_len = max_model_len or training_window

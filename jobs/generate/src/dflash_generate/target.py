@@ -13,14 +13,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from dflash_shared.target_family import QWEN3, FamilyName, family_of_config, is_hybrid_config
 
 log = logging.getLogger(__name__)
 
-# "qwen3": dense Qwen3 (and the default for families without a preset of their own);
-# "qwen3_5": Qwen3.5 / Qwen3.6 (dense and MoE), whose checkpoints say model_type qwen3_5[_moe][_text].
-Family = Literal["qwen3", "qwen3_5"]
-QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_6")
+# The families (dflash_shared.target_family): "qwen3" is also the default for a model type no family holds.
+Family = FamilyName
 
 
 @dataclass(frozen=True)
@@ -48,23 +48,8 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def family_of(config: dict[str, Any]) -> Family:
-    """The sampling family of a `config.json` (top level or its `text_config`)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    for model_type in (config.get("model_type"), text.get("model_type")):
-        if isinstance(model_type, str) and model_type.startswith(QWEN3_5_MODEL_TYPES):
-            return "qwen3_5"
-    return "qwen3"
-
-
-def is_hybrid(config: dict[str, Any]) -> bool:
-    """Whether the model has linear-attention layers (Gated DeltaNet and the like) beside full attention."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    for level in (config, text):
-        layer_types = level.get("layer_types")
-        if isinstance(layer_types, list) and "linear_attention" in layer_types:
-            return True
-    # Qwen3.5/3.6 checkpoints may leave layer_types implicit (full_attention_interval); the family is hybrid.
-    return family_of(config) == "qwen3_5"
+    """The sampling family of a `config.json`: its family's, else dense Qwen3's."""
+    return (family_of_config(config) or QWEN3).name
 
 
 def read_target(model_dir: str) -> TargetInfo:
@@ -74,7 +59,7 @@ def read_target(model_dir: str) -> TargetInfo:
     return TargetInfo(
         model_type=model_type,
         family=family_of(config),
-        hybrid=is_hybrid(config),
+        hybrid=is_hybrid_config(config),
         multimodal=isinstance(config.get("vision_config"), dict),
         generation_config=_read_json(os.path.join(model_dir, "generation_config.json")),
     )

@@ -49,6 +49,7 @@ from dflash_pipeline.run.config import JobSettings, RunConfig, load_run_config, 
 from dflash_pipeline.run.stages import EVALUATE, GENERATE, SERVE_CHECK, TOKENIZE, TRAIN, selected_stages, stage_values
 from dflash_shared.errors import ConfigError
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
+from dflash_shared.target_family import QWEN3, family_of_config
 from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig
 from dflash_train.training import memory_plan as mp
 from dflash_train.training.target_params import ConfigView, TargetSizes, target_sizes, text_config
@@ -321,10 +322,10 @@ def _placeholder(gpu: GpuModel | None) -> GpuModel:
 def _generate(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes: TargetSizes,
               gpu: GpuModel | None, gpu_note: str) -> StageFit:
     from dflash_generate.config import generation_limits
-    from dflash_generate.target import family_of
 
     values = stage_values(run, GENERATE)
-    _, context = generation_limits(family_of(dict(raw)), bool(values["cap_to_training_window"]),
+    family = (family_of_config(raw) or QWEN3).name
+    _, context = generation_limits(family, bool(values["cap_to_training_window"]),
                                    int(values["training_window"]), values["max_new_tokens"], values["max_model_len"])
     dtype = _DTYPE_BYTES.get(str(values["dtype"]), sizes.dtype_bytes)
     engine = Engine(sizes, _placeholder(gpu), dtype, settings.gpus or 1, int(context),

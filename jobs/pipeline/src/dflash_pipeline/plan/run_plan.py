@@ -280,8 +280,6 @@ def _limits(run: RunConfig) -> Limits:
     tokenized data's)."""
     generate = stage_values(run, GENERATE)
     max_new, context = generation_budget(run)
-    from dflash_generate.config import DEFAULT_LIMITS
-
     family = target_family(run)
     tokenize_window = int(stage_values(run, TOKENIZE)["max_length"])
     window = min(int(stage_values(run, TRAIN)["max_length"] or tokenize_window), tokenize_window)
@@ -292,7 +290,7 @@ def _limits(run: RunConfig) -> Limits:
         refusal = (f"max_new_tokens {max_new:,} / max_model_len {context:,} do not fit inside its training_window "
                    f"{generate_window:,} (cap_to_training_window): the stage refuses them at its start; leave "
                    "them unset, or set cap_to_training_window = false to generate past the window")
-    return Limits(int(max_new), int(context), DEFAULT_LIMITS[family][0], capped, tokenize_window, window, refusal)
+    return Limits(int(max_new), int(context), family.max_new_tokens, capped, tokenize_window, window, refusal)
 
 
 def _measured_budget(section: CompletionsSection, limits: Limits, prompt_tokens: float) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from dflash_pipeline.run.layout import EXPORT_FOLDER, SERVING_FOLDER, RunLayout,
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifests import Kind
 from dflash_shared.settings import StageSettings, env_name, env_value
+from dflash_shared.target_family import TargetFamily, family_of_model_id
 
 # Entry point of every stage image: preflight, then the stage, both configured by environment variables (with
 # a command as its first argument, that command alone); it keeps the pod's log in the store (`jobs.log_env`).
@@ -128,10 +128,9 @@ def _import_wiring(kind: Kind) -> Wiring:
     return wiring
 
 
-def target_family(run: RunConfig) -> str:
-    """The target's family from its model id alone (the pipeline reads no target files): Qwen3.5 and later are
-    hybrids."""
-    return "qwen3_5" if re.search(r"qwen3\.[5-9]", run.target.model_id.lower()) else "qwen3"
+def target_family(run: RunConfig) -> TargetFamily:
+    """The target's family from its model id alone (the pipeline reads no target files)."""
+    return family_of_model_id(run.target.model_id)
 
 
 def generation_budget(run: RunConfig) -> tuple[int, int]:
@@ -141,7 +140,7 @@ def generation_budget(run: RunConfig) -> tuple[int, int]:
     # The generate config's module is importable once stage_values has read its model.
     from dflash_generate.config import generation_limits
 
-    max_new, context = generation_limits(target_family(run), bool(generate["cap_to_training_window"]),
+    max_new, context = generation_limits(target_family(run).name, bool(generate["cap_to_training_window"]),
                                          int(generate["training_window"]), generate["max_new_tokens"],
                                          generate["max_model_len"])
     return int(max_new), int(context)

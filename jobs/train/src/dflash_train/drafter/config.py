@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from dflash_shared.target_family import QWEN3_5, config_view, family_of_config, is_hybrid_config
+
 LayerType = Literal["full_attention", "sliding_attention"]
 AttentionBackend = Literal["auto", "flex", "sdpa"]
 
@@ -69,9 +71,7 @@ LAST_LAYER_CAPTURED_ARCHITECTURES = frozenset({
 
 def is_hybrid_family(target_config: Any) -> bool:
     """Whether a HF (text) config is a Qwen3.5/3.6-style hybrid: linear-attention layers beside full attention."""
-    layer_types = getattr(target_config, "layer_types", None) or []
-    model_type = str(getattr(target_config, "model_type", ""))
-    return "linear_attention" in layer_types or model_type.startswith("qwen3_5")
+    return is_hybrid_config(config_view(target_config))
 
 
 def hybrid_layer_types(num_layers: int) -> list[LayerType]:
@@ -121,7 +121,7 @@ def check_target_layer_ids(target_config: Any, layer_ids: Sequence[int], num_tar
     last_allowed = layers - 1 if last_layer_ok else layers - 2
     for layer_id in layer_ids:
         if 0 <= layer_id <= last_allowed:
-            if layer_id == layers - 1 and _config_model_types(target_config) & {"qwen3_5", "qwen3_5_text"}:
+            if layer_id == layers - 1 and family_of_config(config_view(target_config)) is QWEN3_5:
                 # SGLang's Qwen3.5 text model (srt/models/qwen3_5_text.py) refuses the last layer as a capture
                 # layer: such a drafter loads in vLLM only (docs/serving-formats.md).
                 logging.getLogger(__name__).warning(

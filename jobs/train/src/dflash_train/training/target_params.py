@@ -28,9 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Architectures counted here: everything else is refused (ValueError naming it) rather than guessed.
-DENSE_MODEL_TYPES = frozenset({"qwen3"})
-HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
+from dflash_shared.target_family import family_of_config, is_hybrid_config
+
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Softmax-attention layer kinds. A sliding-window layer holds fewer keys than a full one; counting its cache as
 # full keeps the figure an upper bound.
@@ -43,16 +42,11 @@ def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     nested = raw.get("text_config")
     text = dict(nested) if isinstance(nested, Mapping) else dict(raw)
     text.setdefault("model_type", str(raw.get("model_type", "")))
-    if _is_hybrid(text) and not text.get("layer_types"):
+    if is_hybrid_config(text) and not text.get("layer_types"):
         interval = int(text.get("full_attention_interval", 4))
         text["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
                                for i in range(int(text["num_hidden_layers"]))]
     return text
-
-
-def _is_hybrid(text: Mapping[str, Any]) -> bool:
-    return str(text.get("model_type", "")).startswith("qwen3_5") or "linear_attention" in (text.get("layer_types")
-                                                                                            or [])
 
 
 class ConfigView:
@@ -123,8 +117,9 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
     text = text_config(raw)
     model_type = str(text.get("model_type", ""))
     architecture = ",".join(raw.get("architectures") or []) or model_type or "unknown"
-    hybrid = _is_hybrid(text)
-    if not hybrid and model_type not in DENSE_MODEL_TYPES:
+    hybrid = is_hybrid_config(text)
+    # The families' architectures (dflash_shared.target_family) are counted; anything else is refused, never guessed.
+    if not hybrid and family_of_config(text) is None:
         raise ValueError(f"config.json of a {architecture} (model_type {model_type!r}): only dense Qwen3 "
                          "(Qwen3ForCausalLM) and Qwen3.5/3.6 (Qwen3_5ForConditionalGeneration) targets are counted")
     if "num_experts" in text or "num_local_experts" in text:
