@@ -141,6 +141,9 @@ check-locks: ## Fail if a lock is older than its inputs (offline: the input hash
 bench-tokenize: $(VENV_STAMP) ## Tokenize-stage throughput against the tokenizer library's limit
 	$(PY) bench/bench_tokenize.py
 
+bench-import: $(VENV_STAMP) ## Import throughput on one JSONL file: one worker, striped over two, a pilot's sample, counting prompt tokens
+	$(PY) bench/bench_import.py
+
 bench-eval: venv-generate ## Offline tau, engine tau and their gap (tiny CPU setting)
 	.venv-generate/bin/python bench/bench_eval.py
 
@@ -160,4 +163,4 @@ bench-train: venv-train ## Train-stage CPU figures: step throughput and memory, 
 	.venv-train/bin/python bench/bench_target_features.py
 
 .PHONY: help tools demo demo-pilot venv venv-generate venv-train image-tools test test-fast test-images test-cuda-images lint docs k8s-base schemas build-images \
-	build-image dockerfiles base-image lock check-locks bench-tokenize bench-train bench-eval bench-learnability bench-numerics bench-quality
+	build-image dockerfiles base-image lock check-locks bench-tokenize bench-import bench-train bench-eval bench-learnability bench-numerics bench-quality

@@ -351,3 +351,44 @@ def test_prompts_are_counted_with_the_targets_template_and_an_over_long_one_is_r
         ImportConfig(source="s", output="o", max_prompt_tokens=100)
     with pytest.raises(ConfigError, match="leave --tokenizer out"):
         config.spec(Kind.completions)
+
+
+def test_a_counted_sample_counts_only_the_prompts_it_draws_and_replaces_a_too_long_one(  # type: ignore[no-untyped-def]
+        tmp_path, store: ObjectStore) -> None:
+    """A pilot's sample reads every record but counts only the drawn prompts (counting every one would cost the
+    pilot's single import pod minutes on a large source); a drawn prompt that is too long gives its place to the
+    next candidate, and is counted as a failure."""
+    from dflash_shared.importing import ImportConfig, sample_key
+    from tests.support.qwen_assets import shared_tokenizer_dir
+
+    records = [conversation(i) for i in range(60)]
+
+    def lengthened(record: dict, times: int) -> dict:
+        return {"messages": [record["messages"][0],
+                             {"role": "user", "content": record["messages"][1]["content"] * times}]}
+
+    # One record made too long such that its new content has the lowest key of all: the first the sample draws.
+    for times in range(60, 200):
+        keys = [sample_key(_id_of(r)) for r in records]
+        longest_first = min(range(60), key=lambda i: sample_key(_id_of(lengthened(records[i], times))))
+        if sample_key(_id_of(lengthened(records[longest_first], times))) < min(
+                k for i, k in enumerate(keys) if i != longest_first):
+            break
+    else:
+        raise AssertionError("no lengthening gives a record the lowest key")
+    long_records = [lengthened(r, times) if i == longest_first else r for i, r in enumerate(records)]
+    store.write_bytes(str(tmp_path / "long.jsonl"), jsonl(long_records))
+    counted = ImportConfig(source=str(tmp_path / "long.jsonl"), output=str(tmp_path / "counted"), run_id="r",
+                           sample_records=8, tokenizer=str(shared_tokenizer_dir("qwen3")), max_prompt_tokens=120)
+    run_import(store, counted.spec(Kind.prompts), PRODUCER)
+    manifest = load_manifest(store, str(tmp_path / "counted"), Kind.prompts).manifest
+    acc = manifest.accounting
+    assert (acc.succeeded, acc.failures_by_reason, acc.input_records) == (8, {"prompt_too_long": 1}, 60)
+    assert acc.skips_by_reason == {"sampled_out": 51}
+    assert manifest.section.prompt_tokens is not None and manifest.section.longest_prompt_tokens <= 120  # type: ignore[union-attr]
+
+
+def _id_of(record: dict) -> str:
+    from dflash_shared.importing import to_prompt
+
+    return to_prompt([Message(**m) for m in record["messages"]], "x", None).id

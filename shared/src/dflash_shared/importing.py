@@ -215,24 +215,30 @@ class _Sample:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        # (inverted key, arrival, line, prompt tokens): heap[0] holds the largest key
-        self._heap: list[tuple[bytes, int, bytes, int]] = []
+        # (inverted key, arrival, line, where): heap[0] holds the largest key
+        self._heap: list[tuple[bytes, int, bytes, str]] = []
         self.arrivals = 0
 
-    def offer(self, record_id: str, line: bytes, tokens: int) -> bool:
+    def offer(self, record_id: str, line: bytes, where: str) -> bool:
         """Take the record; False when it (or the record it displaced) falls out of the sample."""
         inverted = bytes(255 - b for b in sample_key(record_id))
         self.arrivals += 1
         if len(self._heap) < self.size:
-            heapq.heappush(self._heap, (inverted, self.arrivals, line, tokens))
+            heapq.heappush(self._heap, (inverted, self.arrivals, line, where))
             return True
         if inverted > self._heap[0][0]:
-            heapq.heapreplace(self._heap, (inverted, self.arrivals, line, tokens))
+            heapq.heapreplace(self._heap, (inverted, self.arrivals, line, where))
         return False
 
-    def kept(self) -> list[tuple[bytes, int]]:
-        """The kept records (line, prompt tokens) in the order they were read."""
-        return [(line, tokens) for _, _, line, tokens in sorted(self._heap, key=lambda item: item[1])]
+    def by_key(self) -> list[tuple[int, bytes, str]]:
+        """The candidates (arrival, line, where), lowest key first."""
+        return [(arrival, line, where) for _, arrival, line, where in sorted(self._heap, reverse=True)]
+
+
+# Candidates a sample keeps beyond its size when prompts are counted: the prompts are counted only once drawn (a
+# pilot's import reads the whole source, and counting every prompt would cost it minutes), and a drawn prompt that
+# is too long gives its place to the next candidate.
+SAMPLE_SPARE = 0.05
 
 
 def _parquet_rows(batch: Any) -> Iterator[Any]:
@@ -451,8 +457,11 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
     unexpected = 0
     part, writer = 0, None
     # One worker reads every record when sampling (`run_import`); the sample's lines wait in memory until it has.
-    sample = _Sample(spec.sample_records) if spec.sample_records is not None else None
     counter = _PromptCounter(spec.counting, ctx) if spec.counting is not None else None
+    sample = None
+    if spec.sample_records is not None:
+        spare = math.ceil(SAMPLE_SPARE * spec.sample_records) + 8 if counter is not None else 0
+        sample = _Sample(spec.sample_records + spare)
     prompt_tokens = longest = 0
 
     def roll() -> None:
@@ -495,6 +504,10 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
                              "with other content")
                 continue
             seen.add(record.id)
+            if sample is not None:  # counted once drawn, below
+                if not sample.offer(record.id, line, where):
+                    tally.skips[SAMPLED_OUT] += 1
+                continue
             tokens = 0
             if counter is not None:
                 try:
@@ -502,10 +515,6 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
                 except RecordError as err:
                     tally.reject(tally.failures, err.reason, where, str(err))
                     continue
-            if sample is not None:
-                if not sample.offer(record.id, line, tokens):
-                    tally.skips[SAMPLED_OUT] += 1
-                continue
             if writer is None:
                 writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
             writer.write_line(line)
@@ -517,7 +526,20 @@ def process_import(ctx: ShardContext, spec: ImportSpec, origin: Kind | None = No
                 roll()
         ctx.logger.info("read %s (%d records so far)", uri, tally.input_records)
     if sample is not None:
-        for line, tokens in sample.kept():
+        drawn: list[tuple[int, bytes, int]] = []  # (arrival, line, prompt tokens), lowest key first
+        for arrival, line, where in sample.by_key():
+            if len(drawn) == spec.sample_records:
+                tally.skips[SAMPLED_OUT] += 1  # a spare the sample did not need
+                continue
+            tokens = 0
+            if counter is not None:
+                try:
+                    tokens = counter.count(PromptRecord.model_validate_json(line))
+                except RecordError as err:
+                    tally.reject(tally.failures, err.reason, where, str(err))
+                    continue
+            drawn.append((arrival, line, tokens))
+        for _, line, tokens in sorted(drawn):  # in the order they were read
             if writer is None:
                 writer = JsonlZstWriter(os.path.join(ctx.scratch_dir, ctx.part_name(part, ".jsonl.zst")))
             writer.write_line(line)
