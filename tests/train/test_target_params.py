@@ -17,8 +17,6 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.parallel import distributed
 from dflash_train.training import anchor_ladder, anchors
 from dflash_train.training.memory_plan import (
-    DRAFTER_STATE_BYTES,
-    REPLICA_MEMORY_FRACTION,
     TargetShape,
     auto_parallelism,
 )
@@ -85,8 +83,6 @@ def test_the_torch_free_anchor_ladder_is_the_samplers() -> None:
 
 
 def test_auto_parallelism_is_the_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert REPLICA_MEMORY_FRACTION == distributed.REPLICA_MEMORY_FRACTION
-    assert DRAFTER_STATE_BYTES == distributed.DRAFTER_BYTES_PER_PARAM
     total = 80 * 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
     env = SimpleNamespace(device=torch.device("cuda", 0))

@@ -41,6 +41,7 @@ from dflash_shared.window import window_fraction
 from dflash_train.config import TrainConfig, settings_identity
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.mask_token import default_mask_token, warn_on_zero_mask_row
+from dflash_train.drafter.resolve import build_drafter
 from dflash_train.parallel.rank0 import holds_rank0, on_rank0
 from dflash_train.target_model.sizes import target_replica_bytes
 
@@ -70,25 +71,16 @@ def open_input(store: ObjectStore, config: TrainConfig, target_dir: str) -> Load
 def resolve_drafter(config: TrainConfig, target_dir: str, section: TokenizedSection) -> DrafterConfig:
     """The drafter config: given whole, or a preset with overrides; the mask id from the config, else the
     data's manifest, else the first embedding row past the tokenizer."""
-    if config.drafter is not None:
-        return config.drafter
-    overrides = dict(config.drafter_overrides)
     mask = config.mask_token_id if config.mask_token_id is not None else section.target.special_tokens.mask
-    try:
-        if config.drafter_preset == "debug":
-            overrides.pop("num_target_features", None)
-            return DrafterConfig.debug(**overrides, **({"mask_token_id": mask} if mask is not None else {}))
+
+    def text_config() -> Any:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(target_dir)
-        hf_config = getattr(hf_config, "text_config", None) or hf_config
-        if mask is None:
-            mask = default_mask_token(target_dir, hf_config)
-        return DrafterConfig.from_target(hf_config, mask_token_id=mask, **overrides)
-    except ValueError as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"invalid drafter config: {err}") from err
+        return getattr(hf_config, "text_config", None) or hf_config
+
+    return build_drafter(config.drafter, config.drafter_preset, config.drafter_overrides, mask, text_config,
+                         lambda hf_config: default_mask_token(target_dir, hf_config))
 
 
 @dataclass(frozen=True)

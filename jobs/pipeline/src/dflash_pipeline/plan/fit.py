@@ -50,7 +50,9 @@ from dflash_pipeline.run.stages import EVALUATE, GENERATE, SERVE_CHECK, TOKENIZE
 from dflash_shared.errors import ConfigError
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
 from dflash_shared.target_family import QWEN3, family_of_config
-from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, DrafterConfig
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.mask_token import reference_mask_token
+from dflash_train.drafter.resolve import build_drafter
 from dflash_train.training import memory_plan as mp
 from dflash_train.training.target_params import ConfigView, TargetSizes, target_sizes, text_config
 
@@ -210,22 +212,16 @@ def gpu_of(run: RunConfig, settings: JobSettings) -> tuple[GpuModel | None, str]
 def drafter_of(values: Mapping[str, Any], raw: Mapping[str, Any]) -> DrafterConfig:
     """The drafter the train stage will build (`stage.resolve_drafter`), from its config values and the
     target's config.json; ConfigError where the stage would refuse it."""
+    def stand_in_mask(config: Any) -> int:
+        # The stage's default is the first embedding row past the tokenizer, which needs the tokenizer; the id
+        # changes no size, so the last row stands in where the reference's own is not known.
+        known = reference_mask_token(config)
+        return known if known is not None else int(config.vocab_size) - 1
+
     try:
-        if values.get("drafter") is not None:
-            return DrafterConfig.model_validate(values["drafter"])
-        overrides = dict(values.get("drafter_overrides") or {})
-        mask = values.get("mask_token_id")
-        if values.get("drafter_preset") == "debug":
-            overrides.pop("num_target_features", None)
-            return DrafterConfig.debug(**overrides, **({"mask_token_id": mask} if mask is not None else {}))
-        text = text_config(raw)
-        if mask is None:
-            # The stage's default is the first embedding row past the tokenizer, which needs the tokenizer; the
-            # id changes no size, so any row stands in (Qwen3.5/3.6's own where it is known).
-            rows = int(text["vocab_size"])
-            mask = QWEN3_6_MASK_TOKEN_ID if rows == QWEN3_6_VOCAB_ROWS else rows - 1
-        return DrafterConfig.from_target(ConfigView(text), mask_token_id=mask, **overrides)
-    except (ValueError, KeyError) as err:
+        return build_drafter(values.get("drafter"), values.get("drafter_preset"), values.get("drafter_overrides") or {},
+                             values.get("mask_token_id"), lambda: ConfigView(text_config(raw)), stand_in_mask)
+    except (ConfigError, KeyError) as err:
         raise ConfigError(f"stages.train.config: the drafter the train stage would build is invalid: {err}") from err
 
 

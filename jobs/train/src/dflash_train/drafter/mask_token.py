@@ -13,12 +13,18 @@ from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROW
 log = logging.getLogger(__name__)
 
 
+def reference_mask_token(hf_config: Any) -> int | None:
+    """The mask token the reference drafters use on this target where it is known without the tokenizer:
+    Qwen3.5/3.6's 248070 on their vocabulary; None elsewhere (the first unused row, `first_unused_row`)."""
+    if is_hybrid_family(hf_config) and int(hf_config.vocab_size) == QWEN3_6_VOCAB_ROWS:
+        return QWEN3_6_MASK_TOKEN_ID
+    return None
+
+
 def default_mask_token(target_dir: str, hf_config: Any) -> int:
     """The reference drafters' mask token: Qwen3.5/3.6's 248070 on their vocabulary, else the first unused row."""
-    rows = int(hf_config.vocab_size)
-    if is_hybrid_family(hf_config) and rows == QWEN3_6_VOCAB_ROWS:
-        return QWEN3_6_MASK_TOKEN_ID
-    return first_unused_row(target_dir, rows)
+    known = reference_mask_token(hf_config)
+    return known if known is not None else first_unused_row(target_dir, int(hf_config.vocab_size))
 
 
 def first_unused_row(target_dir: str, embedding_rows: int) -> int:

@@ -36,13 +36,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_shared.errors import ConfigError
+from dflash_train.training.memory_plan import DRAFTER_STATE_BYTES, REPLICA_MEMORY_FRACTION
 
 log = logging.getLogger(__name__)
 
 Parallelism = Literal["ddp", "fsdp"]
-# Bytes per drafter parameter in training: fp32 weight, fp32 gradient, two fp32 AdamW moments.
-DRAFTER_BYTES_PER_PARAM = 16
-REPLICA_MEMORY_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -167,7 +165,7 @@ def choose_parallelism(requested: str, target_bytes: int, drafter_params: int, e
         return requested  # type: ignore[return-value]
     if env.device.type != "cuda":
         return "ddp"  # host memory is not the constraint sharding addresses
-    need = target_bytes + drafter_params * DRAFTER_BYTES_PER_PARAM
+    need = target_bytes + drafter_params * DRAFTER_STATE_BYTES
     have = torch.cuda.get_device_properties(env.device).total_memory
     choice: Parallelism = "ddp" if need < REPLICA_MEMORY_FRACTION * have else "fsdp"
     log.info("parallelism auto -> %s: a replica needs %.1f GiB of %.1f GiB", choice, need / 2**30, have / 2**30)

@@ -5,7 +5,7 @@
 
 - the frozen target's weights (whole under DDP; under FSDP this rank's shard of the decoder layers plus
   the gathered layers, with the embedding and LM head whole on every rank, as `distributed` wraps it);
-- the drafter's fp32 weights, gradients and AdamW moments (`distributed.DRAFTER_BYTES_PER_PARAM`);
+- the drafter's fp32 weights, gradients and AdamW moments (`DRAFTER_STATE_BYTES`);
 - the target features the drafter reads, the drafter's activations saved for backward for the worst-case
   anchor count N (N x block_size query tokens over max_length context tokens), the attention's own
   buffers (SDPA: a dense float mask [rows, 1, N*B, S+N*B], and on CUDA the score matrix; flex: none),
@@ -43,11 +43,11 @@ from dflash_train.drafter.config import DrafterConfig
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-# Bytes per drafter parameter held all run long: fp32 weight, fp32 gradient, two fp32 AdamW moments
-# (the same figure `distributed.choose_parallelism` uses; repeated here so this module imports no torch).
+# Bytes per drafter parameter held all run long: fp32 weight, fp32 gradient, two fp32 AdamW moments. Said here,
+# torch-free, for the plan; `distributed.choose_parallelism` imports it.
 DRAFTER_STATE_BYTES = 16
-# `distributed.choose_parallelism`'s threshold for `parallelism = auto`: DDP when a whole replica takes less than
-# this share of the GPU's total memory (repeated for `auto_parallelism`, which needs no torch).
+# The threshold of `parallelism = auto` (`distributed.choose_parallelism` and `auto_parallelism` alike): DDP when a
+# whole replica takes less than this share of the GPU's total memory.
 REPLICA_MEMORY_FRACTION = 0.8
 # Allocator margin: CUDA's caching allocator and glibc both keep freed blocks that a later, differently
 # shaped tensor cannot reuse; 10% of the peak covers what was measured on CPU. CUDA adds workspaces that
