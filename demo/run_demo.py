@@ -77,10 +77,11 @@ PER_TARGET: dict[str, dict[str, Any]] = {
         "evaluate": {"num_prompts": 48, "baseline_prompts": 16},
         "serve-check": {"ngram_baseline": True},
     }},
-    "qwen3": {"run_id": "demo", "model": "model", "stages": {}},
+    # The random targets' source is this folder's 80 prompts: their pilots sample all of them.
+    "qwen3": {"run_id": "demo", "model": "model", "stages": {}, "pilot": {"prompts": 80}},
     "qwen3_6": {"run_id": "demo-qwen36", "model": "model-qwen3_6", "stages": {
         "train": {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}},
-    }},
+    }, "pilot": {"prompts": 80}},
 }
 # Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
 ON_CPU = {"gpus": 0, "tolerations": []}
@@ -103,7 +104,7 @@ def run_file(model: Path, root: str, overrides: dict[str, Any], target: str = "s
         "source": {"kind": "prompts", "uri": f"{str(root).rstrip('/')}/{source_folder(target)}"},
         "stages": stages,
         # `--overrides` may also hold a [pilot] table: the counts of the run's pilot.
-        **({"pilot": overrides["pilot"]} if "pilot" in overrides else {}),
+        "pilot": {**PER_TARGET[target].get("pilot", {}), **overrides.get("pilot", {})},
     }
 
 
