@@ -44,14 +44,17 @@ def write_source(path: Path, records: int, seed: int = 0) -> int:
 
 
 def _worker(source: str, output: str, index: int, count: int, options: dict) -> list[str]:
-    return [sys.executable, "-c", (
-        "import sys, json; sys.path.insert(0, %r)\n"
+    script = (
+        f"import sys, json; sys.path.insert(0, {str(REPO)!r})\n"
         "from dflash_shared.importing import ImportConfig, run_import\n"
         "from dflash_shared.manifests import Kind, Producer\n"
         "from dflash_shared.storage import ObjectStore\n"
-        "config = ImportConfig(source=%r, output=%r, run_id='bench', **json.loads(%r))\n"
-        "run_import(ObjectStore(), config.spec(Kind.prompts), Producer(stage='import'), index=%d, count=%d)\n"
-    ) % (str(REPO), source, output, json.dumps(options), index, count)]
+        f"config = ImportConfig(source={source!r}, output={output!r}, run_id='bench', "
+        f"**json.loads({json.dumps(options)!r}))\n"
+        "run_import(ObjectStore(), config.spec(Kind.prompts), Producer(stage='import'), "
+        f"index={index}, count={count})\n"
+    )
+    return [sys.executable, "-c", script]
 
 
 def measure(name: str, source: Path, work: Path, records: int, workers: int = 1, **options: object) -> dict:
