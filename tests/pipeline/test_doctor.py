@@ -12,7 +12,6 @@ import pytest
 
 from dflash_pipeline import parse_run_config
 from dflash_pipeline.doctor.command import doctor_checks, run_doctor
-from dflash_pipeline.doctor.image_probe import PROBE_LABEL
 from dflash_pipeline.run.config import RunConfig, read_run_file
 from dflash_pipeline.staging.model_listing import LISTING_NAME
 from dflash_shared.storage import ObjectStore, join
@@ -164,4 +163,4 @@ def test_a_probe_no_node_takes_fails_after_its_timeout(run: RunConfig, store: Ob
     probes = {name: detail for name, (ok, detail) in got.items() if name.startswith("image ") and not ok}
     assert len(probes) == 4
     assert all("did not start within 30 s (Unschedulable: 0/2 nodes are available" in d for d in probes.values())
-    assert not api.names("pods") and PROBE_LABEL
+    assert not api.names("pods")

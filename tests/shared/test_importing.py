@@ -320,8 +320,9 @@ def test_a_truncated_file_is_counted_once_whatever_the_stripes(tmp_path, store: 
     assert striped.accounting.input_records == alone.accounting.input_records > 1000
 
 
+@pytest.mark.parametrize("vocab", ["qwen3", "qwen3_6"])
 def test_prompts_are_counted_with_the_targets_template_and_an_over_long_one_is_refused(  # type: ignore[no-untyped-def]
-        tmp_path, store: ObjectStore) -> None:
+        tmp_path, store: ObjectStore, vocab: str) -> None:
     """Each prompt's tokens as generate renders it (chat template, thinking mode, generation prompt): summed in the
     manifest, the longest kept, and a prompt over max_prompt_tokens refused at import with its count."""
     from dflash_shared.chat_render import ChatRenderer
@@ -329,7 +330,7 @@ def test_prompts_are_counted_with_the_targets_template_and_an_over_long_one_is_r
     from dflash_shared.manifests import PromptsSection
     from tests.support.qwen_assets import shared_tokenizer_dir
 
-    tokenizer = str(shared_tokenizer_dir("qwen3"))
+    tokenizer = str(shared_tokenizer_dir(vocab))  # type: ignore[arg-type]
     long_question = "why " * 300
     records = [conversation(i) for i in range(40)] + [{"messages": [{"role": "user", "content": long_question}]}]
     store.write_bytes(str(tmp_path / "prompts.jsonl"), jsonl(records))

@@ -56,7 +56,6 @@ QWEN3_5 = TargetFamily(
     about="Qwen3.5 / Qwen3.6 (Qwen3_5ForConditionalGeneration): Gated DeltaNet hybrids")
 FAMILIES: tuple[TargetFamily, ...] = (QWEN3, QWEN3_5)
 BY_NAME: dict[str, TargetFamily] = {family.name: family for family in FAMILIES}
-KNOWN_MODEL_TYPES = frozenset(t for family in FAMILIES for t in family.model_types)
 
 
 def config_model_types(config: Mapping[str, Any]) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from dflash_shared.target_family import QWEN3_5, config_view, family_of_config, is_hybrid_config
+from dflash_shared.target_family import QWEN3_5, config_model_types, config_view, family_of_config, is_hybrid_config
 
 LayerType = Literal["full_attention", "sliding_attention"]
 AttentionBackend = Literal["auto", "flex", "sdpa"]
@@ -91,11 +91,7 @@ def hybrid_layer_types(num_layers: int) -> list[LayerType]:
 
 def _config_model_types(target_config: Any) -> set[str]:
     """model_type of a HF config and of its nested text config (Qwen3.5/3.6 checkpoints nest one)."""
-    types = {str(getattr(target_config, "model_type", "") or "")}
-    text = getattr(target_config, "text_config", None)
-    if text is not None:
-        types.add(str(getattr(text, "model_type", "") or ""))
-    return types - {""}
+    return set(config_model_types(config_view(target_config))) - {""}
 
 
 def captures_last_layer(target_config: Any) -> bool:
