@@ -365,3 +365,19 @@ def test_default_throughputs_are_scaled_to_each_stages_gpu_and_say_so() -> None:
     data["plan"]["generate_tokens_per_s_per_gpu"] = 900
     given = build_plan(parse_run_config(data)).figures["generate tokens/s/GPU"]
     assert (given.value, given.source) == (900, "run file")
+
+
+@pytest.mark.parametrize(("model_id", "factor"), [("Qwen/Qwen3-30B-A3B", 3.0), ("Qwen/Qwen3.5-397B-A17B", 27 / 17),
+                                                  ("Qwen/Qwen3-8B", None)])
+def test_a_mixture_of_experts_is_planned_from_its_active_parameters(model_id: str, factor: float | None) -> None:
+    """The default rates are a dense 27B target's: a mixture of experts runs its active parameters per token, so its
+    rates grow by 27B / active (at most 3x), and the figure says why; a dense target's do not change."""
+    data = read_run_file(HEADLINE_RUN)
+    data["target"]["model_id"] = model_id
+    data["target"].pop("disk_size", None)
+    plan = build_plan(parse_run_config(data))
+    reference = build_plan(headline())
+    for name in ("generate tokens/s/GPU", "train tokens/s/GPU", "evaluate tokens/s"):
+        figure = plan.figures[name]
+        assert figure.value == pytest.approx(reference.figures[name].value * (factor or 1.0))
+        assert ("a mixture of experts running" in figure.source) is (factor is not None), figure.source

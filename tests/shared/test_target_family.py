@@ -11,25 +11,47 @@ import pytest
 from dflash_shared.target_family import (
     QWEN3,
     QWEN3_5,
+    QWEN3_MOE,
+    StatedSize,
     config_view,
     family_of_config,
     family_of_model_id,
     is_hybrid_config,
+    is_moe_config,
+    stated_parameters,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("model_id", "family"), [
-    ("Qwen/Qwen3-8B", QWEN3), ("Qwen/Qwen3-30B-A3B", QWEN3), ("Qwen/Qwen3.6-27B", QWEN3_5),
-    ("Qwen/Qwen3.5-397B-A17B", QWEN3_5), ("org/my-finetune-of-qwen3.6", QWEN3_5), ("tiny-demo", QWEN3),
+    ("Qwen/Qwen3-8B", QWEN3), ("Qwen/Qwen3-30B-A3B", QWEN3_MOE), ("Qwen/Qwen3-Coder-30B-A3B-Instruct", QWEN3_MOE),
+    ("Qwen/Qwen3-235B-A22B-Thinking-2507", QWEN3_MOE), ("tiny-qwen3_moe-demo", QWEN3_MOE),
+    ("Qwen/Qwen3.6-27B", QWEN3_5), ("Qwen/Qwen3.5-397B-A17B", QWEN3_5), ("org/my-finetune-of-qwen3.6", QWEN3_5),
+    ("tiny-demo", QWEN3),
 ])
 def test_the_plan_knows_the_family_from_the_model_id(model_id: str, family: object) -> None:
     assert family_of_model_id(model_id) is family
 
 
+@pytest.mark.parametrize(("model_id", "stated"), [
+    ("Qwen/Qwen3-8B", StatedSize(8.0, None)), ("Qwen/Qwen3-30B-A3B", StatedSize(30.0, 3.0)),
+    ("Qwen/Qwen3.5-397B-A17B", StatedSize(397.0, 17.0)), ("meta-llama/Llama-3.1-70B-Instruct", StatedSize(70.0, None)),
+    ("tiny-demo", StatedSize(None, None)),
+])
+def test_a_model_id_states_its_total_and_active_parameters(model_id: str, stated: StatedSize) -> None:
+    assert stated_parameters(model_id) == stated
+
+
+def test_a_mixture_of_experts_is_known_from_its_config() -> None:
+    assert is_moe_config({"model_type": "qwen3_moe", "num_experts": 128})
+    assert is_moe_config({"model_type": "qwen3_5_moe", "text_config": {"num_experts": 256}})
+    assert not is_moe_config({"model_type": "qwen3"}) and not is_moe_config({"model_type": "x", "num_experts": 0})
+
+
 @pytest.mark.parametrize(("config", "family", "hybrid"), [
     ({"model_type": "qwen3"}, QWEN3, False),
+    ({"model_type": "qwen3_moe", "num_experts": 128}, QWEN3_MOE, False),
     ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, QWEN3_5, True),  # a multimodal one
     ({"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"]}, QWEN3_5, True),
     ({"model_type": "llama"}, None, False),

@@ -34,3 +34,13 @@ QWEN3_8B: dict[str, Any] = {
     "vocab_size": 151936, "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
     "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
 }
+# Qwen/Qwen3-30B-A3B's: 48 layers, each a mixture of 128 experts of width 768 (8 routed per token, no shared
+# expert), hidden 2048, 32 query / 4 KV heads of 128, the untied Qwen3 vocabulary: 30.5B held, 3.3B active.
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}

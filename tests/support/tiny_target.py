@@ -1,7 +1,12 @@
 """Tiny random-weight targets with the real Qwen vocabularies, for engine and trainer tests on CPU.
 
-Two architectures, the ones the pipeline supports (`TARGET_ARCHS`):
+Two architectures every stage's tests run on (`TARGET_ARCHS`), and a third family's (`MOE_ARCHS`) that its own
+tests and the demo run end to end:
 - "qwen3": a dense `Qwen3ForCausalLM` (tied embeddings, Qwen3 vocabulary and template);
+- "qwen3_moe": a `Qwen3MoeForCausalLM` (Qwen3-30B-A3B's layout at toy width: every layer a mixture of 8 experts, 2
+  routed per token, no shared expert), Qwen3 vocabulary and template;
+- "qwen3_6_moe": the "qwen3_6" layout below as a `Qwen3_5MoeForConditionalGeneration` (model_type `qwen3_5_moe`):
+  every layer's MLP 8 routed experts and a gated shared expert;
 - "qwen3_6": the Qwen3.6-27B layout at toy width: a `Qwen3_5ForConditionalGeneration` checkpoint
   (model_type `qwen3_5`, nested `text_config`), layers in the real 3 x Gated DeltaNet + 1 x gated full
   attention pattern, full attention with partial rotary 0.25 and interleaved mRoPE, an untied LM head over
@@ -33,8 +38,10 @@ from typing import Any, Literal
 from tests.support import qwen_assets
 from tests.support.qwen_assets import Vocab, build_tokenizer_dir, qwen_embedding_rows, qwen_special_ids
 
-TargetArch = Literal["qwen3", "qwen3_6"]
+TargetArch = Literal["qwen3", "qwen3_6", "qwen3_moe", "qwen3_6_moe"]
 TARGET_ARCHS: tuple[TargetArch, ...] = ("qwen3", "qwen3_6")
+MOE_ARCHS: tuple[TargetArch, ...] = ("qwen3_moe", "qwen3_6_moe")
+ALL_ARCHS: tuple[TargetArch, ...] = TARGET_ARCHS + MOE_ARCHS
 
 # Bump when the way the model is built changes, so stale caches are not reused.
 _BUILD_VERSION = "4"
@@ -54,9 +61,11 @@ def _cache_key(params: dict[str, object]) -> str:
     return h.hexdigest()[:16]
 
 
-def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) -> None:
+def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int], experts: int = 0) -> None:
+    """A dense Qwen3 target, or with `experts` > 0 its mixture-of-experts sibling (every layer sparse, 2 experts
+    routed per token, each expert's MLP a quarter of the dense intermediate width)."""
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     build_tokenizer_dir(out_dir, vocab)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
@@ -64,7 +73,9 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) 
     rows = qwen_embedding_rows(vocab)
     if rows < len(tokenizer) or rows % 64:
         raise RuntimeError(f"embedding rows {rows} do not cover the {len(tokenizer)} tokens of {vocab}")
-    config = Qwen3Config(
+    moe = {"num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": shape["intermediate"] // 4,
+           "decoder_sparse_step": 1, "mlp_only_layers": []} if experts else {}
+    config = (Qwen3MoeConfig if experts else Qwen3Config)(
         vocab_size=rows,
         hidden_size=shape["hidden"],
         intermediate_size=shape["intermediate"],
@@ -80,10 +91,11 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int]) 
         eos_token_id=ids["im_end"],
         pad_token_id=ids["endoftext"],
         dtype="bfloat16",
+        **moe,
     )
     # Initialise in float32 from a fixed seed, then cast: the same seed gives the same file.
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model = (Qwen3MoeForCausalLM if experts else Qwen3ForCausalLM)(config).to(torch.bfloat16).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     finish_model_dir(out_dir, ids)
 
@@ -102,11 +114,19 @@ def finish_model_dir(out_dir: Path, ids: dict[str, int]) -> None:
         path.chmod(0o644)
 
 
-def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
+def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int], experts: int = 0) -> None:
+    """The Qwen3.6 layout; with `experts` > 0 its mixture-of-experts sibling's (Qwen3_5Moe: every layer's MLP
+    `experts` routed experts of a quarter of the dense width, 2 per token, beside a gated shared expert)."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
     build_tokenizer_dir(out_dir, "qwen3_6")
     ids = qwen_special_ids("qwen3_6")
@@ -147,6 +167,10 @@ def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
         "pad_token_id": ids["endoftext"],
         "dtype": "bfloat16",
     }
+    if experts:
+        del text_config["intermediate_size"]
+        text_config.update(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate"] // 4,
+                           shared_expert_intermediate_size=shape["intermediate"] // 2)
     vision_config = {
         "depth": 1,
         "hidden_size": 32,
@@ -158,10 +182,13 @@ def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
         "out_hidden_size": hidden,
         "num_position_embeddings": 64,
     }
-    config = Qwen3_5Config(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config_class, model_class, layer_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+                                               Qwen3_5MoeDecoderLayer) if experts else
+                                              (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5DecoderLayer))
+    config = config_class(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
+    config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config)
+    model = model_class(config)
     # An independent random head makes a tiny model emit uniform noise that no drafter can learn. As in
     # trained models, whose head correlates with the embedding, the head starts as the embedding plus noise
     # (its own spread): greedy output then has runs and switches, which a drafter can partly learn, and
@@ -177,7 +204,7 @@ def _write_qwen3_6(out_dir: Path, seed: int, shape: dict[str, int]) -> None:
     text = config.text_config
     full_layer = text.layer_types.index("full_attention")
     mtp: dict[str, torch.Tensor] = {}
-    for name, tensor in Qwen3_5DecoderLayer(text, full_layer).state_dict().items():
+    for name, tensor in layer_class(text, full_layer).state_dict().items():
         mtp[f"mtp.layers.0.{name}"] = tensor
     mtp["mtp.fc.weight"] = torch.nn.Linear(2 * hidden, hidden, bias=False).weight.detach()
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
@@ -285,13 +312,36 @@ def build_tiny_qwen3_6(
     return _cached_build("qwen3_6", params, lambda tmp: _write_qwen3_6(tmp, seed, shape), out_dir)
 
 
+def build_tiny_qwen3_moe(out_dir: Path | None = None, seed: int = 0, experts: int = 8) -> Path:
+    """Directory of a random Qwen3 mixture-of-experts target: the tiny Qwen3's attention and width, each layer's
+    MLP replaced by `experts` experts of a quarter of its width, 2 routed per token; cached like Qwen3's."""
+    shape = {"num_layers": 4, "hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 64, "intermediate": 256,
+             "max_position": 2048}
+    params = {"vocab": "qwen3", "seed": seed, "experts": experts, **shape}
+    return _cached_build("qwen3_moe", params, lambda tmp: _write_model(tmp, "qwen3", seed, shape, experts), out_dir)
+
+
+def build_tiny_qwen3_6_moe(out_dir: Path | None = None, seed: int = 0, experts: int = 8) -> Path:
+    """Directory of a random Qwen3.6-MoE-architecture target: the tiny Qwen3.6's layout with `experts` routed experts
+    and a shared one in every layer (`_write_qwen3_6`); cached like the others."""
+    shape = {"num_layers": 8, "hidden": 128, "heads": 4, "kv_heads": 1, "head_dim": 64, "linear_k_heads": 1,
+             "linear_v_heads": 3, "linear_head_dim": 128, "intermediate": 256, "max_position": 2048}
+    params = {"seed": seed, "experts": experts, **shape}
+    return _cached_build("qwen3_6_moe", params, lambda tmp: _write_qwen3_6(tmp, seed, shape, experts), out_dir)
+
+
 def build_tiny_target(arch: TargetArch = "qwen3", out_dir: Path | None = None, seed: int = 0) -> Path:
-    """The default tiny target of `arch` ("qwen3" dense or "qwen3_6" hybrid)."""
+    """The default tiny target of `arch` ("qwen3" dense, "qwen3_6" hybrid, their mixtures of experts "qwen3_moe" and
+    "qwen3_6_moe")."""
     if arch == "qwen3":
         return build_tiny_qwen3(out_dir, seed=seed)
     if arch == "qwen3_6":
         return build_tiny_qwen3_6(out_dir, seed=seed)
-    raise ValueError(f"unknown target architecture {arch!r}; expected one of {TARGET_ARCHS}")
+    if arch == "qwen3_moe":
+        return build_tiny_qwen3_moe(out_dir, seed=seed)
+    if arch == "qwen3_6_moe":
+        return build_tiny_qwen3_6_moe(out_dir, seed=seed)
+    raise ValueError(f"unknown target architecture {arch!r}; expected one of {ALL_ARCHS}")
 
 
 # The varied targets' output alphabet: ordinary tokens of both vocabularies, none of them special.
@@ -340,7 +390,7 @@ def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: f
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")
-    parser.add_argument("--arch", choices=TARGET_ARCHS, default="qwen3", help="target architecture")
+    parser.add_argument("--arch", choices=ALL_ARCHS, default="qwen3", help="target architecture")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     args = parser.parse_args(argv)
     print(build_tiny_target(args.arch, args.out_dir, seed=args.seed))

@@ -23,6 +23,7 @@ from dflash_train.target_model.frozen import FrozenTarget, varlen_segments
 from dflash_train.target_model.linear_kernels import REFERENCE, kernel_status, use_fla_conv
 from dflash_train.training.step import dflash_step
 from tests.support.qwen_assets import qwen_embedding_rows, qwen_special_ids
+from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
 
 ALL_IDS = [0, 1, 2]  # every id a 4-layer target allows (the last layer is excluded)
 # Per architecture: layer ids (the hybrid's 3 is a full-attention layer, the others Gated DeltaNet) and
@@ -345,3 +346,32 @@ def test_step_leaves_the_target_frozen_and_its_embedding_unresized(arch_target_d
     assert target.embed_tokens.weight.shape == (qwen_embedding_rows(target_arch), 128)
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name
+
+
+# The mixture-of-experts families' tiny targets: Qwen3-MoE (4 layers, all full attention) and Qwen3.6-MoE (the
+# hybrid pattern, a shared expert beside the routed ones).
+MOE_IDS = {"qwen3_moe": [0, 1, 2], "qwen3_6_moe": [0, 2, 3, 5]}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_mixture_of_experts_target_is_hooked_frozen_and_packed_exactly(arch: TargetArch, qwen_docs):
+    """Hooks on the layer ids read what transformers' hidden states say; the router and every expert are frozen
+    with the rest; a packed row's features equal each document's alone (routing is per token)."""
+    target_dir = build_tiny_target(arch)
+    target = FrozenTarget.from_pretrained(target_dir, MOE_IDS[arch])
+    reference = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([qwen_docs[0][0]])
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        states = reference(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
+    feats = target.features(ids, pos)
+    h = target.hidden_size
+    for n, layer_id in enumerate(target.layer_ids):
+        torch.testing.assert_close(feats[..., n * h:(n + 1) * h], states[layer_id + 1], **TOL)
+    expert_params = {name: p for name, p in target.model.named_parameters() if "experts" in name or ".gate." in name
+                     or name.endswith("mlp.gate.weight")}
+    assert expert_params and not any(p.requires_grad for p in target.model.parameters())
+    docs = qwen_docs[:4]
+    batch = _two_rows(docs)
+    _assert_rows_match(target.features(batch.input_ids, batch.position_ids, batch.document_ids),
+                       _docs_alone(target, docs), docs)

@@ -21,8 +21,8 @@ from dflash_train.training.memory_plan import (
     auto_parallelism,
 )
 from dflash_train.training.target_params import ConfigView, target_sizes, text_config
-from tests.support.published_configs import QWEN3_6_27B, QWEN3_8B
-from tests.support.tiny_target import build_tiny_target
+from tests.support.published_configs import QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B
+from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
 
 
 def test_from_config_equals_the_checkpoint_headers(target_arch: str) -> None:
@@ -35,7 +35,23 @@ def test_from_config_equals_the_checkpoint_headers(target_arch: str) -> None:
         TargetShape.from_checkpoint(target_dir).whole_params
 
 
-@pytest.mark.parametrize("config", [QWEN3_6_27B, QWEN3_8B], ids=["qwen3.6-27b", "qwen3-8b"])
+# A Qwen3.5 mixture of experts at toy width (hybrid layers, routed experts beside a gated shared expert, the
+# layout of Qwen3.5/3.6's MoE siblings).
+QWEN3_5_MOE_TOY: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1024, "full_attention_interval": 4,
+        "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 48, "tie_word_embeddings": False,
+    },
+    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
+}
+
+
+@pytest.mark.parametrize("config", [QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B, QWEN3_5_MOE_TOY],
+                         ids=["qwen3.6-27b", "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-moe"])
 def test_from_config_equals_the_model_transformers_builds(config: dict[str, Any]) -> None:
     """The published shapes, counted against the modules transformers builds (on the meta device: no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -48,6 +64,27 @@ def test_from_config_equals_the_model_transformers_builds(config: dict[str, Any]
     assert shape.layer_params == tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
     loaded = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
     assert sum(shape.layer_params) + shape.whole_params == loaded
+
+
+@pytest.mark.parametrize(("config", "total_b", "active_b"), [
+    (QWEN3_30B_A3B, 30.5, 3.35), (QWEN3_8B, 8.19, 8.19), (QWEN3_6_27B, 26.9, 26.9)])
+def test_a_mixture_of_experts_holds_every_expert_and_runs_the_routed_ones(config: dict[str, Any], total_b: float,
+                                                                           active_b: float) -> None:
+    """The model card's counts: Qwen3-30B-A3B holds 30.5B parameters and runs 3.3B per token (router, 8 of 128
+    experts, attention, embedding and head); a dense target runs all it holds."""
+    sizes = target_sizes(config)
+    assert sizes.params / 1e9 == pytest.approx(total_b, abs=0.05)
+    assert sizes.active_params / 1e9 == pytest.approx(active_b, abs=0.05)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_the_moe_fixtures_from_config_equal_their_checkpoints(arch: TargetArch) -> None:
+    """The tiny mixture-of-experts targets' config.json counts their checkpoints exactly, every expert's weights
+    (and Qwen3.6-MoE's shared experts) included, its MTP layer not."""
+    target_dir = build_tiny_target(arch)
+    raw = json.loads((target_dir / "config.json").read_text())
+    assert TargetShape.from_config(raw) == TargetShape.from_checkpoint(target_dir)
+    assert target_sizes(raw).active_params < target_sizes(raw).params
 
 
 def _drafters(raw: dict[str, Any], tmp_path: Path, **overrides: Any) -> tuple[DrafterConfig, DrafterConfig]:

@@ -259,8 +259,9 @@ class DrafterSection(_Frozen):
         default_factory=dict,
         description="Measured by the process that finished the run: step_seconds, tokens_per_s (all ranks), "
         "world_size, peak_memory_gib_max against planned_peak_gib (the memory plan), checkpoint_save_seconds, "
-        "resume_seconds and resumed_from_step (when it resumed), target_parameters, drafter_parameters. A pilot's "
-        "report compares them with the plan; empty in manifests made before they were recorded.",
+        "resume_seconds and resumed_from_step (when it resumed), target_parameters (those a token runs: a mixture "
+        "of experts' active ones), drafter_parameters. A pilot's report compares them with the plan; empty in "
+        "manifests made before they were recorded.",
     )
 
 

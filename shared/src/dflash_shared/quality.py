@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa  # type: ignore[import-untyped]
 
 from dflash_shared.jsonl import printable
+from dflash_shared.target_family import THINK_MARKERS
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
+THINK_OPEN, THINK_CLOSE = THINK_MARKERS
 
 # Reasons a completion is unusable for training; the order is the order of precedence in classify().
 MALFORMED = "malformed_record"

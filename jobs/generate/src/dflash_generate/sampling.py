@@ -4,9 +4,9 @@ The drafter learns the target's own distribution, so completions are sampled wit
 is meant to run with. Each value comes from, in order: the user (an explicit setting always wins); the
 target's `generation_config.json`, in thinking mode (the mode Qwen's shipped values are for: its file has
 one set of values and no mode); the family's preset for the mode (Qwen recommends different values for
-thinking and non-thinking mode, and Qwen3.5/3.6 others than Qwen3). `choose_sampling` records where each
-value came from. This module has no vLLM import; the engine turns a `SamplingConfig` into vLLM's
-`SamplingParams`.
+thinking and non-thinking mode, and Qwen3.5/3.6 others than Qwen3: dflash_shared.target_family holds them).
+`choose_sampling` records where each value came from. This module has no vLLM import; the engine turns a
+`SamplingConfig` into vLLM's `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_generate.target import Family
+from dflash_shared.target_family import BY_NAME
 
 log = logging.getLogger(__name__)
 # The fields a target's generation_config.json or the user may set (the rest are the stage's own).
@@ -71,37 +72,19 @@ class SamplingConfig(BaseModel):
         return SamplingConfig.model_validate({**self.model_dump(), **overrides})
 
 
+def default_sampling(enable_thinking: bool, family: Family = "qwen3") -> SamplingConfig:
+    """The family's recommended sampling for the requested mode (dflash_shared.target_family)."""
+    return SamplingConfig(**asdict(BY_NAME[family].sampling(enable_thinking)))
+
+
 def qwen_thinking() -> SamplingConfig:
     """Qwen3's recommended values for thinking mode (greedy decoding is discouraged there)."""
-    return SamplingConfig(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0)
+    return default_sampling(True, "qwen3")
 
 
 def qwen_non_thinking() -> SamplingConfig:
     """Qwen3's recommended values for non-thinking mode."""
-    return SamplingConfig(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0)
-
-
-def qwen3_5_thinking() -> SamplingConfig:
-    """Qwen3.5/3.6's recommended values for thinking mode (general tasks)."""
-    return SamplingConfig(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5)
-
-
-def qwen3_5_non_thinking() -> SamplingConfig:
-    """Qwen3.5/3.6's recommended values for non-thinking (instruct) mode."""
-    return SamplingConfig(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0, presence_penalty=1.5)
-
-
-PRESETS = {
-    ("qwen3", True): qwen_thinking,
-    ("qwen3", False): qwen_non_thinking,
-    ("qwen3_5", True): qwen3_5_thinking,
-    ("qwen3_5", False): qwen3_5_non_thinking,
-}
-
-
-def default_sampling(enable_thinking: bool, family: Family = "qwen3") -> SamplingConfig:
-    """The family's recommended sampling for the requested mode."""
-    return PRESETS[(family, enable_thinking)]()
+    return default_sampling(False, "qwen3")
 
 
 def generation_config_values(generation_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from tokenizers import AddedToken, Encoding, Tokenizer
 from dflash_shared import identity
 from dflash_shared.errors import ConfigError
 from dflash_shared.records import Message
+from dflash_shared.target_family import END_OF_TURN, THINK_MARKERS, TURN_START
 from dflash_tokenize.byte_spans import token_byte_lengths
 
 # The named special tokens transformers passes to every chat template (its `special_tokens_map`).
@@ -183,9 +184,9 @@ class ChatFormat:
         template_tokens: Mapping[str, str] | None = None,
         *,
         name: str = "<memory>",
-        end_of_turn: str = "<|im_end|>",
-        turn_start: str = "<|im_start|>",
-        think_markers: tuple[str, str] = ("<think>", "</think>"),
+        end_of_turn: str = END_OF_TURN,
+        turn_start: str = TURN_START,
+        think_markers: tuple[str, str] = THINK_MARKERS,
     ) -> None:
         self.name = name
         self.tokenizer_sha256 = hashlib.sha256(tokenizer_json).hexdigest()

@@ -188,7 +188,8 @@ def performance(trainer: Trainer, result: TrainResult, world_size: int, planned_
                 drafter_params: int) -> dict[str, float]:
     """What this process measured, for the drafter manifest (`DrafterSection.performance`): the last logged
     window's rates (steady state: the first window also holds start-up), the peak memory over ranks against the
-    memory plan's prediction, and the checkpoint timings."""
+    memory plan's prediction, and the checkpoint timings. `target_params` are those a token runs (a mixture of
+    experts' active ones), what the pilot's MFU counts."""
     out: dict[str, float] = {"world_size": float(world_size), "planned_peak_gib": planned_peak / 2**30,
                              "target_parameters": float(target_params), "drafter_parameters": float(drafter_params)}
     if result.history:
@@ -315,8 +316,8 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
                                    "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps,
                                    "warm_start": trainer.warm_started},
                                   trained_tokens(plan, trainer.total_steps, resolved.rows_per_step),
-                                  performance(trainer, result, env.world_size, planned.peak,
-                                              sum(shape.layer_params) + shape.whole_params, drafter_params))
+                                  performance(trainer, result, env.world_size, planned.peak, shape.run_params,
+                                              drafter_params))
         uri, _ = write_manifest(store, config.output, manifest)
         log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
                  result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))

@@ -35,7 +35,7 @@ PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e
 # Below this share of labels equal to the target's own greedy token, the pilot's verdict names the drift: greedy
 # regeneration by the same target agrees nearly everywhere (bf16 near-ties part a few percent).
 LOW_LABEL_AGREEMENT = 0.5
-MFU_FORMULA = ("(2 x target parameters x input tokens/s + 6 x drafter parameters x label tokens/s) / "
+MFU_FORMULA = ("(2 x target parameters run per token x input tokens/s + 6 x drafter parameters x label tokens/s) / "
                "(GPUs x peak bf16 FLOP/s)")
 
 

@@ -44,12 +44,11 @@ from typing import Any
 from dflash_pipeline.plan.fit_engine import Engine
 from dflash_pipeline.plan.fit_engine import remedies as engine_remedies
 from dflash_pipeline.plan.gpu_models import GpuModel, fitting, lookup, with_memory
-from dflash_pipeline.render.scheduling import PARAMETER_COUNT
 from dflash_pipeline.run.config import JobSettings, RunConfig, load_run_config, quantity_value
 from dflash_pipeline.run.stages import EVALUATE, GENERATE, SERVE_CHECK, TOKENIZE, TRAIN, selected_stages, stage_values
 from dflash_shared.errors import ConfigError
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
-from dflash_shared.target_family import QWEN3, family_of_config
+from dflash_shared.target_family import QWEN3, family_of_config, stated_parameters
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.mask_token import reference_mask_token
 from dflash_train.drafter.resolve import build_drafter
@@ -401,7 +400,8 @@ def check_fit(run: RunConfig, store: ObjectStore | None, *, target_config: Path 
             out.append(_serve_check(run, settings, raw, sizes, cfg, gpu, note))
         elif stage.name == "evaluate":
             out.append(_evaluate(run, sizes, cfg, gpu, note))
-    params = f"{sizes.architecture}, {sizes.params / 1e9:.2f}B parameters"
+    params = f"{sizes.architecture}, {sizes.params / 1e9:.2f}B parameters" + (
+        f" ({sizes.active_params / 1e9:.2f}B active per token)" if sizes.layer_active_params else "")
     return FitReport(f"{source}: {params}", tuple(out), target_refusal=size_mismatch(run, sizes.params, source))
 
 
@@ -415,10 +415,10 @@ def size_mismatch(run: RunConfig, params: int, source: str) -> str:
     names, or "" when it is, the id states no count, or target.allow_size_mismatch is set."""
     if run.target.allow_size_mismatch:
         return ""
-    stated = [float(m.group(1)) * 1e9 for m in PARAMETER_COUNT.finditer(run.target.model_id.rsplit("/", 1)[-1])]
-    if not stated or not params:
+    stated = stated_parameters(run.target.model_id).total_b  # of "30B-A3B" the total
+    if stated is None or not params:
         return ""
-    named = max(stated)  # of "30B-A3B" the total
+    named = stated * 1e9
     if 1 / SIZE_TOLERANCE <= params / named <= SIZE_TOLERANCE:
         return ""
     return (f"{source} describes {params / 1e9:.2f}B parameters, target.model_id {run.target.model_id!r} "

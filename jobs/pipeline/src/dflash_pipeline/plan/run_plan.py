@@ -61,6 +61,7 @@ from dflash_shared.manifests import (
     TokenizedSection,
 )
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
+from dflash_shared.target_family import stated_parameters
 from dflash_shared.window import MAX_UNREAD_FRACTION
 
 # Default estimates, used only where neither a manifest nor the run file says; each is printed as `estimate`.
@@ -82,6 +83,12 @@ DEFAULT_EVALUATE_TOKENS_PER_S = 100.0
 # reads and longer conversations.
 IMPORT_RECORDS_PER_S_PER_POD = 10_000.0
 IMPORT_COUNTED_PROMPTS_PER_S_PER_POD = 1_500.0
+# The default rates above are for a dense target of about this size (the headline's Qwen3.6-27B). A mixture of
+# experts runs only its active parameters per token, so its rates are scaled by this over its active count, at most
+# by MOE_RATE_CAP: attention, the KV cache, routing and the reads of every expert's weights at large batches do not
+# shrink with the active count (vLLM serves Qwen3-30B-A3B a few times faster than a dense 27B, not 8 times).
+REFERENCE_TARGET_B = 27.0
+MOE_RATE_CAP = 3.0
 # Object store to local NVMe, one pod, parallel ranged GETs.
 DEFAULT_COPY_BYTES_PER_S = 500e6
 # Engine/process start after the copy: CUDA context, weights to the GPU, graph capture or compilation.
@@ -238,6 +245,14 @@ class _Figures:
         return self.put(name, self._for_gpu(default, *scaled))
 
     def _for_gpu(self, default: float, stage: str, bound: str) -> Figure:
+        figure = self._for_gpu_model(default, stage, bound)
+        scale = moe_rate_factor(self.run.target.model_id)
+        if scale is None:
+            return figure
+        factor, why = scale
+        return Figure(figure.value * factor, f"{figure.source}; x {factor:.2f}, {why}")
+
+    def _for_gpu_model(self, default: float, stage: str, bound: str) -> Figure:
         model, _ = gpu_of(self.run, self.run.stages.for_stage(stage))
         if model is None:
             return Figure(default, f"estimate: an {REFERENCE_GPU} figure, the stage's GPU unknown")
@@ -263,6 +278,17 @@ class _Figures:
         if stored:
             return self.put(f"{kind.value} bytes per token", Figure(stored / tokens, "measured"))
         return self.put(f"{kind.value} bytes per token", Figure(default, "estimate"))
+
+
+def moe_rate_factor(model_id: str) -> tuple[float, str] | None:
+    """How much faster than the dense reference target a mixture of experts runs (its active parameters per token,
+    as its model id states them: "30B-A3B"), and why; None for a dense target."""
+    stated = stated_parameters(model_id)
+    if stated.active_b is None or stated.total_b is None:
+        return None
+    factor = max(1.0, min(MOE_RATE_CAP, REFERENCE_TARGET_B / stated.active_b))
+    return factor, (f"a mixture of experts running {stated.active_b:g}B of its {stated.total_b:g}B parameters per "
+                    f"token ({REFERENCE_TARGET_B:g}B / {stated.active_b:g}B, at most {MOE_RATE_CAP:g})")
 
 
 @dataclass(frozen=True)

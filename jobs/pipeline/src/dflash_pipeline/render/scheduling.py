@@ -18,7 +18,6 @@ stage are built from that one value.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
@@ -28,6 +27,7 @@ from dflash_pipeline.render.pods import HOME_DIR, SCRATCH_DIR
 from dflash_pipeline.run.config import JobSettings, RunConfig, quantity_value
 from dflash_pipeline.run.stages import StageDef
 from dflash_shared.errors import ConfigError
+from dflash_shared.target_family import stated_parameters
 
 # The /tmp emptyDir of every stage pod (disk-backed, so counted in its ephemeral storage).
 TMP_SIZE = "1Gi"
@@ -40,8 +40,6 @@ GIB = Decimal(2**30)
 # bf16 weights; model ids round the count (Qwen3-8B holds 8.2 B), and the tokenizer and index files come along.
 BYTES_PER_PARAMETER = Decimal(2)
 SIZE_MARGIN = Decimal("1.1")
-# "Qwen3-8B", "Qwen3.6-27B", "Qwen3-30B-A3B" (total, not active), "Llama-3.1-70B-Instruct", "gpt-oss-120b".
-PARAMETER_COUNT = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[bB](?![A-Za-z0-9])")
 
 
 def _up_to_gib(num_bytes: Decimal) -> Decimal:
@@ -60,15 +58,14 @@ def target_disk_bytes(run: RunConfig) -> Decimal:
     if run.target.uri.startswith("/") and os.path.isdir(run.target.uri):
         # A local run's target (the demo's): its files are here to be counted.
         return Decimal(sum(p.stat().st_size for p in Path(run.target.uri).rglob("*") if p.is_file()))
-    name = run.target.model_id.rsplit("/", 1)[-1]
-    counts = [Decimal(m.group(1)) for m in PARAMETER_COUNT.finditer(name)]
-    if not counts:
+    # Of "30B-A3B" the total: every expert's weights are copied.
+    total_b = stated_parameters(run.target.model_id).total_b
+    if total_b is None:
         raise ConfigError(
             f"cannot tell the size of target.model_id {run.target.model_id!r} from its name (no parameter count "
             "such as '8B'): set target.disk_size to the size of the model directory (for example \"60Gi\")"
         )
-    # Of "30B-A3B" the larger number is the total; every weight is copied.
-    return max(counts) * Decimal(10**9) * BYTES_PER_PARAMETER * SIZE_MARGIN
+    return Decimal(str(total_b)) * Decimal(10**9) * BYTES_PER_PARAMETER * SIZE_MARGIN
 
 
 def _disk(run: RunConfig, stage: StageDef, settings: JobSettings) -> tuple[str, str]:

@@ -21,7 +21,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from dflash_shared.target_family import QWEN3_5, config_model_types, config_view, family_of_config, is_hybrid_config
+from dflash_shared.target_family import (
+    QWEN3_5,
+    config_model_types,
+    config_view,
+    engine_captures_last_layer,
+    family_of_config,
+    is_hybrid_config,
+)
 
 LayerType = Literal["full_attention", "sliding_attention"]
 AttentionBackend = Literal["auto", "flex", "sdpa"]
@@ -50,25 +57,6 @@ QWEN3_6_DRAFTER: dict[str, Any] = {
 # Period of the reference hybrid drafter's layer pattern: four sliding-window layers, then one full-attention.
 _HYBRID_PERIOD = 5
 
-# Targets whose vLLM (0.32) model code captures the output of the LAST decoder layer as an auxiliary hidden
-# state. vLLM reads `dflash_config.target_layer_ids` as aux layers id + 1, and these decoder loops record aux
-# layer idx + 1 (hidden_states + residual, before the final norm) after every layer idx, the last one
-# included, so id N - 1 (aux layer N) is captured:
-# - qwen2 / qwen3: `Qwen2Model.forward` (models/qwen2.py), which `Qwen3Model` (models/qwen3.py) inherits;
-# - qwen3_moe: `Qwen3MoeModel.forward` (models/qwen3_moe.py);
-# - qwen3_next and Qwen3.5/3.6 (qwen3_5*): `Qwen3NextModel.forward` (models/qwen3_next.py), which
-#   `Qwen3_5Model` (models/qwen3_5.py) inherits; `Qwen3_5ForConditionalGeneration` runs that same model.
-# Other targets are not known to capture it: for them the last allowed id is N - 2.
-LAST_LAYER_CAPTURED_MODEL_TYPES = frozenset({
-    "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-})
-LAST_LAYER_CAPTURED_ARCHITECTURES = frozenset({
-    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration",
-})
-
-
 def is_hybrid_family(target_config: Any) -> bool:
     """Whether a HF (text) config is a Qwen3.5/3.6-style hybrid: linear-attention layers beside full attention."""
     return is_hybrid_config(config_view(target_config))
@@ -95,14 +83,9 @@ def _config_model_types(target_config: Any) -> set[str]:
 
 
 def captures_last_layer(target_config: Any) -> bool:
-    """Whether the serving engine (vLLM) captures the output of the target's last decoder layer (id N - 1).
-
-    Decided from the config's architectures or model_type (see `LAST_LAYER_CAPTURED_MODEL_TYPES`).
-    """
-    architectures = set(getattr(target_config, "architectures", None) or [])
-    return bool(architectures & LAST_LAYER_CAPTURED_ARCHITECTURES) or bool(
-        _config_model_types(target_config) & LAST_LAYER_CAPTURED_MODEL_TYPES
-    )
+    """Whether the serving engine (vLLM) captures the output of the target's last decoder layer (id N - 1): a
+    fact of the target's family (dflash_shared.target_family.engine_captures_last_layer)."""
+    return engine_captures_last_layer(config_view(target_config))
 
 
 def check_target_layer_ids(target_config: Any, layer_ids: Sequence[int], num_target_layers: int | None = None,

@@ -242,6 +242,10 @@ class FrozenTarget:
                           **kwargs: Any) -> TargetPass:
         self._captured = {}
         try:
+            if isinstance(mask, dict) and len(mask) == 1:
+                # One kind of layer: its mask alone. Every decoder takes a prepared 4D mask (or BlockMask, or none
+                # for varlen flash attention) as it is; not all take a mapping by layer type (Qwen3-MoE's does not).
+                mask = next(iter(mask.values()))
             self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
                           **kwargs)
             wanted = [*self.layer_ids, *([FINAL] if self.keep_output else [])]

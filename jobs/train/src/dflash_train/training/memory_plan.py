@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_shared.errors import ConfigError
+from dflash_shared.target_family import is_moe_config
 from dflash_train.config import reads_target_output
 from dflash_train.drafter.config import DrafterConfig
 
@@ -79,6 +80,18 @@ class TargetShape:
     hidden_size: int
     intermediate_size: int
     vocab_rows: int
+    # Of a mixture of experts, the parameters one token runs (all experts are held: `layer_params` counts them);
+    # None for a dense target, which runs all it holds.
+    active_params: int | None = None
+
+    @property
+    def params(self) -> int:
+        return sum(self.layer_params) + self.whole_params
+
+    @property
+    def run_params(self) -> int:
+        """Parameters a token's forward runs: the target's FLOPs per token are twice this."""
+        return self.params if self.active_params is None else self.active_params
 
     @classmethod
     def from_checkpoint(cls, target_dir: str | Path) -> TargetShape:
@@ -105,12 +118,19 @@ class TargetShape:
                     whole += numel
                     if name.endswith("embed_tokens.weight"):
                         vocab = int(shape[0])
-        return cls(tuple(per_layer), whole, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), vocab)
+        active = None
+        if is_moe_config(raw):
+            # The experts a token skips are config.json's to say; the headers count what is held, exactly.
+            counted = cls.from_config(raw)
+            active = sum(per_layer) + whole - (counted.params - counted.run_params)
+        return cls(tuple(per_layer), whole, int(cfg["hidden_size"]), int(cfg.get("intermediate_size") or 0), vocab,
+                   active)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TargetShape:
         """Parameter counts from a parsed config.json alone, no weight file read (`target_params`: dense Qwen3,
-        Qwen3.5/3.6 hybrids); equal to `from_checkpoint`'s on the checkpoints the tests build."""
+        Qwen3.5/3.6 hybrids, their mixtures of experts); equal to `from_checkpoint`'s on the checkpoints the tests
+        build."""
         from dflash_train.training.target_params import target_sizes
 
         try:
@@ -118,7 +138,7 @@ class TargetShape:
         except ValueError as err:
             raise ConfigError(str(err)) from err
         return cls(sizes.layer_params, sizes.whole_params, sizes.hidden_size, sizes.intermediate_size,
-                   sizes.vocab_size)
+                   sizes.vocab_size, sizes.active_params if sizes.layer_active_params else None)
 
 
 def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
@@ -273,7 +293,7 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
         # device, and transformers reads the whole checkpoint into it first.
         target_load = target_w
         if i.device_type == "cpu":
-            target_load = (sum(tgt.layer_params) + tgt.whole_params) * i.target_bytes
+            target_load = tgt.params * i.target_bytes
     target_note += f", {i.target_bytes} B/param"
 
     # Drafter state: fp32 weights, gradients and two AdamW moments, sharded under FSDP (plus the two gathered

@@ -13,6 +13,12 @@ modeling_qwen3_5.py), parameter by parameter:
   V, in_proj_b and in_proj_a to one value per value head, a depthwise conv1d over the 2K + V channels with
   linear_conv_kernel_dim taps and no bias, dt_bias and A_log per value head, a gated RMSNorm over the value
   head dim, out_proj from V; both kinds with the same MLP and two RMSNorms;
+- a mixture-of-experts MLP (Qwen3MoeForCausalLM, Qwen3.5-MoE) in place of the dense one, on the layers its config
+  makes sparse (every `decoder_sparse_step`-th, none of `mlp_only_layers`): the router (experts x hidden), each
+  expert's SwiGLU over `moe_intermediate_size`, and Qwen3.5-MoE's shared expert (over
+  `shared_expert_intermediate_size`) with its one-output gate. All experts are held (`layer_params`); a token runs
+  the router, `num_experts_per_tok` experts and the shared one (`layer_active_params`, which the plan's throughput
+  reads);
 - outside the layers: the embedding (vocab x hidden), the final norm, the LM head unless tied. The vision tower
   and the MTP weights of a Qwen3.5/3.6 checkpoint are not loaded, so not counted.
 
@@ -28,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_shared.target_family import family_of_config, is_hybrid_config
+from dflash_shared.target_family import EXPERT_COUNT_KEYS, family_of_config, is_hybrid_config
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Softmax-attention layer kinds. A sliding-window layer holds fewer keys than a full one; counting its cache as
@@ -70,7 +76,7 @@ class TargetSizes:
 
     architecture: str
     layer_types: tuple[str, ...]
-    layer_params: tuple[int, ...]  # parameters of each decoder layer, in order
+    layer_params: tuple[int, ...]  # parameters of each decoder layer, in order (every expert held)
     whole_params: int  # embedding, final norm, untied LM head
     hidden_size: int
     intermediate_size: int
@@ -84,10 +90,16 @@ class TargetSizes:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     conv_kernel: int = 0
+    layer_active_params: tuple[int, ...] = ()  # of a mixture of experts: what one token runs per layer
 
     @property
     def params(self) -> int:
         return sum(self.layer_params) + self.whole_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all of a dense target's, the routed experts' of a mixture."""
+        return sum(self.layer_active_params or self.layer_params) + self.whole_params
 
     @property
     def full_attention_layers(self) -> int:
@@ -122,12 +134,10 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
     if not hybrid and family_of_config(text) is None:
         raise ValueError(f"config.json of a {architecture} (model_type {model_type!r}): only dense Qwen3 "
                          "(Qwen3ForCausalLM) and Qwen3.5/3.6 (Qwen3_5ForConditionalGeneration) targets are counted")
-    if "num_experts" in text or "num_local_experts" in text:
-        raise ValueError(f"config.json of a {architecture}: mixture-of-experts targets are not counted")
     try:
         layers = int(text["num_hidden_layers"])
         hidden = int(text["hidden_size"])
-        inter = int(text["intermediate_size"])
+        inter = int(text.get("intermediate_size") or 0)  # a mixture whose every layer is sparse states none
         heads = int(text["num_attention_heads"])
         kv_heads = int(text.get("num_key_value_heads") or heads)
         head_dim = int(text.get("head_dim") or hidden // heads)
@@ -143,12 +153,13 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
                  + 2 * head_dim)
     if bias:
         attention += heads * head_dim * gate + 2 * kv_heads * head_dim + hidden
-    common = 3 * hidden * inter + 2 * hidden  # MLP, input and post-attention norms
+    norms = 2 * hidden  # input and post-attention norms
+    mlps = [_mlp_params(text, hidden, inter, index) for index in range(layers)]  # (held, active) per layer
     linear = dict(k_heads=0, v_heads=0, k_dim=0, v_dim=0, kernel=0)
     per_layer = []
     for kind in types:
         if kind in _ATTENTION:
-            per_layer.append(attention + common)
+            per_layer.append(attention + norms)
         elif kind == "linear_attention":
             linear = dict(k_heads=int(text["linear_num_key_heads"]), v_heads=int(text["linear_num_value_heads"]),
                           k_dim=int(text["linear_key_head_dim"]), v_dim=int(text["linear_value_head_dim"]),
@@ -157,7 +168,7 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
             channels = 2 * key + value
             delta_net = (hidden * channels + hidden * value + 2 * hidden * linear["v_heads"]
                          + channels * linear["kernel"] + 2 * linear["v_heads"] + linear["v_dim"] + value * hidden)
-            per_layer.append(delta_net + common)
+            per_layer.append(delta_net + norms)
         else:
             raise ValueError(f"config.json: layer type {kind!r} is not counted ({', '.join(_ATTENTION)}, "
                              "linear_attention)")
@@ -165,11 +176,36 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
     whole = vocab * hidden * (1 if tied else 2) + hidden
     dtype = str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
                 or "bfloat16")
+    sparse = any(held != active for held, active in mlps)
     return TargetSizes(
-        architecture=architecture, layer_types=types, layer_params=tuple(per_layer), whole_params=whole,
+        architecture=architecture, layer_types=types,
+        layer_params=tuple(mixer + held for mixer, (held, _) in zip(per_layer, mlps, strict=True)),
+        layer_active_params=tuple(mixer + active for mixer, (_, active) in zip(per_layer, mlps, strict=True))
+        if sparse else (), whole_params=whole,
         hidden_size=hidden, intermediate_size=inter, vocab_size=vocab, num_key_value_heads=kv_heads,
         head_dim=head_dim, dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
         linear_key_dim=linear["k_heads"] * linear["k_dim"], linear_value_dim=linear["v_heads"] * linear["v_dim"],
         linear_value_heads=linear["v_heads"], linear_key_head_dim=linear["k_dim"],
         linear_value_head_dim=linear["v_dim"], conv_kernel=linear["kernel"],
     )
+
+
+def _mlp_params(text: Mapping[str, Any], hidden: int, inter: int, layer: int) -> tuple[int, int]:
+    """(held, run per token) parameters of one layer's MLP: the dense SwiGLU, or a mixture of experts on the layers
+    the config makes sparse (transformers' Qwen3-MoE rule: not in `mlp_only_layers`, and every
+    `decoder_sparse_step`-th layer)."""
+    experts = next((int(text[key]) for key in EXPERT_COUNT_KEYS if text.get(key)), 0)
+    sparse = (experts > 0 and layer not in (text.get("mlp_only_layers") or [])
+              and (layer + 1) % int(text.get("decoder_sparse_step") or 1) == 0)
+    if not sparse:
+        if not inter:
+            raise ValueError("config.json of a dense layer has no intermediate_size")
+        return 3 * hidden * inter, 3 * hidden * inter
+    try:
+        expert = 3 * hidden * int(text["moe_intermediate_size"])
+        routed = int(text["num_experts_per_tok"])
+    except KeyError as err:
+        raise ValueError(f"config.json of a mixture of experts has no {err.args[0]}") from None
+    shared = 3 * hidden * int(text.get("shared_expert_intermediate_size") or 0)
+    always = experts * hidden + shared + (hidden if shared else 0)  # router; shared expert and its gate
+    return always + experts * expert, always + routed * expert
