@@ -17,7 +17,9 @@ prompts.
 - `qwen3_6`: a random 8-layer Qwen3.6-architecture hybrid (Gated DeltaNet beside gated full attention, in the
   vision-language checkpoint layout);
 - `qwen3_moe`: a random 4-layer Qwen3 mixture of experts (Qwen3-30B-A3B's layout: 8 experts a layer, 2 routed per
-  token).
+  token);
+- `qwen3_6_moe`: the `qwen3_6` hybrid as a mixture of experts (Qwen3.6's MoE siblings' layout: 8 routed experts and
+  a gated shared one a layer).
 Each has its own run id and model folder, so the runs can share a store.
 """
 
@@ -65,7 +67,7 @@ SERVE_CHECK = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
 # vLLM's CPU build sizes its KV cache from free memory unless told (6 GiB here for a 512-token context); 1 GiB
 # holds every sequence these stages run at once, and sets the demo's peak memory.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-TARGETS = ("speaking", "qwen3", "qwen3_6", "qwen3_moe")
+TARGETS = ("speaking", "qwen3", "qwen3_6", "qwen3_moe", "qwen3_6_moe")
 TARGET_ENV = "DFLASH_DEMO_TARGET"
 # Per target: run id (it names the Jobs: lowercase letters, digits, '-'), model folder, and what differs from
 # the defaults above. The debug drafter preset fits the 4-layer Qwen3 target (layers 1 and 2); the 8-layer
@@ -85,6 +87,9 @@ PER_TARGET: dict[str, dict[str, Any]] = {
         "train": {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}},
     }, "pilot": {"prompts": 80}},
     "qwen3_moe": {"run_id": "demo-qwen3-moe", "model": "model-qwen3_moe", "stages": {}, "pilot": {"prompts": 80}},
+    "qwen3_6_moe": {"run_id": "demo-qwen36-moe", "model": "model-qwen3_6_moe", "stages": {
+        "train": {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}},
+    }, "pilot": {"prompts": 80}},
 }
 # Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
 ON_CPU = {"gpus": 0, "tolerations": []}

@@ -78,7 +78,7 @@ def commands_reference() -> str:
     """Every stage command from its table: what it is for, its settings, how it shards, what it checks first."""
     from dflash_shared.commands import SHARDING
 
-    rows = ["| command | what it is for | settings | shards | start checks |", "|---|---|---|---|---|"]
+    rows = ["| command | what it is for | settings | shards | checks it starts with |", "|---|---|---|---|---|"]
     for program, _ in _programs():
         for c in program.commands:
             checks = "every check (it is the check)" if c.name == "preflight" else (

@@ -1,8 +1,8 @@
 #!/bin/sh
-# Default command of the tokenizer image: check the environment (credentials, input manifest,
-# output prefix, tokenizer) first, then run the stage. Both read their configuration from
-# DFLASH_* environment variables; extra arguments are passed to both. `import`, `preflight` or `run`
-# as the first argument runs only that command. exec hands the process to the stage so that SIGTERM
+# Default command of the tokenizer image: run the stage, which checks the environment first (credentials,
+# input manifest, output prefix, tokenizer: the list `preflight` runs alone). It reads its configuration from
+# DFLASH_* environment variables and extra arguments. `import`, `preflight` or `run` as the first argument
+# runs only that command. exec hands the process to the stage so that SIGTERM
 # from the orchestrator reaches it directly.
 set -eu
 # With DFLASH_LOG_PREFIX set (every stage Job sets it), this script runs once more under dflash_shared.pod_log,
@@ -13,5 +13,4 @@ fi
 case "${1:-}" in
   import|preflight|run) exec dflash-tokenize "$@" ;;
 esac
-dflash-tokenize preflight "$@"
 exec dflash-tokenize run "$@"

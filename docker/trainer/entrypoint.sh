@@ -1,13 +1,13 @@
 #!/bin/sh
 # Default command of the trainer image. Every form reads DFLASH_TRAIN_* variables.
 #
-#   entrypoint.sh [FLAGS...]          preflight, then `dflash-train run` in this process (one GPU, or CPU);
-#                                     the flags go to both. exec hands the process to the stage, so SIGTERM
+#   entrypoint.sh [FLAGS...]          `dflash-train run` in this process (one GPU, or CPU), which starts
+#                                     with the checks `preflight` runs alone. exec hands the process to the stage, so SIGTERM
 #                                     from the orchestrator reaches it directly.
 #   entrypoint.sh preflight|run|evaluate|export [FLAGS...]
 #                                     that command alone.
-#   entrypoint.sh torchrun ARGS...    preflight once for this pod (for the GPUs --nproc-per-node names),
-#                                     then torchrun ARGS (several GPUs, or one pod of a multi-node Job).
+#   entrypoint.sh torchrun ARGS...    torchrun ARGS (several GPUs, or one pod of a multi-node Job); each rank
+#                                     starts with the checks, for the GPUs of its pod (LOCAL_WORLD_SIZE).
 #
 # Under torchrun, SIGTERM is passed to the training processes themselves rather than to torchrun: torchrun
 # would give them 30 s and then SIGKILL, where the stage needs the pod's whole grace period to finish the
@@ -34,23 +34,8 @@ PREEMPTED=75
 case "${1:-}" in
   preflight|run|evaluate|export) exec dflash-train "$@" ;;
   torchrun) ;;
-  *)
-    dflash-train preflight "$@"
-    exec dflash-train run "$@" ;;
+  *) exec dflash-train run "$@" ;;
 esac
-
-# The preflight checks as many GPUs as the ranks of this pod will use (LOCAL_WORLD_SIZE, which torchrun
-# sets for each rank); a symbolic --nproc-per-node (gpu, auto) is checked as one.
-nproc=1
-for arg in "$@"; do
-  case "$arg" in
-    --nproc-per-node=*|--nproc_per_node=*) nproc="${arg#*=}" ;;
-  esac
-done
-case "$nproc" in
-  ''|*[!0-9]*) nproc=1 ;;
-esac
-LOCAL_WORLD_SIZE="$nproc" dflash-train preflight
 
 # PIDs of the direct children of process $1 (torchrun's workers), read from /proc: the image has no ps.
 # shellcheck disable=SC2317,SC2329  # reached through the SIGTERM trap

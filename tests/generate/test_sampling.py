@@ -19,8 +19,6 @@ from dflash_generate.sampling import (
     choose_sampling,
     default_sampling,
     generation_config_values,
-    qwen3_5_non_thinking,
-    qwen3_5_thinking,
 )
 from dflash_generate.target import TargetInfo, family_of, read_target
 from dflash_shared.errors import ConfigError
@@ -42,8 +40,10 @@ def generate_config(**overrides: Any) -> GenerateConfig:
 def test_family_presets() -> None:
     assert values(default_sampling(True, "qwen3")) == (0.6, 0.95, 20, 0.0, 0.0, 1.0)
     assert values(default_sampling(False, "qwen3")) == (0.7, 0.8, 20, 0.0, 0.0, 1.0)
-    assert values(qwen3_5_thinking()) == values(default_sampling(True, "qwen3_5")) == (1.0, 0.95, 20, 0.0, 1.5, 1.0)
-    assert values(qwen3_5_non_thinking()) == values(default_sampling(False, "qwen3_5")) == (0.7, 0.8, 20, 0.0, 1.5, 1.0)
+    assert values(default_sampling(True, "qwen3_5")) == (1.0, 0.95, 20, 0.0, 1.5, 1.0)
+    assert values(default_sampling(False, "qwen3_5")) == (0.7, 0.8, 20, 0.0, 1.5, 1.0)
+    # The MoE family samples as dense Qwen3 does (its model card's values).
+    assert default_sampling(True, "qwen3_moe") == default_sampling(True, "qwen3")
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_generation_config_beats_the_preset_in_thinking_mode() -> None:
 def test_non_thinking_mode_keeps_the_preset() -> None:
     """generation_config.json has one set of values, the default (thinking) mode's: not for the other mode."""
     choice = choose_sampling("qwen3_5", False, SHIPPED)
-    assert choice.sampling == qwen3_5_non_thinking()
+    assert choice.sampling == default_sampling(False, "qwen3_5")
     assert set(choice.sources.values()) == {"preset:qwen3_5/non_thinking"}
 
 

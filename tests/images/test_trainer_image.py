@@ -4,8 +4,8 @@ The image is built once per module with docker/build-images.sh. Its CUDA wheels 
 local package indexes this machine's pip is configured with (file:// extra indexes, passed to the build as
 the "wheels" and "wheels-extra" build contexts; DFLASH_LOCAL_INDEXES=dir[:dir] names them instead), or else
 from the package index. Inside the container, on a host without a GPU, the CUDA build of torch must import
-and report no GPU, triton must be able to compile its launchers, and the default command (preflight, then
-`dflash-train run`) must train the tiny Qwen3 target's drafter for a few steps on the CPU against the
+and report no GPU, triton must be able to compile its launchers, and the default command (`dflash-train run`,
+which starts with the stage's checks) must train the tiny Qwen3 target's drafter for a few steps on the CPU against the
 session's moto S3 server and commit a drafter manifest. The lock and lint checks need no engine.
 """
 

@@ -43,13 +43,13 @@ def test_preflight_passes_then_refuses_another_template(data: str, tmp_path: Pat
               "--disk-need-gib", "0.01"]
     ok = cli("preflight", *common, "--target", str(tiny_target()))
     assert ok.returncode == 0, ok.stderr
-    for check in ("imports", "gpus", "storage_write", "disk", "kernels", "input_manifest"):
+    for check in ("imports", "gpus", "storage_write", "disk", "kernels", "input_manifest", "target_compatible"):
         assert f"preflight train OK {check}" in ok.stderr
     assert "not needed: the target (qwen3) has no linear-attention layers" in ok.stderr
     assert "tokenizer and chat template match the target" in ok.stderr
     wrong = cli("preflight", *common, "--target", str(other_template_target(tmp_path)))
     assert wrong.returncode == 65
-    assert "FAIL input_manifest" in wrong.stderr and "(field: target.chat_template_sha256)" in wrong.stderr
+    assert "FAIL target_compatible" in wrong.stderr and "(field: target.chat_template_sha256)" in wrong.stderr
     no_gpu = cli("preflight", *common, "--target", str(tiny_target()), "--device", "cuda")
     assert no_gpu.returncode == 69 and "FAIL gpus" in no_gpu.stderr
 

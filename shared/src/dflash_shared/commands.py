@@ -9,8 +9,9 @@ in an environment that has neither.
 `stage_main` is the entry (datatrove's executor does the same in one place):
 1. parse the command's config (flags, then DFLASH_* variables) once;
 2. resolve its shard once (an Indexed Job's worker, or a torchrun rank) and set up logging once, with it;
-3. run the start checks, cheap checks of inputs and outputs (credentials, the input manifest, a probe write
-   under the output) that fail before any work with the exit code of their kind (64, 65, 69);
+3. run the command's checks, the one list its `preflight` runs too (imports, GPUs, credentials, the input
+   manifest, a probe write under the output, disk, the model's files), each logged, failing before any work with
+   the exit code of its kind (64, 65, 69);
 4. skip an output already committed (its manifest exists: a rerun of a finished stage does nothing);
 5. run, with the shard it resolved; inside `run_stage_main`, which turns whatever escapes into one error line
    and an exit code (dflash_shared.cli).
@@ -55,7 +56,9 @@ class StageCommand:
     log_as: str  # the stage name its log lines carry
     sharding: Sharding = "none"
     shard: str = "dflash_shared.runner:config_shard"  # module:function(config) -> (index, count), for "workers"
-    start_checks: str | None = None  # module:function(config, store) -> Preflight, run before any work
+    # module:function(config, store) -> Preflight: the command's one list of checks, run before any work (a stage's
+    # `preflight` command runs the same list and exits)
+    start_checks: str | None = None
     output: str | None = "output"  # config field of the output prefix whose manifest means done (None: no skip)
     wrapper: str | None = None  # module:context manager around the whole command
     run_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -106,7 +109,8 @@ def _execute(program: StageProgram, command: StageCommand, argv: Sequence[str]) 
     setup_logging(command.log_as, shard=None if shard is None else shard[0], rank=rank)
     store = ObjectStore()
     if command.start_checks is not None:
-        load(command.start_checks)(config, store).check(quiet=True)  # before any work
+        # Before any work: each passed check logged as `preflight` logs it, the failures in the one error line.
+        load(command.start_checks)(config, store).check(fold_failures=True)
     if command.output is not None and committed(store, getattr(config, command.output), command.log_as):
         return None
     kwargs = dict(command.run_kwargs, **({"shard": shard} if shard is not None else {}))
@@ -143,7 +147,8 @@ def import_command(kind: Any, package: str, name: str = "import") -> StageComman
 
 
 def preflight_command(stage: str, config: str, build: str, about: str) -> StageCommand:
-    """A stage's `preflight` command: every check `build` ("module:function(config, store)") assembles, run on the
-    node before a run (there is no output to skip and nothing to check first: it is the check)."""
+    """A stage's `preflight` command: the checks `build` ("module:function(config, store)") assembles, the same
+    list its `run` starts with, run alone (there is no output to skip and nothing to check first: it is the
+    check)."""
     return StageCommand(name="preflight", log_as=stage, output=None, about=about, config=config,
                         run="dflash_shared.commands:run_preflight", run_kwargs={"build": build})

@@ -262,10 +262,7 @@ class Preflight:
             try:
                 loaded = load_manifest(store or self.store, uri, kind, expected, verify=False)
             except ManifestError as err:
-                cause = err.__cause__
-                transient = isinstance(cause, StorageError) and not isinstance(cause, ObjectNotFoundError)
-                field = f" (field: {err.field})" if err.field else ""
-                raise CheckError(f"{err}{field}", ExitCode.ENVIRONMENT if transient else ExitCode.BAD_INPUT) from err
+                raise manifest_check_error(err) from err
             m = loaded.manifest
             checked = f", {len(expected)} field(s) agree" if expected else ""
             return (
@@ -328,22 +325,23 @@ class Preflight:
             plain = describe_os_error(err) if isinstance(err, OSError) and err.strerror else str(err)
             return CheckResult(name, False, redact(plain) or f"failed ({type(err).__name__})", code)
 
-    def run(self, quiet: bool = False) -> int:
+    def run(self, fold_failures: bool = False) -> int:
         """Run every check, log one line each, return 0, USAGE, BAD_INPUT or ENVIRONMENT.
 
-        `quiet` logs every line at DEBUG level only, warnings aside: a stage that checks before its work
-        (`check(quiet=True)`) reports a failure as its one error line instead.
+        `fold_failures` logs the failed checks' lines and the failure summary at DEBUG level only: a stage that
+        checks before its work (`check(fold_failures=True)`) reports them in its one error line instead, while
+        the passed checks and warnings are logged as `preflight` logs them.
         """
         self.results = []
         for name, check in self._checks:
             result = self._run_one(name, check)
             self.results.append(result)
             level = logging.ERROR if not result.ok else logging.WARNING if result.warning else logging.INFO
-            logger.log(logging.DEBUG if quiet and level != logging.WARNING else level, result.line(self.stage))
+            logger.log(logging.DEBUG if fold_failures and not result.ok else level, result.line(self.stage))
         failed = [r for r in self.results if not r.ok]
         if not failed:
             warned = [r.name for r in self.results if r.warning]
-            logger.log(logging.DEBUG if quiet else logging.INFO, "preflight %s: all %d check(s) passed%s",
+            logger.log(logging.INFO, "preflight %s: all %d check(s) passed%s",
                        self.stage, len(self.results),
                        f" ({len(warned)} with a warning: {', '.join(warned)})" if warned else "")
             return ExitCode.OK
@@ -352,7 +350,7 @@ class Preflight:
         codes = {r.code for r in failed}
         code = next((c for c in (ExitCode.USAGE, ExitCode.BAD_INPUT) if c in codes), ExitCode.ENVIRONMENT)
         logger.log(
-            logging.DEBUG if quiet else logging.ERROR,
+            logging.DEBUG if fold_failures else logging.ERROR,
             "preflight %s: %d of %d check(s) failed (%s); exit %s",
             self.stage,
             len(failed),
@@ -362,9 +360,9 @@ class Preflight:
         )
         return code
 
-    def check(self, quiet: bool = False) -> None:
+    def check(self, fold_failures: bool = False) -> None:
         """`run()`, raising ConfigError, BadInputError or PreflightError on failure (for use inside a stage)."""
-        code = self.run(quiet)
+        code = self.run(fold_failures)
         if code == ExitCode.OK:
             return
         failed = "; ".join(f"{r.name}: {r.detail}" for r in self.results if not r.ok)
@@ -373,6 +371,16 @@ class Preflight:
         if code == ExitCode.BAD_INPUT:
             raise BadInputError(f"preflight {self.stage} failed: {failed}")
         raise PreflightError(f"preflight {self.stage} failed: {failed}")
+
+
+def manifest_check_error(err: ManifestError) -> CheckError:
+    """A manifest that could not be used, as a check's failure: bad input (65) when it is missing, malformed or of
+    another run; the environment's (69) when storage failed to answer (no credentials, an unreachable endpoint, a
+    missing bucket), which another node or a fixed Secret can cure."""
+    cause = err.__cause__
+    transient = isinstance(cause, StorageError) and not isinstance(cause, ObjectNotFoundError)
+    field = f" (field: {err.field})" if err.field else ""
+    return CheckError(f"{err}{field}", ExitCode.ENVIRONMENT if transient else ExitCode.BAD_INPUT)
 
 
 def io_checks(stage: str, store: ObjectStore, output: str, inputs: Mapping[str, tuple[str, Kind]],

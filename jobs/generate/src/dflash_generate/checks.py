@@ -1,4 +1,5 @@
-"""Preflight of the generate stage: everything that can be checked before the model is loaded.
+"""The generate stage's checks, one list (`build_preflight`): `run` starts with it on every worker and `preflight`
+runs it alone. Everything that can be checked before the model is loaded:
 
 Imports of the engine stack, S3 credentials and write access, the prompts manifest, the model files
 (local directory, S3 prefix or hub repository: config, weights, tokenizer and chat template present),
@@ -22,7 +23,7 @@ from dflash_shared import identity
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError, load_manifest
 from dflash_shared.manifests import Kind
-from dflash_shared.preflight import CheckError, Preflight, io_checks
+from dflash_shared.preflight import CheckError, Preflight, manifest_check_error
 from dflash_shared.storage import ObjectStore, is_s3
 
 REQUIRED = ["dflash_generate", "dflash_shared", "vllm", "torch", "transformers", "tokenizers"]
@@ -39,12 +40,6 @@ def _missing_model_files(names: Iterable[str]) -> list[str]:
     return missing
 
 
-def start_checks(config: GenerateConfig, store: ObjectStore) -> Preflight:
-    """What `run` checks before the engine starts or a weight is copied: credentials, the prompts manifest and a
-    writable output (the cheap part of `build_preflight`)."""
-    return io_checks(STAGE, store, config.output, {"input_manifest": (config.input, Kind.prompts)}, [config.model])
-
-
 def build_preflight(config: GenerateConfig, store: ObjectStore | None = None) -> Preflight:
     store = store or ObjectStore()
     checks = Preflight(STAGE, store).imports(REQUIRED)
@@ -57,8 +52,7 @@ def build_preflight(config: GenerateConfig, store: ObjectStore | None = None) ->
         try:
             loaded = load_manifest(store, config.input, Kind.prompts, verify=False)
         except ManifestError as err:
-            field = f" (field: {err.field})" if err.field else ""
-            raise CheckError(f"{err}{field}", ExitCode.BAD_INPUT) from err
+            raise manifest_check_error(err) from err
         m = loaded.manifest
         return f"prompts {loaded.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} prompts"
 

@@ -1,4 +1,5 @@
-"""Preflight of the tokenize stage: everything that can be checked before the first record is read."""
+"""The tokenize stage's checks, one list (`build_preflight`): `run` starts with it on every worker and `preflight`
+runs it alone. Everything that can be checked before the first record is read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from dflash_shared.chat_render import fetch_tokenizer
 from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
-from dflash_shared.preflight import CheckError, Preflight
+from dflash_shared.preflight import CheckError, Preflight, manifest_check_error
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_tokenize.chat import ChatFormat, ChatFormatError
 from dflash_tokenize.config import TokenizeConfig
@@ -40,20 +41,6 @@ def tokenizer_files(store: ObjectStore, location: str) -> str:
     return f"{location}: tokenizer.json and a chat template present"
 
 
-def start_checks(config: TokenizeConfig, store: ObjectStore) -> Preflight:
-    """What `run` checks before it reads a record: storage access, a writable output and the tokenizer's files.
-
-    The cheap part of `build_preflight`: a wrong --tokenizer or an output nobody may write to then fails in
-    a second with the exit code of its kind, instead of after the whole input was read.
-    """
-    checks = Preflight(STAGE, store)
-    s3_uris = [uri for uri in (config.input, config.output, config.tokenizer) if is_s3(uri)]
-    if s3_uris:
-        checks.credentials(s3_uris[0])
-    checks.storage_write(config.output)
-    return checks.add("tokenizer", lambda: tokenizer_files(store, config.tokenizer))
-
-
 def build_preflight(config: TokenizeConfig, store: ObjectStore | None = None) -> Preflight:
     store = store or ObjectStore()
     checks = Preflight(STAGE, store).imports(REQUIRED, FORBIDDEN)
@@ -77,8 +64,7 @@ def build_preflight(config: TokenizeConfig, store: ObjectStore | None = None) ->
         try:
             source, thinking = open_source(store, config, loaded[0])
         except ManifestError as err:
-            field = f" (field: {err.field})" if err.field else ""
-            raise CheckError(f"{err}{field}", ExitCode.BAD_INPUT) from err
+            raise manifest_check_error(err) from err
         m = source.manifest
         return (f"completions {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records, "
                 f"thinking {thinking}, compatible with the tokenizer")

@@ -18,7 +18,7 @@ PROGRAM = StageProgram(
             name="run", log_as="tokenize", sharding="workers",
             about="tokenize completions into loss-masked Arrow shards and a tokenized manifest",
             config="dflash_tokenize.config:TokenizeConfig", run="dflash_tokenize.stage:run",
-            start_checks="dflash_tokenize.checks:start_checks"),
+            start_checks="dflash_tokenize.checks:build_preflight"),
     ),
     examples=(
         "dflash-tokenize import --source chats/ --output store/completions",

@@ -1,4 +1,5 @@
-"""Preflight of the train stage: everything that can be checked before the target is loaded.
+"""The train stage's checks, one list (`build_preflight`): `run` starts with it on every rank and `preflight` runs
+it alone. Everything that can be checked before the target is loaded:
 
 Imports, GPUs (when training on CUDA), S3 credentials and write access to the output, scratch disk, the
 kernels a hybrid target's linear-attention layers would run on (a WARN line when a GPU run would use the
@@ -16,11 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash_shared.exit_codes import ExitCode
 from dflash_shared.manifest_io import ManifestError
 from dflash_shared.manifests import Kind
 from dflash_shared.model_copy import fetch_model
-from dflash_shared.preflight import CheckError, CheckWarning, Preflight, io_checks
+from dflash_shared.preflight import CheckError, CheckWarning, Preflight, io_checks, manifest_check_error
 from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
 from dflash_train.evaluate.config import EvaluateConfig
@@ -86,12 +86,6 @@ def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
     return f"{detail} (CPU run: the fast kernels are GPU kernels)"
 
 
-def start_checks(config: TrainConfig, store: ObjectStore) -> Preflight:
-    """What `run` checks on every rank before the process group forms or the target is copied: credentials, the
-    tokenized manifest and a writable output (the cheap part of `build_preflight`)."""
-    return io_checks(STAGE, store, config.output, {"input_manifest": (config.input, Kind.tokenized)}, [config.target])
-
-
 def export_start_checks(config: ExportConfig, store: ObjectStore) -> Preflight:
     """What `export` checks before it reads a checkpoint: the drafter manifest and a writable output."""
     return io_checks("export", store, config.output, {"drafter_manifest": (config.drafter, Kind.drafter)},
@@ -115,8 +109,10 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
     checks.storage_write(config.output)
     checks.disk(config.scratch_dir or tempfile.gettempdir(), int(config.disk_need_gib * 2**30))
     checks.add("kernels", lambda: kernels_check(config, store))
+    # The manifest alone first: a missing or wrong input is bad input (65) whatever else fails.
+    checks.input_manifest(store, config.input, Kind.tokenized)
 
-    def input_manifest() -> str:
+    def target_compatible() -> str:
         base = config.scratch_dir or tempfile.gettempdir()
         os.makedirs(base, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=base) as scratch:
@@ -127,12 +123,11 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
             try:
                 source = open_input(store, config, target_dir)
             except ManifestError as err:
-                field = f" (field: {err.field})" if err.field else ""
-                raise CheckError(f"{err}{field}", ExitCode.BAD_INPUT) from err
+                raise manifest_check_error(err) from err
         m, section = source.manifest, source.section
         heldout = section.heldout.records if section.heldout else 0
         return (f"tokenized {source.uri}: run {m.run_id}, {len(m.shards)} shard(s), {m.total_records:,} records "
                 f"({heldout:,} held out for evaluation), {section.total_tokens:,} tokens; tokenizer and chat template "
                 f"match the target {config.target}")
 
-    return checks.add("input_manifest", input_manifest)
+    return checks.add("target_compatible", target_compatible)

@@ -16,7 +16,7 @@ PROGRAM = StageProgram(
             name="run", log_as="train", sharding="ranks",
             about="train (or resume) a drafter on tokenized shards; torchrun for several GPUs",
             config="dflash_train.config:TrainConfig", run="dflash_train.stage:run",
-            start_checks="dflash_train.checks:start_checks",
+            start_checks="dflash_train.checks:build_preflight",
             # Under torchrun: a peer's failure exits 75, and the pod's entrypoint learns each rank's code.
             wrapper="dflash_train.parallel.gang:rank_exit"),
         StageCommand(

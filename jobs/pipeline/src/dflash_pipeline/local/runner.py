@@ -2,7 +2,7 @@
 
 The same `RunConfig`, the same wiring (`stages.stage_config`) and the same environment variables as the
 rendered Jobs; only the process launcher differs. Each stage runs in the Python environment that holds its
-package (the images' contents, as virtual environments), preflight first, once per shard index with
+package (the images' contents, as virtual environments; each starts with its checks), once per shard index with
 JOB_COMPLETION_INDEX set, like the pods of an Indexed Job. A stage whose manifest already exists is skipped,
 so rerunning a run resumes it; a stage killed midway resumes from its committed shards.
 
@@ -77,10 +77,10 @@ def run_command(command: list[str], env: dict[str, str], repo: Path, console: Co
 
 
 def local_commands(stage: StageDef, python: str) -> list[list[str]]:
-    """What the image would run, as local commands: its entrypoint is preflight, then the stage."""
+    """What the image would run, as local commands: its entrypoint runs the stage, which starts with its checks."""
     module = IMAGE_MODULES[stage.image]
     if stage.command == (IMAGE_ENTRYPOINT,):
-        return [[python, "-m", module, "preflight"], [python, "-m", module, "run"]]
+        return [[python, "-m", module, "run"]]
     return [[python, "-m", module, *stage.command[1:]]]
 
 

@@ -1,0 +1,51 @@
+"""The mixture-of-experts families end to end: `demo/run_demo.py --target qwen3_moe` (and `qwen3_6_moe`, the hybrid
+with a shared expert) runs every stage on the tiny MoE target: generate on vLLM (CPU), tokenize, train with the
+target's hooks on its MoE layers, export, evaluate (lossless, float32) and the serving check in vLLM.
+
+Both repeat the dense and hybrid demo's path with another target, so they run in the extended tier (`make
+test-all`); the default tier keeps the MoE targets' own tests (parameter counts, hooks, packing, the offline loop).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_shared.manifest_io import load_manifest
+from dflash_shared.manifests import Kind
+from dflash_shared.storage import ObjectStore
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.extended]
+REPO = Path(__file__).resolve().parents[2]
+RUNS = {"qwen3_moe": "demo-qwen3-moe", "qwen3_6_moe": "demo-qwen36-moe"}
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("target", list(RUNS))
+def test_every_stage_runs_on_a_mixture_of_experts_target(target: str, tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "demo/run_demo.py", "--out", str(out), "--target", target], cwd=REPO,
+                          capture_output=True, text=True, timeout=3300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    store, run = ObjectStore(), out / "store" / RUNS[target]
+    kinds = {"prompts": Kind.prompts, "completions": Kind.completions, "tokenized": Kind.tokenized,
+             "drafter": Kind.drafter, "export": Kind.drafter, "evaluation": Kind.evaluation,
+             "serving": Kind.evaluation}
+    loaded = {name: load_manifest(store, str(run / name), kind) for name, kind in kinds.items()}
+    assert all(m.manifest.accounting.failed == 0 for m in loaded.values())
+    completions = loaded["completions"].manifest.section
+    assert completions.target_family == ("qwen3_moe" if target == "qwen3_moe" else "qwen3_5")  # type: ignore[union-attr]
+    # The train stage counted what a token runs: fewer parameters than the checkpoint holds.
+    config = json.loads((out / f"model-{target}" / "config.json").read_text())
+    performance = loaded["drafter"].manifest.section.performance  # type: ignore[union-attr]
+    from dflash_train.training.target_params import target_sizes
+
+    sizes = target_sizes(config)
+    assert performance["target_parameters"] == sizes.active_params < sizes.params
+    report = next(s.uri for s in loaded["serving"].manifest.shards if s.uri.endswith("serve-check.json"))
+    check = json.loads(store.read_bytes(report))
+    assert check["compared"] == "matched" and check["output_mismatches"] == [], check
