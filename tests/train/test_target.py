@@ -50,18 +50,23 @@ def target(tiny_target_dir: Path) -> FrozenTarget:
     return FrozenTarget.from_pretrained(tiny_target_dir, ALL_IDS)
 
 
-def test_hooks_equal_hf_hidden_states_of_next_index(arch_target: FrozenTarget, reference: Any, qwen_docs):
-    ids = torch.tensor([qwen_docs[0][0]])
-    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+def _assert_hooks_read_the_hidden_states(target: FrozenTarget, reference: Any, ids: list[int]) -> None:
+    """Each hooked layer id's features are transformers' hidden state of the next index (layer id + 1), and not the
+    neighbouring one: an off-by-one would be caught."""
+    tokens = torch.tensor([ids])
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0)
     with torch.no_grad():
-        states = reference(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
-    feats = arch_target.features(ids, pos)
-    h = arch_target.hidden_size
-    for n, layer_id in enumerate(arch_target.layer_ids):
+        states = reference(input_ids=tokens, position_ids=pos, output_hidden_states=True).hidden_states
+    feats = target.features(tokens, pos)
+    h = target.hidden_size
+    for n, layer_id in enumerate(target.layer_ids):
         got = feats[..., n * h : (n + 1) * h]
         torch.testing.assert_close(got, states[layer_id + 1], **TOL)
-        # The neighbouring index is a different tensor: the off-by-one would be caught.
         assert (got - states[layer_id]).abs().max() > 1e-2
+
+
+def test_hooks_equal_hf_hidden_states_of_next_index(arch_target: FrozenTarget, reference: Any, qwen_docs):
+    _assert_hooks_read_the_hidden_states(arch_target, reference, qwen_docs[0][0])
 
 
 def test_layers_after_the_last_id_are_dropped(arch_target_dir: Path, target_arch: str):
@@ -360,14 +365,7 @@ def test_a_mixture_of_experts_target_is_hooked_frozen_and_packed_exactly(arch: T
     target_dir = build_tiny_target(arch)
     target = FrozenTarget.from_pretrained(target_dir, MOE_IDS[arch])
     reference = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([qwen_docs[0][0]])
-    pos = torch.arange(ids.shape[1]).unsqueeze(0)
-    with torch.no_grad():
-        states = reference(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
-    feats = target.features(ids, pos)
-    h = target.hidden_size
-    for n, layer_id in enumerate(target.layer_ids):
-        torch.testing.assert_close(feats[..., n * h:(n + 1) * h], states[layer_id + 1], **TOL)
+    _assert_hooks_read_the_hidden_states(target, reference, qwen_docs[0][0])
     expert_params = {name: p for name, p in target.model.named_parameters() if "experts" in name or ".gate." in name
                      or name.endswith("mlp.gate.weight")}
     assert expert_params and not any(p.requires_grad for p in target.model.parameters())
