@@ -22,11 +22,11 @@ its active ones (`stated_parameters` reads both from a model id such as "Qwen3-3
 A model id names the MoE family when it states an active count ("-A3B") or says "moe".
 
 Adding a family takes: a `TargetFamily` in `FAMILIES` (its model types, a model-id pattern, hybrid or not, its
-budget, its sampling per mode); its drafter shape where the reference differs (dflash_train.drafter.config); its
-parameter terms if its layers are not those counted in dflash_train.training.target_params (dense and expert MLPs,
-full and Gated DeltaNet attention are); and a tiny fixture in tests/support/tiny_target.py. The qwen3_moe family
-took, beyond this module and its tests: its parameter terms, the plan's active-parameter rate, the fixture, the
-demo's target list and docs/targets.md (see that page).
+budget, its sampling per mode, its reference mask token where the first unused row is not it); its drafter shape
+where the reference differs (dflash_train.drafter.config); its parameter terms if its layers are not those counted
+in dflash_train.training.target_params (dense and expert MLPs, full and Gated DeltaNet attention are); and a tiny
+fixture in tests/support/tiny_target.py. What the qwen3_moe families took beyond this module: docs/targets.md,
+"Mixtures of experts".
 """
 
 from __future__ import annotations
@@ -66,6 +66,15 @@ class TargetFamily:
     thinking: Sampling  # recommended sampling in thinking mode
     non_thinking: Sampling  # and in non-thinking (instruct) mode
     about: str
+    # The reference drafters' mask token on the family's own vocabulary: (embedding rows, mask id); None where the
+    # rule is the first embedding row past the tokenizer (dflash_train.drafter.mask_token).
+    reference_mask: tuple[int, int] | None = None
+
+    def mask_token_for(self, vocab_rows: int) -> int | None:
+        """The reference mask token of a target of this family with `vocab_rows` embedding rows, where known."""
+        if self.reference_mask is not None and self.reference_mask[0] == vocab_rows:
+            return self.reference_mask[1]
+        return None
 
     def sampling(self, enable_thinking: bool) -> Sampling:
         return self.thinking if enable_thinking else self.non_thinking
@@ -76,6 +85,10 @@ _QWEN3_THINKING = Sampling(temperature=0.6, top_p=0.95, top_k=20)
 _QWEN3_NON_THINKING = Sampling(temperature=0.7, top_p=0.8, top_k=20)
 
 
+# The reference Qwen3.6-27B drafter's mask token: <|audio_start|>, a control token a text model never emits (the
+# Qwen3.5/3.6 tokenizer fills ids up to 248,076 of the 248,320 rows).
+QWEN3_6_MASK_TOKEN = 248070
+QWEN3_6_VOCAB_ROWS = 248320
 # A model id that states an active count ("-A3B") names a mixture of experts.
 _ACTIVE_COUNT = r"(?:-a\d+(?:\.\d+)?b(?![a-z0-9])|[-_]moe)"
 QWEN3 = TargetFamily(
@@ -96,7 +109,8 @@ QWEN3_5 = TargetFamily(
     hybrid=True, max_new_tokens=32768, max_model_len=40960,
     thinking=Sampling(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5),
     non_thinking=Sampling(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5),
-    about="Qwen3.5 / Qwen3.6 (Qwen3_5ForConditionalGeneration): Gated DeltaNet hybrids")
+    about="Qwen3.5 / Qwen3.6 (Qwen3_5ForConditionalGeneration): Gated DeltaNet hybrids",
+    reference_mask=(QWEN3_6_VOCAB_ROWS, QWEN3_6_MASK_TOKEN))
 FAMILIES: tuple[TargetFamily, ...] = (QWEN3, QWEN3_MOE, QWEN3_5)
 BY_NAME: dict[str, TargetFamily] = {family.name: family for family in FAMILIES}
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from dflash_shared.target_family import (
     QWEN3_5,
+    QWEN3_6_MASK_TOKEN,
     config_model_types,
     config_view,
     engine_captures_last_layer,
@@ -38,10 +39,8 @@ _DEFAULT_GAMMA = {16: 7.0, 8: 4.0}
 # First unused embedding row of the Qwen2/2.5/3 vocabulary (151,669 tokens in 151,936 rows); the
 # reference Qwen3 drafters use it as the mask token.
 QWEN3_MASK_TOKEN_ID = 151669
-# The reference Qwen3.6-27B drafter's mask token: <|audio_start|>, a control token a text model never emits
-# (the Qwen3.5/3.6 tokenizer fills ids up to 248,076 of the 248,320 rows).
-QWEN3_6_MASK_TOKEN_ID = 248070
-QWEN3_6_VOCAB_ROWS = 248320
+# The reference Qwen3.6-27B drafter's mask token, said in the family module.
+QWEN3_6_MASK_TOKEN_ID = QWEN3_6_MASK_TOKEN
 
 # The drafter the reference trainers pair with Qwen3.5/3.6 (hybrid) targets: its attention shape is not the
 # target's (24 query / 4 KV heads of 256 with partial rotary in Qwen3.6-27B) but a plain Qwen3 one, with four

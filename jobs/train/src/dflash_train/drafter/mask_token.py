@@ -8,17 +8,16 @@ import os
 from typing import Any
 
 from dflash_shared.errors import ConfigError
-from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, QWEN3_6_VOCAB_ROWS, is_hybrid_family
+from dflash_shared.target_family import config_view, family_of_config
 
 log = logging.getLogger(__name__)
 
 
 def reference_mask_token(hf_config: Any) -> int | None:
-    """The mask token the reference drafters use on this target where it is known without the tokenizer:
-    Qwen3.5/3.6's 248070 on their vocabulary; None elsewhere (the first unused row, `first_unused_row`)."""
-    if is_hybrid_family(hf_config) and int(hf_config.vocab_size) == QWEN3_6_VOCAB_ROWS:
-        return QWEN3_6_MASK_TOKEN_ID
-    return None
+    """The mask token the reference drafters use on this target where its family says it without the tokenizer
+    (Qwen3.5/3.6's 248070 on their vocabulary); None elsewhere (the first unused row, `first_unused_row`)."""
+    family = family_of_config(config_view(hf_config))
+    return None if family is None else family.mask_token_for(int(hf_config.vocab_size))
 
 
 def default_mask_token(target_dir: str, hf_config: Any) -> int:
