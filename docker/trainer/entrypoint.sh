@@ -37,6 +37,18 @@ case "${1:-}" in
   *) exec dflash-train run "$@" ;;
 esac
 
+# The ranks this pod starts (--nproc-per-node), whose exit codes the end of this script reads; a symbolic value
+# (gpu, auto) counts as one.
+nproc=1
+for arg in "$@"; do
+  case "$arg" in
+    --nproc-per-node=*|--nproc_per_node=*) nproc="${arg#*=}" ;;
+  esac
+done
+case "$nproc" in
+  ''|*[!0-9]*) nproc=1 ;;
+esac
+
 # PIDs of the direct children of process $1 (torchrun's workers), read from /proc: the image has no ps.
 # shellcheck disable=SC2317,SC2329  # reached through the SIGTERM trap
 children() {
