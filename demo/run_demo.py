@@ -73,6 +73,7 @@ TARGET_ENV = "DFLASH_DEMO_TARGET"
 # the defaults above. The debug drafter preset fits the 4-layer Qwen3 target (layers 1 and 2); the 8-layer
 # hybrid one gets explicit layer ids, two linear-attention layers and the full-attention layer between them,
 # as its evaluate tests use.
+HYBRID_TRAIN = {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}}
 PER_TARGET: dict[str, dict[str, Any]] = {
     # The speaking target ends its turns after about 10 tokens of prose: the whole corpus's questions give the
     # drafter about 40K answer tokens to learn from. The n-gram baseline runs beside it in the serving check.
@@ -83,13 +84,11 @@ PER_TARGET: dict[str, dict[str, Any]] = {
     }},
     # The random targets' source is this folder's 80 prompts: their pilots sample all of them.
     "qwen3": {"run_id": "demo", "model": "model", "stages": {}, "pilot": {"prompts": 80}},
-    "qwen3_6": {"run_id": "demo-qwen36", "model": "model-qwen3_6", "stages": {
-        "train": {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}},
-    }, "pilot": {"prompts": 80}},
+    "qwen3_6": {"run_id": "demo-qwen36", "model": "model-qwen3_6", "stages": {"train": HYBRID_TRAIN},
+                "pilot": {"prompts": 80}},
     "qwen3_moe": {"run_id": "demo-qwen3-moe", "model": "model-qwen3_moe", "stages": {}, "pilot": {"prompts": 80}},
-    "qwen3_6_moe": {"run_id": "demo-qwen36-moe", "model": "model-qwen3_6_moe", "stages": {
-        "train": {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}},
-    }, "pilot": {"prompts": 80}},
+    "qwen3_6_moe": {"run_id": "demo-qwen36-moe", "model": "model-qwen3_6_moe", "stages": {"train": HYBRID_TRAIN},
+                    "pilot": {"prompts": 80}},
 }
 # Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
 ON_CPU = {"gpus": 0, "tolerations": []}

@@ -20,6 +20,7 @@ from dflash_shared.manifests import Kind
 from dflash_train.evaluate import speculate
 from dflash_train.evaluate.speculate import HookedTarget, greedy_reference, speculative_generate
 from tests.evaluate import eval_fixtures as ef
+from tests.evaluate.forced_drafts import forced_drafts
 
 NEW_TOKENS = 32
 PROMPTS = 8
@@ -60,23 +61,6 @@ def test_hybrid_output_is_the_targets_greedy_output(which: str, block_size: int,
         assert rejected > 0 and accepted_whole > 0  # both rollback paths ran
 
 
-def _forced_drafts(reference: list[int], wrong_at: int, mask_id: int) -> Any:
-    """A `propose` stand-in that drafts the target's own continuation with one wrong token at `wrong_at`."""
-    state = {"committed": 1}
-
-    def propose(drafter: Any, target: Any, context: Any, last_token: int, block_size: int) -> list[int]:
-        del drafter, target, context, last_token
-        start = state["committed"]
-        draft = list(reference[start : start + block_size - 1])
-        draft += [mask_id] * (block_size - 1 - len(draft))
-        if wrong_at < len(draft):
-            draft[wrong_at] = mask_id  # never the target's argmax here: a rejection at exactly this slot
-        state["committed"] = start + min(wrong_at, block_size - 1) + 1
-        return draft
-
-    return propose
-
-
 @pytest.mark.parametrize("wrong_at", [0, 1, 3, 6])
 def test_rejection_at_every_slot_stays_lossless(wrong_at: int, monkeypatch: pytest.MonkeyPatch,
                                                 hybrid_hooked_target: Any, hybrid_untrained_drafter: Any,
@@ -87,7 +71,7 @@ def test_rejection_at_every_slot_stays_lossless(wrong_at: int, monkeypatch: pyte
     mask_id = ef.special_ids(hybrid_target_dir)["mask"]
     reference = hybrid_references[0]
     assert mask_id not in reference
-    monkeypatch.setattr(speculate, "propose", _forced_drafts(reference, wrong_at, mask_id))
+    monkeypatch.setattr(speculate, "propose", forced_drafts(reference, wrong_at, mask_id))
     result = speculative_generate(hybrid_untrained_drafter, hybrid_hooked_target, hybrid_heldout_prompts[0],
                                   NEW_TOKENS, ef.stop_ids(hybrid_target_dir), block)
     assert result.tokens == reference

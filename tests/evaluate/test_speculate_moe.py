@@ -13,7 +13,7 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.evaluate import speculate
 from dflash_train.evaluate.speculate import HookedTarget, greedy_reference, speculative_generate
 from tests.evaluate import eval_fixtures as ef
-from tests.evaluate.test_speculate_hybrid import _forced_drafts
+from tests.evaluate.forced_drafts import forced_drafts
 from tests.support.qwen_assets import qwen_special_ids
 from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
 
@@ -48,7 +48,7 @@ def test_a_mixture_of_experts_target_decodes_its_own_greedy_output(arch: TargetA
     hooked, drafter, prompt, reference, stops, mask_id = _setup(arch)
     if wrong_at is not None:
         assert mask_id not in reference
-        monkeypatch.setattr(speculate, "propose", _forced_drafts(reference, wrong_at, mask_id))
+        monkeypatch.setattr(speculate, "propose", forced_drafts(reference, wrong_at, mask_id))
     result = speculative_generate(drafter, hooked, prompt, NEW_TOKENS, stops, BLOCK)
     assert result.tokens == reference
     if wrong_at is not None:
