@@ -65,14 +65,25 @@ SHAPES: dict[str, dict[str, Any]] = {
 WINDOWS = (4096, 16384, 32768)
 
 
+def qwen3_6_27b_shape() -> Any:
+    """A Qwen3.6-27B-shaped target (64 layers of ~400M parameters, 3 linear-attention then 1 full, hidden 5120,
+    248,320 untied vocabulary rows): the reference drafter's setting, planned without any weights."""
+    from dflash_train.training.target_params import TargetSizes
+
+    return TargetSizes(architecture="Qwen3.6-27B-shaped",
+                       layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 16,
+                       layer_params=(400_000_000,) * 64, whole_params=2 * 248_320 * 5120, hidden_size=5120,
+                       intermediate_size=17408, vocab_size=248_320, num_key_value_heads=4, head_dim=256,
+                       dtype_bytes=2)
+
+
 def qwen3_6_inputs(max_length: int = 4096) -> Any:
     """The memory plan's inputs for the reference Qwen3.6-27B drafter on 8 GPUs (no weights needed): 64 target
     layers of ~400M parameters (the ~54 GB bf16 checkpoint), hidden 5120, 248,320 untied vocabulary rows."""
     from dflash_train.drafter.config import QWEN3_6_DRAFTER, DrafterConfig
-    from dflash_train.training.memory_plan import PlanInputs, TargetShape, planned_anchor_count
+    from dflash_train.training.memory_plan import PlanInputs, planned_anchor_count
 
-    target = TargetShape(layer_params=(400_000_000,) * 64, whole_params=2 * 248_320 * 5120, hidden_size=5120,
-                         intermediate_size=17408, vocab_rows=248_320)
+    target = qwen3_6_27b_shape()
     cfg = DrafterConfig(**{**QWEN3_6_DRAFTER, "hidden_size": 5120, "intermediate_size": 17408,
                            "num_target_layers": 64, "target_layer_ids": [1, 16, 31, 46, 61],
                            "target_hidden_size": 5120, "mask_token_id": 248070, "block_size": 16,
@@ -160,8 +171,9 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
                                      **spec["drafter"]})
         config = debug("unused", "unused", str(target), device="cpu", **spec["train"])
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-        dtype = target_dtype(config, env.device)
-        plan = plan_for_run(config, cfg, str(target), config.max_length or 0, "ddp", env, dtype.itemsize)
+        dtype = target_dtype(config.runtime, env.device)
+        plan = plan_for_run(config.runtime, config.recipe, cfg, str(target), config.max_length or 0, "ddp", env,
+                            dtype.itemsize)
         rows, seq = config.micro_batch_rows, int(config.max_length or 0)
         gen = torch.Generator().manual_seed(0)
 
@@ -176,11 +188,11 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
         before = _rss()
         frozen = FrozenTarget.from_pretrained(target, cfg.target_layer_ids, device="cpu", dtype=dtype,
                                               attn_implementation=config.target_attn_implementation)
-        drafter = build_drafter(cfg, config, env.device)
-        optimizer = build_optimizer(drafter.parameters(), config, env.device)
+        drafter = build_drafter(cfg, config.seed, config.runtime, env.device)
+        optimizer = build_optimizer(drafter.parameters(), config.recipe, env.device)
         anchors = 0
         for step, packed in enumerate((warmup, full)):
-            with autocast(config, env.device):
+            with autocast(config.runtime, env.device):
                 out = dflash_step(drafter, frozen, packed, cfg, torch.Generator().manual_seed(step), noise=True,
                                   chunk_tokens=config.chunk_tokens)
             out.loss.backward()

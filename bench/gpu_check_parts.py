@@ -376,6 +376,7 @@ def predicted_peak(b: Built, rows: int, seq: int, device: torch.device) -> dict[
     the measured peak: the GPU is where the plan's activation coefficients meet compiled kernels."""
     from dflash_train.drafter.attention import resolve_backend
     from dflash_train.training import memory_plan
+    from dflash_train.training.target_params import TargetSizes
 
     target, cfg = b.target, b.cfg
     decoder = target.model.get_decoder()
@@ -384,8 +385,11 @@ def predicted_peak(b: Built, rows: int, seq: int, device: torch.device) -> dict[
                for kind, layer in zip(target.layer_types, decoder.layers, strict=False)}
     in_layers = sum(p.numel() for p in decoder.layers.parameters())
     whole = sum(p.numel() for p in target.model.parameters()) - in_layers
-    shape = memory_plan.TargetShape(tuple(size_of[k] for k in target.layer_types), whole, cfg.hidden_size,
-                                    int(target.config.intermediate_size), target.vocab_rows)
+    shape = TargetSizes(architecture=type(target.model).__name__, layer_types=tuple(target.layer_types),
+                        layer_params=tuple(size_of[k] for k in target.layer_types), whole_params=whole,
+                        hidden_size=cfg.hidden_size, intermediate_size=int(target.config.intermediate_size),
+                        vocab_size=target.vocab_rows, num_key_value_heads=0, head_dim=0,
+                        dtype_bytes=target.dtype.itemsize)
     plan = memory_plan.plan_memory(memory_plan.PlanInputs(
         drafter=cfg, target=shape, max_length=seq, micro_batch_rows=rows,
         anchors=memory_plan.planned_anchor_count(cfg, seq), target_bytes=target.dtype.itemsize,

@@ -24,7 +24,7 @@ def _config(target: Path, device: str, tmp_path: Path) -> TrainConfig:
 
 
 def test_dense_target_needs_no_linear_attention_kernels(tiny_target_dir: Path, tmp_path: Path):
-    detail = kernels_check(_config(tiny_target_dir, "cuda", tmp_path), ObjectStore())
+    detail = _kernels(_config(tiny_target_dir, "cuda", tmp_path))
     assert "flash-linear-attention" in detail and "causal-conv1d" in detail
     assert "not needed: the target (qwen3) has no linear-attention layers" in detail
 
@@ -32,14 +32,14 @@ def test_dense_target_needs_no_linear_attention_kernels(tiny_target_dir: Path, t
 @pytest.mark.skipif(FAST, reason="flash-linear-attention is installed: the reference-kernel lines do not apply")
 def test_hybrid_target_on_the_reference_kernels_is_info_on_cpu_and_a_warning_on_gpu(tmp_path: Path):
     target = build_tiny_qwen3_6()
-    cpu = kernels_check(_config(target, "cpu", tmp_path), ObjectStore())
+    cpu = _kernels(_config(target, "cpu", tmp_path))
     assert "flash-linear-attention not installed, causal-conv1d not installed" in cpu
     assert "hybrid target (qwen3_5_text, 6 linear-attention layers)" in cpu
     assert "gated delta rule: PyTorch reference" in cpu and "causal conv1d: PyTorch reference" in cpu
     assert cpu.endswith("packed rows run per_document (one forward per document) (CPU run: the fast kernels are"
                         " GPU kernels)")
     with pytest.raises(CheckWarning, match="on a GPU is an order of magnitude slower: install flash-linear"):
-        kernels_check(_config(target, "cuda", tmp_path), ObjectStore())
+        _kernels(_config(target, "cuda", tmp_path))
 
 
 @pytest.mark.skipif(FAST, reason="flash-linear-attention is installed: the reference-kernel lines do not apply")
@@ -51,3 +51,7 @@ def test_train_preflight_logs_the_warning_and_still_passes_it(tmp_path: Path, ca
     assert kernels and kernels[0].ok and kernels[0].warning
     assert any(r.levelno == logging.WARNING and "preflight train WARN kernels:" in r.getMessage()
                for r in caplog.records)
+
+
+def _kernels(config: TrainConfig) -> str:
+    return kernels_check(config.runtime, config.target, ObjectStore())

@@ -91,7 +91,7 @@ def test_one_graph_per_ladder_rung_for_all_layers(fresh_dynamo):
     cfg = _config()
     assert anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row) == (16, 32, 64)
     config = TrainConfig(input="in", output="out", target="t", compile=True)
-    drafter = build_drafter(cfg, config, torch.device("cpu")).eval()
+    drafter = build_drafter(cfg, config.seed, config.runtime, torch.device("cpu")).eval()
     # Set by build_drafter before compiling, not by the first traced call.
     assert torch._dynamo.config.recompile_limit >= GRAPHS_PER_SHAPE * 3
     seen = _forward_counts(drafter, cfg)
@@ -104,7 +104,7 @@ def test_one_graph_per_ladder_rung_for_all_layers(fresh_dynamo):
 def test_training_compiles_two_graphs_per_ladder_rung(fresh_dynamo):
     cfg = _config("sdpa")  # flex has no CPU backward; the graph count does not depend on the backend
     config = TrainConfig(input="in", output="out", target="t", compile=True)
-    drafter = build_drafter(cfg, config, torch.device("cpu")).train()
+    drafter = build_drafter(cfg, config.seed, config.runtime, torch.device("cpu")).train()
     seen = _forward_counts(drafter, cfg, train=True)
     assert [n for n, _ in seen] == list(CYCLE), seen
     assert [graphs for _, graphs in seen] == [2, 2, 2, 0, 0, 0], seen

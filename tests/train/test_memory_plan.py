@@ -23,7 +23,6 @@ from dflash_train.stage import run
 from dflash_train.training.memory_plan import (
     GIB,
     PlanInputs,
-    TargetShape,
     _cgroup_room,
     drafter_parameter_count,
     plan_memory,
@@ -32,6 +31,7 @@ from dflash_train.training.memory_plan import (
     window_fits,
     window_table,
 )
+from dflash_train.training.target_params import checkpoint_sizes
 from tests.support.tiny_target import build_tiny_target
 from tests.train.train_fixtures import identity_of, synthetic_docs, tiny_target, write_tokenized
 
@@ -43,10 +43,9 @@ import bench_memory_plan  # noqa: E402
 # docs/benchmarks.md: 0.93-1.09); the plan takes the worst-case anchor count and adds a 10% margin.
 FACTOR = (0.75, 1.5)
 
-# A Qwen3.6-27B-shaped target as TargetShape (64 layers, hidden 5120, 248,320 rows, untied): the reference
-# drafter's setting, planned without any weights.
-QWEN3_6_27B = TargetShape(layer_params=(400_000_000,) * 64, whole_params=2 * 248_320 * 5120, hidden_size=5120,
-                          intermediate_size=17408, vocab_rows=248_320)
+# A Qwen3.6-27B-shaped target (64 layers, hidden 5120, 248,320 rows, untied): the reference drafter's setting,
+# planned without any weights.
+QWEN3_6_27B = bench_memory_plan.qwen3_6_27b_shape()
 
 
 def reference_drafter(**overrides: object) -> DrafterConfig:
@@ -73,12 +72,12 @@ def test_target_shape_from_headers_counts_what_transformers_loads(target_arch: s
     from transformers import AutoModelForCausalLM
 
     target_dir = build_tiny_target(target_arch)  # type: ignore[arg-type]
-    shape = TargetShape.from_checkpoint(target_dir)
+    shape = checkpoint_sizes(target_dir)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     layers = model.get_decoder().layers
     assert shape.layer_params == tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
     assert sum(shape.layer_params) + shape.whole_params == sum(p.numel() for p in model.parameters())
-    assert shape.vocab_rows == model.get_input_embeddings().weight.shape[0]
+    assert shape.vocab_size == model.get_input_embeddings().weight.shape[0]
 
 
 def test_drafter_parameter_count_matches_the_model() -> None:

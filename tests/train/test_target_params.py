@@ -16,11 +16,8 @@ import torch
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.parallel import distributed
 from dflash_train.training import anchor_ladder, anchors
-from dflash_train.training.memory_plan import (
-    TargetShape,
-    auto_parallelism,
-)
-from dflash_train.training.target_params import ConfigView, target_sizes, text_config
+from dflash_train.training.memory_plan import auto_parallelism
+from dflash_train.training.target_params import ConfigView, checkpoint_sizes, target_sizes, text_config
 from tests.support.published_configs import QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B
 from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
 
@@ -30,9 +27,7 @@ def test_from_config_equals_the_checkpoint_headers(target_arch: str) -> None:
     tower and MTP weights, which the headers list, not loaded and not counted)."""
     target_dir = build_tiny_target(target_arch)  # type: ignore[arg-type]
     raw = json.loads((target_dir / "config.json").read_text())
-    assert TargetShape.from_config(raw) == TargetShape.from_checkpoint(target_dir)
-    assert target_sizes(raw).params == sum(TargetShape.from_checkpoint(target_dir).layer_params) + \
-        TargetShape.from_checkpoint(target_dir).whole_params
+    assert target_sizes(raw) == checkpoint_sizes(target_dir)
 
 
 # A Qwen3.5 mixture of experts at toy width (hybrid layers, routed experts beside a gated shared expert, the
@@ -60,7 +55,7 @@ def test_from_config_equals_the_model_transformers_builds(config: dict[str, Any]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
     layers = model.get_decoder().layers
-    shape = TargetShape.from_config(config)
+    shape = target_sizes(config)
     assert shape.layer_params == tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
     loaded = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
     assert sum(shape.layer_params) + shape.whole_params == loaded
@@ -83,7 +78,7 @@ def test_the_moe_fixtures_from_config_equal_their_checkpoints(arch: TargetArch) 
     (and Qwen3.6-MoE's shared experts) included, its MTP layer not."""
     target_dir = build_tiny_target(arch)
     raw = json.loads((target_dir / "config.json").read_text())
-    assert TargetShape.from_config(raw) == TargetShape.from_checkpoint(target_dir)
+    assert target_sizes(raw) == checkpoint_sizes(target_dir)
     assert target_sizes(raw).active_params < target_sizes(raw).params
 
 

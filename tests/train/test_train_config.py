@@ -1,4 +1,5 @@
-"""TrainConfig: the optimiser's reference defaults, and drafter settings that would be ignored are refused."""
+"""TrainConfig: the optimiser's reference defaults, drafter settings that would be ignored are refused, and the
+sections by role (recipe, runtime) are the config's own fields."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ def test_adamw_defaults_are_torchs_as_in_the_reference_trainer() -> None:
     """SpecForge builds torch.optim.AdamW without betas: (0.9, 0.999)."""
     config = parse_settings(TrainConfig, ARGS)
     assert (config.adam_beta1, config.adam_beta2, config.adam_eps) == (0.9, 0.999, 1e-8)
-    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], config, torch.device("cpu"))
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], config.recipe, torch.device("cpu"))
     assert optimizer.defaults["betas"] == (0.9, 0.999)
     tuned = parse_settings(TrainConfig, [*ARGS, "--adam-beta2", "0.95"])
-    assert build_optimizer([torch.nn.Parameter(torch.zeros(2))], tuned, torch.device("cpu")).defaults["betas"] == (
-        0.9, 0.95)
+    tuned_optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], tuned.recipe, torch.device("cpu"))
+    assert tuned_optimizer.defaults["betas"] == (0.9, 0.95)
 
 
 def _drafter_json() -> str:
@@ -75,3 +76,29 @@ def test_a_field_of_the_nested_drafter_is_set_with_dots_or_double_underscores(
     monkeypatch.setenv("DFLASH_TRAIN_DRAFTER__BLOCK_SIZE", "4")
     from_env = parse_settings(TrainConfig, ARGS)
     assert from_env.drafter is not None and from_env.drafter.block_size == 4
+
+
+def test_the_config_is_its_sections_by_role_plus_the_stages_own_settings() -> None:
+    """The recipe and the runtime are disjoint sections of the flat config: each section field is a config field
+    with the same value, so a flag, a variable or a run-file key sets it in one place."""
+    from dflash_train.sections import TrainingRecipe, TrainingRuntime
+
+    config = parse_settings(TrainConfig, [*ARGS, "--lr", "3e-4", "--micro-batch-rows", "2"])
+    recipe, runtime = set(TrainingRecipe.model_fields), set(TrainingRuntime.model_fields)
+    assert not recipe & runtime and (recipe | runtime) < set(TrainConfig.model_fields)
+    assert config.recipe.lr == 3e-4 and config.runtime.micro_batch_rows == 2
+    assert config.recipe.model_dump() == {name: getattr(config, name) for name in recipe}
+    assert type(config.recipe) is TrainingRecipe and type(config.runtime) is TrainingRuntime
+
+
+def test_a_section_built_from_a_run_files_values_refuses_a_bad_one_by_name() -> None:
+    """The pipeline's fit check builds the sections from a run file's train settings: a bad value is a ConfigError
+    naming it, and the recipe's own rule (D-PACE needs a cross-entropy) holds there too."""
+    from dflash_train.sections import TrainingRecipe, TrainingRuntime, section_of
+
+    defaults = {name: field.default for name, field in TrainConfig.model_fields.items()}
+    assert section_of(TrainingRuntime, defaults).precision == "bf16"
+    with pytest.raises(ConfigError, match="precision"):
+        section_of(TrainingRuntime, {**defaults, "precision": "fp16"})
+    with pytest.raises(ConfigError, match="target_kl set position_weighting exp_decay"):
+        section_of(TrainingRecipe, {**defaults, "objective": "target_kl"})

@@ -25,6 +25,7 @@ from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
 from dflash_train.evaluate.config import EvaluateConfig
 from dflash_train.export.config import ExportConfig
+from dflash_train.sections import TrainingRuntime
 from dflash_train.stage import STAGE, TARGET_SMALL_FILES, open_input
 
 REQUIRED = ["dflash_train", "dflash_shared", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
@@ -42,15 +43,15 @@ def _target_config(store: ObjectStore, target: str) -> dict[str, Any]:
     return config
 
 
-def _on_gpu(config: TrainConfig) -> bool:
-    if config.device != "auto":
-        return config.device == "cuda"
+def _on_gpu(runtime: TrainingRuntime) -> bool:
+    if runtime.device != "auto":
+        return runtime.device == "cuda"
     import torch
 
     return bool(torch.cuda.is_available())
 
 
-def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
+def kernels_check(runtime: TrainingRuntime, target_uri: str, store: ObjectStore) -> str:
     """Which fast kernels are active; warns when a hybrid target would run on the reference ones on a GPU."""
     from dflash_train.target_model.linear_kernels import CAUSAL_CONV1D, FLA, modeling_module, use_fla_conv
 
@@ -58,9 +59,9 @@ def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
                  CAUSAL_CONV1D: importlib.util.find_spec("causal_conv1d") is not None}
     present = ", ".join(f"{name} {'installed' if ok else 'not installed'}" for name, ok in installed.items())
     try:
-        target = _target_config(store, config.target)
+        target = _target_config(store, target_uri)
     except Exception as err:  # noqa: BLE001 - reported as this check's failure
-        raise CheckError(f"target {config.target} config.json cannot be read: {err}") from err
+        raise CheckError(f"target {target_uri} config.json cannot be read: {err}") from err
     text = target.get("text_config") or target
     layer_types = list(text.get("layer_types") or [])
     model_type = str(text.get("model_type") or target.get("model_type") or "")
@@ -74,7 +75,7 @@ def kernels_check(config: TrainConfig, store: ObjectStore) -> str:
     packing = "varlen (one forward per batch)" if status.varlen else "per_document (one forward per document)"
     detail = (f"{present}; hybrid target ({model_type}, {layer_types.count('linear_attention')} linear-attention"
               f" layers): {status.describe()}; packed rows run {packing}")
-    on_gpu = _on_gpu(config)
+    on_gpu = _on_gpu(runtime)
     if status.varlen:
         if not on_gpu:
             raise CheckWarning(f"{detail}. This run is on the CPU: the Triton / CUDA kernels transformers selected"
@@ -108,7 +109,7 @@ def build_preflight(config: TrainConfig, store: ObjectStore | None = None) -> Pr
         checks.credentials(s3_uris[0])
     checks.storage_write(config.output)
     checks.disk(config.scratch_dir or tempfile.gettempdir(), int(config.disk_need_gib * 2**30))
-    checks.add("kernels", lambda: kernels_check(config, store))
+    checks.add("kernels", lambda: kernels_check(config.runtime, config.target, store))
     # The manifest alone first: a missing or wrong input is bad input (65) whatever else fails.
     checks.input_manifest(store, config.input, Kind.tokenized)
 

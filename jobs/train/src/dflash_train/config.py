@@ -16,6 +16,7 @@ from pydantic_settings import SettingsConfigDict
 from dflash_shared.settings import StageSettings
 from dflash_shared.stage_identity import StageIdentity, stage_identity
 from dflash_train.drafter.config import DrafterConfig
+from dflash_train.sections import TrainingRecipe, TrainingRuntime, section_of
 
 Preset = Literal["none", "debug"]
 # Keys `drafter_overrides` may hold: DrafterConfig's fields plus from_target's one extra argument; the mask
@@ -47,13 +48,10 @@ DEBUG_PRESET: dict[str, Any] = {
 }
 
 
-def reads_target_output(objective: str, label_agreement: bool) -> bool:
-    """Whether a training step needs the target's own output layers (all layers kept, the final hidden states): for
-    the target-label objectives and for measuring the label agreement. The step and the memory plan both ask this."""
-    return objective != "data_ce" or label_agreement
+class TrainConfig(StageSettings, TrainingRecipe, TrainingRuntime):
+    """The stage's inputs and outputs, the drafter, the data and the checkpoints and logs, with the recipe's and the
+    runtime's fields (`dflash_train.sections`) beside them, flat: one flag, variable and run-file key per field."""
 
-
-class TrainConfig(StageSettings):
     model_config = SettingsConfigDict(env_prefix="DFLASH_TRAIN_")
 
     preset: Preset = Field(
@@ -98,7 +96,6 @@ class TrainConfig(StageSettings):
     batch_tokens: int = Field(
         default=65536, gt=0, description="Tokens (packed rows x max_length) per optimizer step, over all ranks."
     )
-    micro_batch_rows: int = Field(default=1, ge=1, description="Packed rows per forward pass on one rank.")
     epochs: int = Field(default=6, ge=1, description="Passes over the data (each with its own shuffle).")
     max_steps: int | None = Field(
         default=None, ge=1, description="Optimizer steps to run; defaults to what `epochs` amounts to."
@@ -107,80 +104,6 @@ class TrainConfig(StageSettings):
     cache_gib: float = Field(default=20.0, gt=0, description="Local cache of downloaded data shards (LRU).")
     prefetch_steps: int = Field(default=4, ge=1, description="Steps of batches prepared ahead of the GPU.")
     verify_shards: bool = Field(default=True, description="Check each downloaded shard's sha256 against the manifest.")
-
-    # ------------------------------------------------------------------ optimisation
-    lr: float = Field(default=6e-4, gt=0, description="Peak learning rate (AdamW).")
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
-    warmup_ratio: float = Field(default=0.04, ge=0, lt=1, description="Linear warmup, as a fraction of all steps.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2 (torch's default, as SpecForge).")
-    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
-    lr_schedule: Literal["cosine", "wsd"] = Field(
-        default="cosine",
-        description="cosine: warmup then cosine to min_lr_ratio (SpecForge); wsd: warmup, the peak held, then a "
-        "linear decay over the last decay_ratio of the steps (warmup-stable-decay, TorchSpec).",
-    )
-    decay_ratio: float = Field(
-        default=0.2, gt=0, le=1, description="wsd: the share of all steps spent decaying to min_lr_ratio."
-    )
-
-    # ------------------------------------------------------------------ objective (dflash_train.training.loss)
-    objective: Literal["data_ce", "target_argmax_ce", "target_kl"] = Field(
-        default="data_ce",
-        description="data_ce: cross-entropy on the data token (SpecForge); target_argmax_ce: on the trainer "
-        "target's own greedy token; target_kl: KL to the target's distribution (speculators, ModelOpt).",
-    )
-    position_weighting: Literal["exp_decay", "dpace"] = Field(
-        default="dpace",
-        description="Weight of block slot k: dpace, speculators' D-PACE (expected accepted slots from k on, from the "
-        "drafter's own confidence; CE objectives only; +11% offline tau over exp_decay in docs/quality.md's "
-        "trials); exp_decay, exp(-(k-1)/loss_decay_gamma).",
-    )
-    dpace_alpha: float = Field(default=0.5, ge=0, le=1, description="D-PACE confidence smoothing (speculators' 0.5).")
-    label_agreement: bool = Field(
-        default=True,
-        description="Measure the share of trained data labels that are the trainer target's own greedy token "
-        "(keeps the target's last layers and runs its LM head over the trained positions, about a tenth of a "
-        "target forward); logged, in progress and the manifest, with a warning below label_agreement_warn.",
-    )
-    heldout_every: int = Field(
-        default=500, ge=0,
-        description="Measure the drafter's acceptance on a fixed part of the held-out split every this many steps "
-        "and at the end (heldout_tau, heldout_acc_k: training.heldout); 0 = never.",
-    )
-    heldout_documents: int = Field(default=64, ge=1, description="Held-out documents that measurement reads.")
-    label_agreement_warn: float = Field(
-        default=0.5, ge=0, le=1,
-        description="Warn when the label agreement of the first logged window is below this share.",
-    )
-    precision: Literal["bf16", "fp32"] = Field(
-        default="bf16", description="bf16: autocast over fp32 master weights; fp32: no autocast."
-    )
-    target_dtype: Literal["auto", "bf16", "fp32"] = Field(
-        default="auto", description="Dtype of the frozen target; auto is bf16 on CUDA and fp32 on CPU."
-    )
-    activation_checkpointing: bool = Field(default=False, description="Recompute drafter layers in backward.")
-    compile: bool = Field(default=False, description="torch.compile each drafter layer.")
-    chunk_tokens: int | None = Field(
-        default=None, gt=0, description="Tokens per LM-head cross-entropy chunk (default: a 1 GiB logits budget)."
-    )
-
-    # ------------------------------------------------------------------ hardware
-    device: Literal["auto", "cuda", "cpu"] = Field(default="auto", description="Where to train; auto prefers CUDA.")
-    parallelism: Literal["auto", "ddp", "fsdp"] = Field(
-        default="auto",
-        description="ddp replicates target and drafter per GPU; fsdp shards both; auto picks ddp when a replica fits.",
-    )
-    target_packing: Literal["auto", "mask", "varlen", "per_document"] = Field(
-        default="auto",
-        description="How the target keeps packed documents apart: auto, mask (attention-only targets), varlen"
-        " (linear-attention targets on the fast kernels) or per_document (see FrozenTarget).",
-    )
-    target_attn_implementation: str = Field(
-        default="sdpa", description="attn_implementation the target is loaded with (sdpa, eager, flex_attention)."
-    )
 
     # ------------------------------------------------------------------ checkpoints and logs
     checkpoint_every: int = Field(default=1000, ge=1, description="Save a checkpoint every this many steps.")
@@ -196,6 +119,12 @@ class TrainConfig(StageSettings):
         "that started before it; the Job's retry then resumes from that checkpoint. A pilot run's restart test: "
         "the save, the exit, the rendezvous again and the resume are all exercised.",
     )
+    heldout_every: int = Field(
+        default=500, ge=0,
+        description="Measure the drafter's acceptance on a fixed part of the held-out split every this many steps "
+        "and at the end (heldout_tau, heldout_acc_k: training.heldout); 0 = never.",
+    )
+    heldout_documents: int = Field(default=64, ge=1, description="Held-out documents that measurement reads.")
     log_every: int = Field(default=10, ge=1, description="Steps between metric lines (log and TensorBoard).")
     tensorboard: bool = Field(default=True, description="Write TensorBoard event files under <output>/tensorboard.")
     progress_every_s: float = Field(
@@ -222,12 +151,19 @@ class TrainConfig(StageSettings):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         self._check_drafter_settings()
-        if self.position_weighting == "dpace" and self.objective == "target_kl":
-            raise ValueError("position_weighting dpace (the default) reads the drafter's confidence from a "
-                             "cross-entropy: with objective target_kl set position_weighting exp_decay")
         if self.resume not in ("auto", "never") and "/" not in self.resume:
             raise ValueError(f"resume must be auto, never or a checkpoint URI, got {self.resume!r}")
         return self
+
+    @property
+    def recipe(self) -> TrainingRecipe:
+        """What the steps compute: the section the optimiser, the loss and the step read."""
+        return section_of(TrainingRecipe, self)
+
+    @property
+    def runtime(self) -> TrainingRuntime:
+        """Where and how the steps run: the section the memory plan, the kernels check and the placement read."""
+        return section_of(TrainingRuntime, self)
 
     def _check_drafter_settings(self) -> None:
         """Refuse drafter settings that would be ignored: each one given either takes effect or is refused."""

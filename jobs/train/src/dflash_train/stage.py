@@ -43,7 +43,7 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.mask_token import default_mask_token, warn_on_zero_mask_row
 from dflash_train.drafter.resolve import build_drafter
 from dflash_train.parallel.rank0 import holds_rank0, on_rank0
-from dflash_train.target_model.sizes import target_replica_bytes
+from dflash_train.training.target_params import TargetSizes, checkpoint_sizes, replica_bytes
 
 if TYPE_CHECKING:
     from dflash_train.data.loader import DataPlan, ShardCache
@@ -206,6 +206,12 @@ def performance(trainer: Trainer, result: TrainResult, world_size: int, planned_
     return out
 
 
+def _target_sizes(target_dir: str, loaded_bytes: int) -> tuple[TargetSizes, int]:
+    """The target's sizes from its weight files' headers, and the device bytes of one whole replica as loaded."""
+    sizes = checkpoint_sizes(target_dir)
+    return sizes, replica_bytes(target_dir, sizes.dtype_bytes, loaded_bytes)
+
+
 def scratch_root(config: TrainConfig) -> str:
     """Node-local scratch shared by the ranks of a node (the target copy and the shard cache live there)."""
     base = config.scratch_dir or tempfile.gettempdir()
@@ -266,20 +272,20 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
         ref = ckpt.find_resume(store, config.output, config.resume)
         if ref is not None:
             refuse_other_settings(store, ref, config)
-        dtype = optim.target_dtype(config, env.device)
+        dtype = optim.target_dtype(config.runtime, env.device)
         with torch.device("meta"):
             drafter_params = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
         # Weight sizes come from the weight files, which only rank 0's node holds: rank 0 reads, all use.
-        replica_bytes, shape = on_rank0(env, lambda: (target_replica_bytes(resolved.target_dir, dtype.itemsize),
-                                                      memory_plan.TargetShape.from_checkpoint(resolved.target_dir)))
-        parallelism = distributed.choose_parallelism(config.parallelism, replica_bytes, drafter_params, env)
+        shape, replica = on_rank0(env, lambda: _target_sizes(resolved.target_dir, dtype.itemsize))
+        parallelism = distributed.choose_parallelism(config.parallelism, replica, drafter_params, env)
         # Before the data plan and the target load: a configuration predicted not to fit stops here (exit 64).
-        planned = memory_plan.check_run(config, cfg, shape, resolved.max_length, parallelism, env, dtype.itemsize)
+        planned = memory_plan.check_run(config.runtime, config.recipe, cfg, shape, resolved.max_length, parallelism,
+                                        env, dtype.itemsize)
         plan = plan_data(resolved, store, cache, env)
         steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         sharded = parallelism == "fsdp" and env.distributed
         # Rank 0 reads the checkpoint and broadcasts it: no rank but rank 0 holds a host copy of the target.
-        recipe = loss_recipe(config)
+        recipe = loss_recipe(config.recipe)
         target = load_target(resolved.target_dir, cfg.target_layer_ids, env, sharded, dtype,
                              attn_implementation=config.target_attn_implementation, packing=config.target_packing,
                              keep_output=recipe.needs_target_output)
@@ -316,7 +322,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
                                    "mesh": distributed.mesh_of(trainer.model), "total_steps": trainer.total_steps,
                                    "warm_start": trainer.warm_started},
                                   trained_tokens(plan, trainer.total_steps, resolved.rows_per_step),
-                                  performance(trainer, result, env.world_size, planned.peak, shape.run_params,
+                                  performance(trainer, result, env.world_size, planned.peak, shape.active_params,
                                               drafter_params))
         uri, _ = write_manifest(store, config.output, manifest)
         log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,

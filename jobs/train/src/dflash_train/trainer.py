@@ -39,6 +39,7 @@ from dflash_train.drafter.attention import compile_drafter_layers
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.parallel.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training import checkpoint as ckpt
 from dflash_train.training.anchors import anchor_count_buckets
@@ -96,10 +97,10 @@ class TrainResult:
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
 
-def loss_recipe(config: TrainConfig) -> LossRecipe:
-    """The step's objective and position weights from the train config."""
-    return LossRecipe(objective=config.objective, weighting=config.position_weighting,
-                      dpace_alpha=config.dpace_alpha, label_agreement=config.label_agreement)
+def loss_recipe(recipe: TrainingRecipe) -> LossRecipe:
+    """The step's objective and position weights from the training recipe."""
+    return LossRecipe(objective=recipe.objective, weighting=recipe.position_weighting,
+                      dpace_alpha=recipe.dpace_alpha, label_agreement=recipe.label_agreement)
 
 
 def scale_gradients(params: Iterable[nn.Parameter], factor: float) -> None:
@@ -118,13 +119,13 @@ def warn_on_agreement(metrics: dict[str, float], threshold: float) -> None:
                     "causes: %s", 100 * share, 100 * threshold, "; ".join(AGREEMENT_CAUSES))
 
 
-def build_drafter(cfg: DrafterConfig, config: TrainConfig, device: torch.device) -> DFlashDrafter:
+def build_drafter(cfg: DrafterConfig, seed: int, runtime: TrainingRuntime, device: torch.device) -> DFlashDrafter:
     """A freshly initialised drafter (the same on every rank: the init is seeded)."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).to(device)
-    if config.activation_checkpointing:
+    if runtime.activation_checkpointing:
         drafter.set_gradient_checkpointing(True)
-    if config.compile:
+    if runtime.compile:
         # Static shapes: per ladder rung two training graphs (the first layer, the rest) and one for
         # no_grad evaluation; the recompile limit is raised before the first compile (dflash_train.drafter.attention).
         compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
@@ -163,14 +164,17 @@ class Trainer:
     def __init__(self, setup: TrainerSetup, target: FrozenTarget, env: DistEnv, store: ObjectStore) -> None:
         config, drafter_cfg, rows_per_step = setup.config, setup.drafter, setup.rows_per_step
         self.config, self.cfg, self.target, self.plan, self.cache = config, drafter_cfg, target, setup.plan, setup.cache
+        # The sections the steps read: what they compute and how they run.
+        self.recipe, self.runtime = config.recipe, config.runtime
+        runtime = self.runtime
         self.env, self.store, self.scratch = env, store, setup.scratch
         self.total_steps, self.rows_per_step = setup.total_steps, rows_per_step
         parallelism, total_steps = setup.parallelism, setup.total_steps
-        groups = rows_per_step // config.micro_batch_rows
-        if rows_per_step % config.micro_batch_rows or groups % env.world_size:
+        groups = rows_per_step // runtime.micro_batch_rows
+        if rows_per_step % runtime.micro_batch_rows or groups % env.world_size:
             raise ConfigError(
                 f"batch_tokens gives {rows_per_step} rows per step, which must split into micro-batches of "
-                f"micro_batch_rows={config.micro_batch_rows} rows, the same number on each of {env.world_size} "
+                f"micro_batch_rows={runtime.micro_batch_rows} rows, the same number on each of {env.world_size} "
                 "rank(s): change batch_tokens or micro_batch_rows"
             )
         self.accumulation = groups // env.world_size
@@ -178,15 +182,15 @@ class Trainer:
             target.check_drafter_config(drafter_cfg)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        self.drafter = build_drafter(drafter_cfg, config, env.device)
+        self.drafter = build_drafter(drafter_cfg, config.seed, runtime, env.device)
         self.warm_started: str | None = None
         if setup.init_from is not None:
             from dflash_train.training.warm_start import warm_start
 
             self.warm_started = warm_start(self.drafter, store, setup.init_from, target.vocab_rows)
-        self.model: nn.Module = wrap_drafter(self.drafter, parallelism, env, bf16=config.precision == "bf16")
-        self.optimizer = build_optimizer(self.model.parameters(), config, env.device)
-        self.scheduler = build_scheduler(self.optimizer, config, total_steps)
+        self.model: nn.Module = wrap_drafter(self.drafter, parallelism, env, bf16=runtime.precision == "bf16")
+        self.optimizer = build_optimizer(self.model.parameters(), self.recipe, env.device)
+        self.scheduler = build_scheduler(self.optimizer, self.recipe, total_steps)
         self.step = 0
         self.metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
@@ -239,7 +243,7 @@ class Trainer:
             log.warning("keeping the checkpoint's schedule of %d steps (the config now gives %d)",
                         state.total_steps, self.total_steps)
             self.total_steps = state.total_steps
-            self.scheduler = build_scheduler(self.optimizer, self.config, self.total_steps)
+            self.scheduler = build_scheduler(self.optimizer, self.recipe, self.total_steps)
         self.scheduler.load_state_dict(state.scheduler)
         self.metrics = {k: v for k, v in state.metrics.items() if k != FIRST_AGREEMENT}
         self.first_agreement = state.metrics.get(FIRST_AGREEMENT, self.first_agreement)
@@ -249,12 +253,12 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def train(self, sink: MetricsSink) -> TrainResult:
-        env, config = self.env, self.config
-        loader = StepLoader(self.plan, self.cache, self.rows_per_step, config.micro_batch_rows, env.rank,
+        env, config, runtime = self.env, self.config, self.runtime
+        loader = StepLoader(self.plan, self.cache, self.rows_per_step, runtime.micro_batch_rows, env.rank,
                             env.world_size, self.step, self.total_steps, config.prefetch_steps,
                             pin_memory=env.device.type == "cuda")
         window = MetricWindow(self.cfg.block_size, env.device)
-        recipe = loss_recipe(config)
+        recipe = loss_recipe(self.recipe)
         grad_norm = 0.0
         first_window = True
         if self.last_checkpoint is not None:
@@ -279,9 +283,9 @@ class Trainer:
                         gen = torch.Generator(device=env.device).manual_seed(
                             micro_seed(config.seed, self.step, micro_id))
                         with accumulate(self.model, sync=i == count - 1):
-                            with autocast(config, env.device):
+                            with autocast(runtime, env.device):
                                 out = dflash_step(self.model, self.target, batch, self.cfg, gen,  # type: ignore[arg-type]
-                                                  noise=True, chunk_tokens=config.chunk_tokens, recipe=recipe)
+                                                  noise=True, chunk_tokens=runtime.chunk_tokens, recipe=recipe)
                             assert out.loss_sum is not None
                             out.loss_sum.backward()
                         step_weight += out.weight_sum
@@ -292,7 +296,7 @@ class Trainer:
                                                                   device=env.device)).item())
                     if total > 0:
                         scale_gradients(self.model.parameters(), env.world_size / total)
-                    grad_norm = clip_gradients(self.model.parameters(), config.grad_clip)
+                    grad_norm = clip_gradients(self.model.parameters(), self.recipe.grad_clip)
                     lr = float(self.scheduler.get_last_lr()[0])
                     self.optimizer.step()
                     self.scheduler.step()
@@ -310,7 +314,7 @@ class Trainer:
                             if self.first_agreement is None:
                                 self.first_agreement = self.metrics["label_agreement"]
                             if env.is_main:
-                                warn_on_agreement(self.metrics, config.label_agreement_warn)
+                                warn_on_agreement(self.metrics, self.recipe.label_agreement_warn)
                         first_window = False
                         self.history.append((self.step, self.metrics))
                         sink.write(self.step, self.total_steps, self.metrics)
@@ -343,9 +347,9 @@ class Trainer:
         from dflash_train.training.heldout import heldout_acceptance
 
         assert self.heldout_rows is not None
-        with autocast(self.config, self.env.device):
+        with autocast(self.runtime, self.env.device):
             return heldout_acceptance(self.model, self.target, self.heldout_rows, self.cfg, self.env,
-                                      self.config.micro_batch_rows, self.config.chunk_tokens)
+                                      self.runtime.micro_batch_rows, self.runtime.chunk_tokens)
 
     def _restart_due(self) -> bool:
         """restart_after_step reached in this process (the same on every rank: no collective needed). A run that

@@ -38,7 +38,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from dflash_pipeline.plan.fit_engine import Engine
@@ -52,11 +51,11 @@ from dflash_shared.target_family import QWEN3, family_of_config, stated_paramete
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.mask_token import reference_mask_token
 from dflash_train.drafter.resolve import build_drafter
+from dflash_train.sections import TrainingRecipe, TrainingRuntime, section_of
 from dflash_train.training import memory_plan as mp
-from dflash_train.training.target_params import ConfigView, TargetSizes, target_sizes, text_config
+from dflash_train.training.target_params import DTYPE_BYTES, ConfigView, TargetSizes, target_sizes, text_config
 
 GIB = mp.GIB
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _gib(n: float) -> str:
@@ -254,12 +253,9 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
     parallelism = "ddp" if requested == "auto" else requested
     if gpu is not None:
         parallelism = mp.auto_parallelism(requested, replica, drafter_params, gpu.total)
-    settings_ns = SimpleNamespace(micro_batch_rows=int(values["micro_batch_rows"]), precision=values["precision"],
-                                  activation_checkpointing=bool(values["activation_checkpointing"]),
-                                  chunk_tokens=values["chunk_tokens"], objective=values["objective"],
-                                  label_agreement=values["label_agreement"])
     backend = "flex" if cfg.attention_backend == "auto" else cfg.attention_backend  # resolve_backend on CUDA
-    inputs = mp.run_inputs(settings_ns, cfg, mp.TargetShape.from_config(raw), max_length, parallelism,
+    inputs = mp.run_inputs(section_of(TrainingRuntime, values), section_of(TrainingRecipe, values), cfg, sizes,
+                           max_length, parallelism,
                            device_type="cuda", world_size=world, shard_size=settings.gpus,
                            target_bytes=target_bytes, backend=backend)
     plan = mp.plan_memory(inputs)
@@ -322,7 +318,7 @@ def _generate(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], siz
     family = (family_of_config(raw) or QWEN3).name
     _, context = generation_limits(family, bool(values["cap_to_training_window"]),
                                    int(values["training_window"]), values["max_new_tokens"], values["max_model_len"])
-    dtype = _DTYPE_BYTES.get(str(values["dtype"]), sizes.dtype_bytes)
+    dtype = DTYPE_BYTES.get(str(values["dtype"]), sizes.dtype_bytes)
     engine = Engine(sizes, _placeholder(gpu), dtype, settings.gpus or 1, int(context),
                     float(values["gpu_memory_utilization"]), values["max_num_seqs"])
     inflight = int(values["max_inflight"] or values["chunk_records"])

@@ -12,34 +12,32 @@
   and one LM-head chunk of logits;
 - a margin for the allocator (fragmentation, cached blocks) and, on CUDA, library workspaces.
 
-The activation coefficients are counted from what autograd keeps for each op of `model.DFlashDrafter`
-(eager, op by op) and were checked against a census of saved tensors (`torch.autograd.graph.
-saved_tensors_hooks`) on CPU in fp32 and under bf16 autocast; compiled layers save less, so the plan is an
-upper bound there. `check` compares the peak with the memory this rank may use (CUDA: free device memory
-from torch.cuda.mem_get_info; CPU: MemAvailable, the cgroup's room, shared by the node's ranks) and refuses
-a configuration that does not fit with a ConfigError (exit 64) naming the settings that would make it fit.
+The target is a `target_params.TargetSizes`: counted from its config.json (the pipeline), or with the exact counts
+of its safetensors headers (`checkpoint_sizes`, the train stage). The activation coefficients are counted from what
+autograd keeps for each op of `model.DFlashDrafter` (eager, op by op) and were checked against a census of saved
+tensors (`torch.autograd.graph. saved_tensors_hooks`) on CPU in fp32 and under bf16 autocast; compiled layers save
+less, so the plan is an upper bound there. `check` compares the peak with the memory this rank may use (CUDA: free
+device memory from torch.cuda.mem_get_info; CPU: MemAvailable, the cgroup's room, shared by the node's ranks) and
+refuses a configuration that does not fit with a ConfigError (exit 64) naming the settings that would make it fit.
 `window_fits` plans one setup across training windows and GPU classes (bench/bench_memory_plan.py --windows).
 The pipeline plans the same way before it submits a run (`dflash_pipeline.plan.fit`), where neither torch nor the
-weights are at hand: `TargetShape.from_config` counts the target from config.json alone, `run_inputs` maps the
+weights are at hand: `target_params.target_sizes` counts the target from config.json alone, `run_inputs` maps the
 run's settings as `plan_for_run` does, `auto_parallelism` resolves `parallelism = auto` as the stage will.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from dflash_shared.errors import ConfigError
-from dflash_shared.target_family import is_moe_config
-from dflash_train.config import reads_target_output
 from dflash_train.drafter.config import DrafterConfig
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
+from dflash_train.training.target_params import TargetSizes, checkpoint_sizes
 
 log = logging.getLogger(__name__)
 
@@ -62,99 +60,7 @@ DEFAULT_LOGITS_BYTES = 1 << 30
 MASK_BYTES_PER_ELEMENT = 6
 # FSDP2 prefetches the next layer's all-gather while the current one computes: two unsharded layers.
 FSDP_GATHERED_LAYERS = 2
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# Checkpoint parts AutoModelForCausalLM does not load (Qwen3.5/3.6: the vision tower and the MTP head).
-_NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|multi_modal_projector)\.|^mtp\.")
-
 Backend = Literal["flex", "sdpa"]
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """What the plan needs of the target, read without loading it."""
-
-    layer_params: tuple[int, ...]  # parameters of each decoder layer, in order
-    whole_params: int  # everything outside the decoder layers: embedding, LM head (if untied), final norm
-    hidden_size: int
-    intermediate_size: int
-    vocab_rows: int
-    # Of a mixture of experts, the parameters one token runs (all experts are held: `layer_params` counts them);
-    # None for a dense target, which runs all it holds.
-    active_params: int | None = None
-
-    @property
-    def params(self) -> int:
-        return sum(self.layer_params) + self.whole_params
-
-    @property
-    def run_params(self) -> int:
-        """Parameters a token's forward runs: the target's FLOPs per token are twice this."""
-        return self.params if self.active_params is None else self.active_params
-
-    @classmethod
-    def from_checkpoint(cls, target_dir: str | Path) -> TargetShape:
-        """Parameter counts from the safetensors headers (exact); shapes from config.json (text_config)."""
-        root = Path(target_dir)
-        raw = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        cfg = raw.get("text_config") or raw
-        tied = bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
-        layers = int(cfg["num_hidden_layers"])
-        per_layer = [0] * layers
-        whole = 0
-        vocab = int(cfg.get("vocab_size", 0))
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"target {root} holds no .safetensors files; the memory plan reads their headers")
-        for file in files:
-            for name, numel, shape in _safetensors_entries(file):
-                if _NOT_LOADED.search(name) or (tied and name.endswith("lm_head.weight")):
-                    continue
-                match = _LAYER.search(name)
-                if match and int(match.group(1)) < layers:
-                    per_layer[int(match.group(1))] += numel
-                else:
-                    whole += numel
-                    if name.endswith("embed_tokens.weight"):
-                        vocab = int(shape[0])
-        active = None
-        if is_moe_config(raw):
-            # The experts a token skips are config.json's to say; the headers count what is held, exactly.
-            counted = cls.from_config(raw)
-            active = sum(per_layer) + whole - (counted.params - counted.run_params)
-        return cls(tuple(per_layer), whole, int(cfg["hidden_size"]), int(cfg.get("intermediate_size") or 0), vocab,
-                   active)
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TargetShape:
-        """Parameter counts from a parsed config.json alone, no weight file read (`target_params`: dense Qwen3,
-        Qwen3.5/3.6 hybrids, their mixtures of experts); equal to `from_checkpoint`'s on the checkpoints the tests
-        build."""
-        from dflash_train.training.target_params import target_sizes
-
-        try:
-            sizes = target_sizes(config)
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
-        return cls(sizes.layer_params, sizes.whole_params, sizes.hidden_size, sizes.intermediate_size,
-                   sizes.vocab_size, sizes.active_params if sizes.layer_active_params else None)
-
-
-def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
-    """(name, element count, shape) of each tensor: the file's 8-byte length, then its JSON header."""
-    with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(length))
-    out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        numel = 1
-        for dim in info["shape"]:
-            numel *= int(dim)
-        out.append((name, numel, [int(d) for d in info["shape"]]))
-    return out
 
 
 def drafter_parameter_count(cfg: DrafterConfig) -> tuple[int, int]:
@@ -178,7 +84,7 @@ class PlanInputs:
     """Everything the prediction depends on; `plan_for_run` fills it from a run's configs."""
 
     drafter: DrafterConfig
-    target: TargetShape
+    target: TargetSizes
     max_length: int
     micro_batch_rows: int
     anchors: int  # N, anchors per row of the widest step
@@ -376,11 +282,11 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     trained = rows * i.anchors * (block - 1)
     # Soft labels hold two chunks of logits (the drafter's and the target's log-softmax and probabilities), and
     # the loss halves its default chunk to keep the same budget (loss.linear_token_loss).
-    chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_rows * (2 if i.soft_labels else 1)))
+    chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_size * (2 if i.soft_labels else 1)))
     chunk = min(chunk, trained)
     per_logit = (4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes) + (8 + 2 * i.target_bytes) * i.soft_labels
-    lm = per_logit * chunk * tgt.vocab_rows + 2 * trained * h * 4
-    lm_note = f"chunks of {chunk} tokens x {tgt.vocab_rows} vocab + h, grad_h [{trained}, {h}] fp32"
+    lm = per_logit * chunk * tgt.vocab_size + 2 * trained * h * 4
+    lm_note = f"chunks of {chunk} tokens x {tgt.vocab_size} vocab + h, grad_h [{trained}, {h}] fp32"
     if i.soft_labels:
         # The target's final hidden state at each trained slot's label position, gathered for the soft labels.
         lm += trained * tgt.hidden_size * i.target_bytes
@@ -424,37 +330,35 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
 # ------------------------------------------------------------------------------------------ the run's plan
 
 
-def plan_for_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max_length: int, parallelism: str,
-                 env: Any, target_bytes: int) -> MemoryPlan:
-    """The plan of a train-stage run (config: TrainConfig; env: distributed.DistEnv).
+def plan_for_run(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterConfig, target: str | TargetSizes,
+                 max_length: int, parallelism: str, env: Any, target_bytes: int) -> MemoryPlan:
+    """The plan of a train-stage run (env: distributed.DistEnv).
 
-    `target`: the checkpoint directory (its headers are read here), or its shape as rank 0 read it (the
+    `target`: the checkpoint directory (its headers are read here), or its sizes as rank 0 read them (the
     ranks of the other nodes hold no weight files).
     """
     from dflash_train.drafter.attention import resolve_backend
 
     mesh = env.mesh_shape  # (ranks,) on one node; (nodes, ranks per node) under HSDP: shards span a node
-    shape = target if isinstance(target, TargetShape) else TargetShape.from_checkpoint(target)
-    return plan_memory(run_inputs(config, cfg, shape, max_length, parallelism, device_type=env.device.type,
+    sizes = target if isinstance(target, TargetSizes) else checkpoint_sizes(target)
+    return plan_memory(run_inputs(runtime, recipe, cfg, sizes, max_length, parallelism, device_type=env.device.type,
                                   world_size=env.world_size, shard_size=int(mesh[-1]), target_bytes=target_bytes,
                                   backend=resolve_backend(cfg.attention_backend, env.device)))
 
 
-def run_inputs(config: Any, cfg: DrafterConfig, target: TargetShape, max_length: int, parallelism: str, *,
-               device_type: str, world_size: int, shard_size: int, target_bytes: int, backend: Backend,
-               ) -> PlanInputs:
-    """The plan's inputs from a run's settings (config: TrainConfig, or anything with its micro_batch_rows,
-    precision, activation_checkpointing and chunk_tokens): the one mapping the train stage and the pipeline's
-    pre-submit check both use."""
+def run_inputs(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterConfig, target: TargetSizes,
+               max_length: int, parallelism: str, *, device_type: str, world_size: int, shard_size: int,
+               target_bytes: int, backend: Backend) -> PlanInputs:
+    """The plan's inputs from a run's sections (the runtime's memory knobs, the recipe's need of the target's
+    output): the one mapping the train stage and the pipeline's pre-submit check both use."""
     return PlanInputs(
-        drafter=cfg, target=target, max_length=max_length, micro_batch_rows=config.micro_batch_rows,
+        drafter=cfg, target=target, max_length=max_length, micro_batch_rows=runtime.micro_batch_rows,
         anchors=planned_anchor_count(cfg, max_length), target_bytes=target_bytes,
-        autocast_bf16=config.precision == "bf16", backend=backend, device_type=device_type,
+        autocast_bf16=runtime.precision == "bf16", backend=backend, device_type=device_type,
         parallelism=parallelism, world_size=world_size, shard_size=shard_size,
-        activation_checkpointing=config.activation_checkpointing, chunk_tokens=config.chunk_tokens,
-        feature_noise=cfg.feature_noise_std > 0,
-        target_output=reads_target_output(config.objective, bool(config.label_agreement)),
-        soft_labels=config.objective == "target_kl",
+        activation_checkpointing=runtime.activation_checkpointing, chunk_tokens=runtime.chunk_tokens,
+        feature_noise=cfg.feature_noise_std > 0, target_output=recipe.needs_target_output,
+        soft_labels=recipe.objective == "target_kl",
     )
 
 
@@ -468,10 +372,10 @@ def auto_parallelism(requested: str, replica_bytes: int, drafter_params: int, to
     return "ddp" if need < REPLICA_MEMORY_FRACTION * total_memory else "fsdp"
 
 
-def check_run(config: Any, cfg: DrafterConfig, target: str | TargetShape, max_length: int, parallelism: str,
-              env: Any, target_bytes: int) -> MemoryPlan:
+def check_run(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterConfig, target: str | TargetSizes,
+              max_length: int, parallelism: str, env: Any, target_bytes: int) -> MemoryPlan:
     """The train stage's hook: plan, compare with this rank's memory, log the table, refuse if it does not fit."""
-    plan = plan_for_run(config, cfg, target, max_length, parallelism, env, target_bytes)
+    plan = plan_for_run(runtime, recipe, cfg, target, max_length, parallelism, env, target_bytes)
     plan = plan.with_available(*available_memory(env.device))
     check(plan, env.any)
     return plan

@@ -14,38 +14,11 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 from torch import nn
 
-
-class OptimizerSettings(Protocol):
-    """The settings read here; the stage's TrainConfig has them (typed structurally, so this floor does not
-    import the stage's config above it)."""
-
-    @property
-    def lr(self) -> float: ...
-    @property
-    def adam_beta1(self) -> float: ...
-    @property
-    def adam_beta2(self) -> float: ...
-    @property
-    def adam_eps(self) -> float: ...
-    @property
-    def weight_decay(self) -> float: ...
-    @property
-    def warmup_ratio(self) -> float: ...
-    @property
-    def min_lr_ratio(self) -> float: ...
-    @property
-    def lr_schedule(self) -> str: ...
-    @property
-    def decay_ratio(self) -> float: ...
-    @property
-    def precision(self) -> str: ...
-    @property
-    def target_dtype(self) -> str: ...
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -70,11 +43,11 @@ def warmup_stable_decay(step: int, warmup_steps: int, total_steps: int, min_rati
     return 1.0 - (1.0 - min_ratio) * progress
 
 
-def warmup_steps_for(config: OptimizerSettings, total_steps: int) -> int:
-    return int(round(config.warmup_ratio * total_steps))
+def warmup_steps_for(recipe: TrainingRecipe, total_steps: int) -> int:
+    return int(round(recipe.warmup_ratio * total_steps))
 
 
-def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerSettings,
+def build_optimizer(params: Iterable[nn.Parameter], recipe: TrainingRecipe,
                     device: torch.device) -> torch.optim.AdamW:
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
@@ -83,24 +56,24 @@ def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerSettings,
     fused = device.type == "cuda"
     return torch.optim.AdamW(
         trainable,
-        lr=config.lr,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
-        weight_decay=config.weight_decay,
+        lr=recipe.lr,
+        betas=(recipe.adam_beta1, recipe.adam_beta2),
+        eps=recipe.adam_eps,
+        weight_decay=recipe.weight_decay,
         fused=fused,
         foreach=None if fused else True,
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerSettings, total_steps: int,
+def build_scheduler(optimizer: torch.optim.Optimizer, recipe: TrainingRecipe, total_steps: int,
                     ) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = warmup_steps_for(config, total_steps)
-    if config.lr_schedule == "wsd":
+    warmup = warmup_steps_for(recipe, total_steps)
+    if recipe.lr_schedule == "wsd":
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_stable_decay(step, warmup, total_steps, config.min_lr_ratio,
-                                                        config.decay_ratio))
+            optimizer, lambda step: warmup_stable_decay(step, warmup, total_steps, recipe.min_lr_ratio,
+                                                        recipe.decay_ratio))
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, warmup, total_steps, config.min_lr_ratio)
+        optimizer, lambda step: warmup_cosine(step, warmup, total_steps, recipe.min_lr_ratio)
     )
 
 
@@ -114,14 +87,14 @@ def clip_gradients(params: Iterable[nn.Parameter], max_norm: float) -> float:
     return float(full() if full is not None else norm)
 
 
-def autocast(config: OptimizerSettings, device: torch.device) -> contextlib.AbstractContextManager[None]:
+def autocast(runtime: TrainingRuntime, device: torch.device) -> contextlib.AbstractContextManager[None]:
     """bf16 autocast for the forward pass, or nothing for fp32 training."""
-    if config.precision == "bf16":
+    if runtime.precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def target_dtype(config: OptimizerSettings, device: torch.device) -> torch.dtype:
-    if config.target_dtype == "bf16" or (config.target_dtype == "auto" and device.type == "cuda"):
+def target_dtype(runtime: TrainingRuntime, device: torch.device) -> torch.dtype:
+    if runtime.target_dtype == "bf16" or (runtime.target_dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32

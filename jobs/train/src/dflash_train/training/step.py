@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.config import reads_target_output
 from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.attention import build_drafter_mask, resolve_backend
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import reads_target_output
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import sample_anchors
 from dflash_train.training.loss import Objective, Weighting, block_targets, chunked_argmax, dflash_loss

@@ -1,6 +1,7 @@
 """What a target's config.json alone says about its size: parameters per decoder layer, KV cache per token and
 recurrent state per sequence. No torch import: the pipeline's pre-submit fit check (`dflash_pipeline.plan.fit`) reads
-it where no weights are at hand, and `memory_plan.TargetShape.from_config` builds the plan's target from it.
+it where no weights are at hand. The train stage's memory plan reads the same sizes with the exact parameter counts of
+the checkpoint's safetensors headers (`checkpoint_sizes`).
 
 The counts follow the modules transformers builds (models/qwen3/modeling_qwen3.py, models/qwen3_5/
 modeling_qwen3_5.py), parameter by parameter:
@@ -30,13 +31,22 @@ delta-rule state [value heads / tp, key head dim, value head dim], both in the m
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from dflash_shared.errors import ConfigError
 from dflash_shared.target_family import EXPERT_COUNT_KEYS, family_of_config, is_hybrid_config
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Bytes per parameter of the dtypes a config.json or an engine setting names.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Checkpoint parts AutoModelForCausalLM does not load (Qwen3.5/3.6: the vision tower and the MTP head).
+_NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|multi_modal_projector)\.|^mtp\.")
 # Softmax-attention layer kinds. A sliding-window layer holds fewer keys than a full one; counting its cache as
 # full keeps the figure an upper bound.
 _ATTENTION = ("full_attention", "sliding_attention")
@@ -183,7 +193,7 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
         layer_active_params=tuple(mixer + active for mixer, (_, active) in zip(per_layer, mlps, strict=True))
         if sparse else (), whole_params=whole,
         hidden_size=hidden, intermediate_size=inter, vocab_size=vocab, num_key_value_heads=kv_heads,
-        head_dim=head_dim, dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
+        head_dim=head_dim, dtype_bytes=DTYPE_BYTES.get(dtype, 2),
         linear_key_dim=linear["k_heads"] * linear["k_dim"], linear_value_dim=linear["v_heads"] * linear["v_dim"],
         linear_value_heads=linear["v_heads"], linear_key_head_dim=linear["k_dim"],
         linear_value_head_dim=linear["v_dim"], conv_kernel=linear["kernel"],
@@ -209,3 +219,58 @@ def _mlp_params(text: Mapping[str, Any], hidden: int, inter: int, layer: int) ->
     shared = 3 * hidden * int(text.get("shared_expert_intermediate_size") or 0)
     always = experts * hidden + shared + (hidden if shared else 0)  # router; shared expert and its gate
     return always + experts * expert, always + routed * expert
+
+
+def checkpoint_sizes(target_dir: str | Path) -> TargetSizes:
+    """The sizes of a checkpoint directory: its config.json's, with the parameter counts of its safetensors headers
+    (exact, whatever the config leaves implicit); a mixture's active counts keep the experts a token skips, which only
+    the config says. ValueError without weight files."""
+    root = Path(target_dir)
+    raw = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    counted = target_sizes(raw)
+    tied = bool(text_config(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+    per_layer = [0] * len(counted.layer_params)
+    whole, vocab = 0, counted.vocab_size
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"target {root} holds no .safetensors files; the memory plan reads their headers")
+    for file in files:
+        for name, numel, shape in _safetensors_entries(file):
+            if _NOT_LOADED.search(name) or (tied and name.endswith("lm_head.weight")):
+                continue
+            match = _LAYER.search(name)
+            if match and int(match.group(1)) < len(per_layer):
+                per_layer[int(match.group(1))] += numel
+            else:
+                whole += numel
+                if name.endswith("embed_tokens.weight"):
+                    vocab = int(shape[0])
+    skipped = [held - active for held, active in zip(counted.layer_params, counted.layer_active_params, strict=True)
+               ] if counted.layer_active_params else []
+    return replace(counted, layer_params=tuple(per_layer), whole_params=whole, vocab_size=vocab,
+                   layer_active_params=tuple(n - s for n, s in zip(per_layer, skipped, strict=True)) if skipped
+                   else ())
+
+
+def replica_bytes(target_dir: str | Path, stored_bytes: int, loaded_bytes: int) -> int:
+    """Device bytes of one whole replica of the target as loaded (`loaded_bytes` per parameter): its weight files'
+    sizes (everything they hold, vision tower and MTP included), rescaled from the `stored_bytes` per parameter of
+    the files (`TargetSizes.dtype_bytes`). What `parallelism = auto` weighs; the plan's weights term counts layers."""
+    files = sum(p.stat().st_size for p in Path(target_dir).glob("*") if p.suffix in (".safetensors", ".bin"))
+    return files * loaded_bytes // stored_bytes
+
+
+def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
+    """(name, element count, shape) of each tensor: the file's 8-byte length, then its JSON header."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    return [(name, _numel(info["shape"]), [int(d) for d in info["shape"]]) for name, info in header.items()
+            if name != "__metadata__"]
+
+
+def _numel(shape: list[Any]) -> int:
+    out = 1
+    for dim in shape:
+        out *= int(dim)
+    return out
