@@ -65,6 +65,9 @@ TRIALS: dict[str, dict[str, Any]] = {
     # target's answers, as a released drafter of a sibling model would be. `{work_dir}` is `--work-dir`.
     "dpace_warm_docs": {"position_weighting": "dpace",
                         "init_from": "{work_dir}/trials/docs/dpace/store/trial-dpace/export"},
+    # The other way round, for the docstring target: from the long-answer target's D-PACE trial drafter.
+    "dpace_warm_code": {"position_weighting": "dpace",
+                        "init_from": "{work_dir}/trials/code/dpace/store/trial-dpace/export"},
 }
 STAGES = ("import", "tokenize", "train", "export")
 PROMPTS = 48

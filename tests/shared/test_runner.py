@@ -387,6 +387,30 @@ def test_kill_mid_shard_then_rerun_is_byte_identical(storage_root: str, store: O
     assert manifest.total_records == kept
 
 
+def test_a_finished_shard_removes_the_temp_files_its_killed_writes_left(tmp_path: Path, store: ObjectStore) -> None:
+    """kill -9 between a local write's temp file and its rename leaves the temp file behind (listings never show
+    it). When the shard that owns it completes, its own temp files go: its progress records', its parts' and its
+    marker's; another shard's, which may still be in flight, stay."""
+    prefix = str(tmp_path / "out")
+    progress, data = Path(prefix, "_progress", "shard-00001-of-00002"), Path(prefix, "data")
+    progress.mkdir(parents=True)
+    data.mkdir(parents=True)
+    hexes = iter(f"{i:032x}" for i in range(10))
+    markers = Path(prefix, "_markers")
+    markers.mkdir()
+    own = [progress / f".part-00001-0000.txt.json.{next(hexes)}.tmp", data / f".part-00001-0000.txt.{next(hexes)}.tmp",
+           markers / f".shard-00001-of-00002.json.{next(hexes)}.tmp"]
+    others = [data / f".part-00000-0000.txt.{next(hexes)}.tmp",
+              markers / f".shard-00000-of-00002.json.{next(hexes)}.tmp"]
+    for path in [*own, *others]:
+        path.write_bytes(b"half written")
+
+    run_shard("unit", store, prefix, ITEMS, 1, 2, tiny_process)
+    assert not any(p.exists() for p in own)
+    assert all(p.exists() for p in others)
+    assert store.list(join(prefix, "data")) == [join(prefix, "data", "part-00001-0000.txt")]
+
+
 @pytest.mark.slow
 def test_four_workers_race_to_finalize_once(
     storage_root: str, store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture

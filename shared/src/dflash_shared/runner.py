@@ -326,7 +326,12 @@ class ShardContext:
 
     def part_name(self, part: int, suffix: str) -> str:
         """A file name unique to this shard and part, e.g. ``part-00003-0001.parquet``."""
-        return f"part-{self.index:05d}-{part:04d}{suffix}"
+        return f"{self.part_prefix}{part:04d}{suffix}"
+
+    @property
+    def part_prefix(self) -> str:
+        """The start of every file name this shard publishes (`part_name`)."""
+        return f"part-{self.index:05d}-"
 
     def publish(
         self, source: str | os.PathLike[str] | bytes, name: str, records: int, tokens: int | None = None,
@@ -390,8 +395,17 @@ class ShardContext:
         self.published.append(shard)
 
     def clear_progress(self) -> None:
+        """Once the shard's marker holds its outcome: its progress records go, and so do the temp files that writes
+        of this shard killed mid-way left (its progress records', its parts', its marker's): no other worker
+        writes those."""
         for uri in self.store.list(self.progress_prefix()):
             self.store.delete(uri)
+        marker = marker_uri(self.output_prefix, self.index, self.count).rsplit("/", 1)[-1]
+        abandoned = sum(self.store.remove_abandoned_writes(folder, start) for folder, start in (
+            (self.progress_prefix(), ""), (join(self.output_prefix, DATA_DIR), self.part_prefix),
+            (join(self.output_prefix, MARKERS_DIR), marker)))
+        if abandoned:
+            self.logger.info("removed %d temp file(s) that interrupted writes of this shard left", abandoned)
 
     def outcome(
         self,

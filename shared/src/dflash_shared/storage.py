@@ -508,6 +508,21 @@ class ObjectStore:
         with self._s3_errors("delete_object", uri):
             self.client.delete_object(Bucket=bucket, Key=key)
 
+    def remove_abandoned_writes(self, prefix: str, name_start: str = "") -> int:
+        """Delete the temp files that local writes killed mid-way (kill -9, a lost node) left directly under the
+        local folder `prefix` (whose names start with `name_start`), and return how many. Listings never show them;
+        call it only where no write of those names can be in flight (the owner of a finished shard). Nothing on
+        S3: an interrupted upload leaves no object."""
+        if is_s3(prefix) or not os.path.isdir(prefix):
+            return 0
+        removed = 0
+        for name in os.listdir(prefix):
+            if _TMP_RE.match(name) and name[1:].startswith(name_start):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(prefix, name))
+                    removed += 1
+        return removed
+
     def download_to(self, uri: str, local_path: str) -> None:
         """Copy the object to a local file (parallel ranged GETs on S3), atomically."""
         with _local_atomic(local_path) as fh:
