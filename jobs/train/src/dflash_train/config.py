@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.settings import StageSettings
@@ -48,11 +48,8 @@ DEBUG_PRESET: dict[str, Any] = {
 }
 
 
-class TrainConfig(StageSettings, TrainingRecipe, TrainingRuntime):
-    """The stage's inputs and outputs, the drafter, the data and the checkpoints and logs, with the recipe's and the
-    runtime's fields (`dflash_train.sections`) beside them, flat: one flag, variable and run-file key per field."""
-
-    model_config = SettingsConfigDict(env_prefix="DFLASH_TRAIN_")
+class StageIO(BaseModel):
+    """What the stage reads and writes: the first settings of `--help` and of the configuration reference."""
 
     preset: Preset = Field(
         default="none", description="Fill every setting not given explicitly from a preset ('debug': tiny CPU run)."
@@ -61,6 +58,15 @@ class TrainConfig(StageSettings, TrainingRecipe, TrainingRuntime):
     output: str = Field(description="Drafter prefix: checkpoints, TensorBoard files and the drafter manifest.")
     target: str = Field(description="Target model directory, local or s3:// (copied to local scratch).")
     run_id: str | None = Field(default=None, description="Run id; defaults to the tokenized manifest's.")
+
+
+# Field order (pydantic lists the bases' fields from the last base to the first, then the class's own): what the
+# stage reads and writes, the runtime, the recipe, then the drafter, the data and the checkpoints and logs below.
+class TrainConfig(StageSettings, TrainingRecipe, TrainingRuntime, StageIO):
+    """The stage's inputs and outputs, the drafter, the data and the checkpoints and logs, with the recipe's and the
+    runtime's fields (`dflash_train.sections`) beside them, flat: one flag, variable and run-file key per field."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_TRAIN_")
 
     # ------------------------------------------------------------------ drafter
     drafter: DrafterConfig | None = Field(
