@@ -9,10 +9,12 @@ with one change to `[stages.train] config`, and runs its tokenize, train and exp
 speculative loop (`bench_quality.offline_tau`, equal to vLLM's engine tau in every bench so far) on the bench's
 48 held-out prompts: tau, and accepted tokens per drafted position.
 
-Equal steps and equal CPU time: every trial trains the bench's number of steps. A trial whose training took more
-than 15% longer than the first trial named (the baseline: `today` by default; more blocks per step; the training time
-is steps x the median seconds per step of its log) is run a second time (`<name>@time`) with its steps scaled down to
-the baseline's training time, so that what a change buys per step and per CPU-second are both shown.
+Equal steps and equal CPU time: every trial trains the bench's number of steps. A trial whose stages took more than
+15% more CPU seconds than the first trial named (the baseline: `today` by default; more blocks per step) is run a
+second time (`<name>@time`) with its steps scaled down to the baseline's cost, so that what a change buys per step
+and per CPU-second are both shown. The CPU seconds (user and system, of every process the stages ran; kept in the
+trial's `cpu.json`) are what a busy machine does not inflate; a trial trained before they were recorded is compared by
+its training's wall-clock time (steps x the median seconds per step of its log), which holds only under equal load.
 
     .venv-generate/bin/python bench/bench_drafter_trials.py --work-dir /work/bq [--speaking code] [--trials kl]
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -93,13 +97,16 @@ def trial_export(bench_dir: Path, name: str, change: dict[str, Any]) -> tuple[Pa
     run = trial_run(json.loads((bench_dir / "run.json").read_text()), bench_dir, name, change)
     work = Path(run["root"]).parent
     export = Path(run["root"]) / run["run_id"] / "export"
+    cpu_file = work / "cpu.json"
     if not (export / "manifest.json").exists():
         work.mkdir(parents=True, exist_ok=True)
         (work / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        before = children_cpu_seconds()
         subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "dflash_pipeline", "local", "--config",
                         str(work / "run.json"), "--log-dir", str(work / "logs"),
                         *[arg for stage in STAGES for arg in ("--stage", stage)]],
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        cpu_file.write_text(json.dumps({"cpu_seconds": children_cpu_seconds() - before}) + "\n")
     from dflash_shared.manifest_io import load_manifest
     from dflash_shared.manifests import Kind
     from dflash_shared.storage import ObjectStore
@@ -109,7 +116,23 @@ def trial_export(bench_dir: Path, name: str, change: dict[str, Any]) -> tuple[Pa
     metrics = dict(drafter.section.final_metrics)
     metrics["steps"] = float(run["stages"]["train"]["config"].get("max_steps") or 0)
     metrics["train_seconds"] = seconds_per_step(work / "logs" / "train-0.log") * metrics["steps"]
+    # A trial trained before CPU seconds were recorded has only its wall-clock pace.
+    metrics["cpu_seconds"] = json.loads(cpu_file.read_text())["cpu_seconds"] if cpu_file.exists() else float("nan")
     return export, metrics
+
+
+def children_cpu_seconds() -> float:
+    """User and system CPU seconds of every process this one has waited for (the stages and their workers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def training_cost(metrics: dict[str, Any], baseline: dict[str, Any]) -> tuple[float, float]:
+    """(the trial's, the baseline's) cost: CPU seconds of their stages where both have them, which shared cores do
+    not inflate; else their training's wall-clock seconds, which compare only runs made under the same load."""
+    if math.isfinite(metrics.get("cpu_seconds", math.nan)) and math.isfinite(baseline.get("cpu_seconds", math.nan)):
+        return metrics["cpu_seconds"], baseline["cpu_seconds"]
+    return metrics["train_seconds"], baseline["train_seconds"]
 
 
 def seconds_per_step(train_log: Path) -> float:
@@ -190,21 +213,23 @@ def main() -> None:
                    "accepted_per_position": per_position}
             rows.append(row)
             print(f"  {key} {name}: offline tau {tau:.3f}, per position "
-                  f"{' '.join(f'{a:.2f}' for a in per_position)}, train {metrics['train_seconds']:.0f} s, loss "
+                  f"{' '.join(f'{a:.2f}' for a in per_position)}, train {metrics['train_seconds']:.0f} s "
+                  f"(CPU {metrics['cpu_seconds']:.0f} s), loss "
                   f"{metrics.get('loss', float('nan')):.3f}, label agreement "
                   f"{metrics.get('label_agreement', float('nan')):.3f}", flush=True)
             baseline = rows[0]
-            if "@" not in name and name != baseline["trial"] \
-                    and metrics["train_seconds"] > SLOWER * baseline["train_seconds"]:
+            cost, baseline_cost = training_cost(metrics, baseline)
+            if "@" not in name and name != baseline["trial"] and cost > SLOWER * baseline_cost:
                 steps = int(json.loads((bench_dir / "run.json").read_text())["stages"]["train"]["config"]["max_steps"])
-                scaled = max(1, round(steps * baseline["train_seconds"] / metrics["train_seconds"]))
+                scaled = max(1, round(steps * baseline_cost / cost))
                 queue.insert(0, (f"{name}@time", {**change, "max_steps": scaled}))
         results[key] = rows
-        print(f"\n{key}: | trial | change | steps | train s | loss | label agreement | offline tau | accepted per "
-              "position |")
+        print(f"\n{key}: | trial | change | steps | train s | CPU s | loss | label agreement | offline tau | accepted "
+              "per position |")
         for r in rows:
             print(f"| {r['trial']} | {json.dumps(r['change']) if r['change'] else '-'} | "
-                  f"{int(r['steps']) or '-'} | {r['train_seconds']:.0f} | {r.get('loss', float('nan')):.3f} | "
+                  f"{int(r['steps']) or '-'} | {r['train_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
+                  f"{r.get('loss', float('nan')):.3f} | "
                   f"{r.get('label_agreement', float('nan')):.3f} | {r['offline_tau']:.3f} | "
                   f"{' '.join(f'{a:.2f}' for a in r['accepted_per_position'])} |", flush=True)
     if args.json:

@@ -73,10 +73,7 @@ def test_each_drafter_trial_changes_only_the_train_settings_it_names(tmp_path: P
     sys.path.insert(0, str(REPO / "demo"))
     from run_demo import run_file
 
-    spec = importlib.util.spec_from_file_location("bench_drafter_trials", REPO / "bench" / "bench_drafter_trials.py")
-    assert spec is not None and spec.loader is not None
-    trials = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trials)
+    trials = _trials()
     for key, speaking in _bench().SPEAKING_BENCHES.items():
         bench_run = run_file(tmp_path, "s3://bench/quality", speaking.overrides, "speaking")
         for name, changes in trials.TRIALS.items():
@@ -134,3 +131,27 @@ def test_goals_print_met_or_missed_and_by_how_much(capsys: pytest.CaptureFixture
     assert "trained tok/step / n-gram tok/step" in out and "2.00x  goal >= 2.0x: met by 0%" in out
     assert "3.30x  goal >= 4.0x: MISSED by 18%" in out
     assert "1:1.80 2:2.40 3:2.80" in out  # tau by drafted positions: 1 + the first k acceptance rates
+
+
+def _trials() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_drafter_trials", REPO / "bench" / "bench_drafter_trials.py")
+    assert spec is not None and spec.loader is not None
+    trials = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trials)
+    return trials
+
+
+def test_trials_compare_cost_in_cpu_seconds_where_both_have_them() -> None:
+    """A busy machine stretches wall-clock seconds, not CPU seconds: the equal-time rule compares CPU seconds when the
+    trial and its baseline both recorded them, and falls back to the training's wall-clock time only otherwise; the
+    CPU seconds counted are those of the processes the script waited for."""
+    import subprocess
+
+    trials = _trials()
+    baseline = {"train_seconds": 1200.0, "cpu_seconds": 1000.0}
+    busier = {"train_seconds": 1800.0, "cpu_seconds": 1050.0}  # same work per step, on busier cores
+    assert trials.training_cost(busier, baseline) == (1050.0, 1000.0)
+    assert trials.training_cost({"train_seconds": 1800.0, "cpu_seconds": float("nan")}, baseline) == (1800.0, 1200.0)
+    before = trials.children_cpu_seconds()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    assert trials.children_cpu_seconds() - before > 0.05
