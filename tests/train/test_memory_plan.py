@@ -66,7 +66,7 @@ def gpu_inputs(**changes: object) -> PlanInputs:
     return PlanInputs(**values)  # type: ignore[arg-type]
 
 
-def test_target_shape_from_headers_counts_what_transformers_loads(target_arch: str) -> None:
+def test_checkpoint_sizes_from_headers_count_what_transformers_loads(target_arch: str) -> None:
     """The parameter count read from the safetensors headers equals the loaded model's (the Qwen3.6 layout's
     vision tower and MTP weights are not loaded, a tied head is counted once)."""
     from transformers import AutoModelForCausalLM

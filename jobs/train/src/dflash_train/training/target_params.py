@@ -32,6 +32,7 @@ delta-rule state [value heads / tp, key head dim, value head dim], both in the m
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Mapping
@@ -224,10 +225,13 @@ def _mlp_params(text: Mapping[str, Any], hidden: int, inter: int, layer: int) ->
 def checkpoint_sizes(target_dir: str | Path) -> TargetSizes:
     """The sizes of a checkpoint directory: its config.json's, with the parameter counts of its safetensors headers
     (exact, whatever the config leaves implicit); a mixture's active counts keep the experts a token skips, which only
-    the config says. ValueError without weight files."""
+    the config says. ConfigError (exit 64) for an architecture not counted here or a folder without weight files."""
     root = Path(target_dir)
     raw = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    counted = target_sizes(raw)
+    try:
+        counted = target_sizes(raw)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     tied = bool(text_config(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
     per_layer = [0] * len(counted.layer_params)
     whole, vocab = 0, counted.vocab_size
@@ -265,12 +269,5 @@ def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
     with open(path, "rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(length))
-    return [(name, _numel(info["shape"]), [int(d) for d in info["shape"]]) for name, info in header.items()
-            if name != "__metadata__"]
-
-
-def _numel(shape: list[Any]) -> int:
-    out = 1
-    for dim in shape:
-        out *= int(dim)
-    return out
+    return [(name, math.prod(int(d) for d in info["shape"]), [int(d) for d in info["shape"]])
+            for name, info in header.items() if name != "__metadata__"]
