@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "bench"))
 BEFORE = {"position_weighting": "exp_decay"}
 TRIALS: dict[str, dict[str, Any]] = {
     "today": BEFORE,
-    "anchors512": {**BEFORE, "drafter_overrides": {"num_anchors": 512}},  # every valid position of a normal answer
+    "anchors512": {**BEFORE, "num_anchors": 512},  # every valid position of a normal answer
     "target_argmax_ce": {**BEFORE, "objective": "target_argmax_ce"},
     "target_kl": {**BEFORE, "objective": "target_kl"},
     "dpace": {"position_weighting": "dpace"},
@@ -60,10 +60,10 @@ TRIALS: dict[str, dict[str, Any]] = {
     # One change of the default the trials above chose (D-PACE), for the targets measured after that choice. KL has no
 # D-PACE variant (D-PACE reads its confidence from a cross-entropy; the train config refuses the pair): `target_kl`
 # measures it against `today`.
-    "dpace_anchors512": {"position_weighting": "dpace", "drafter_overrides": {"num_anchors": 512}},
+    "dpace_anchors512": {"position_weighting": "dpace", "num_anchors": 512},
     # 4x the bench's 16 per document of the long answers (~145 valid positions): what 512 buys, at a CPU cost the
     # bench can run (512 trains about 5x slower per step here).
-    "dpace_anchors64": {"position_weighting": "dpace", "drafter_overrides": {"num_anchors": 64}},
+    "dpace_anchors64": {"position_weighting": "dpace", "num_anchors": 64},
     "dpace_argmax_ce": {"position_weighting": "dpace", "objective": "target_argmax_ce"},
     # A warm start from the docstring target's D-PACE trial drafter: the same drafter shape and target shape, another
     # target's answers, as a released drafter of a sibling model would be. `{work_dir}` is `--work-dir`.

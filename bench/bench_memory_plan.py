@@ -39,25 +39,26 @@ try:
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(REPO / "jobs" / "train" / "src"))
 
-# target: a Qwen3 shape; drafter: DrafterConfig.debug overrides; train: TrainConfig fields.
+# target: a Qwen3 shape; drafter: DrafterConfig.debug overrides; train: TrainConfig fields (the anchors among them).
 SHAPES: dict[str, dict[str, Any]] = {
     # The test suite's tiny target shape and drafter (block 8) over its real 151,936-row vocabulary: the
     # LM-head chunks (1 GiB of logits each) dominate.
     "tiny-fp32": {"target": dict(layers=4, hidden=128, heads=2, kv=1, head_dim=64, inter=256, vocab=151936),
-                  "drafter": dict(num_layers=2, block_size=8, num_anchors=512),
-                  "train": dict(max_length=256, precision="fp32", target_dtype="fp32")},
+                  "drafter": dict(num_layers=2, block_size=8),
+                  "train": dict(max_length=256, precision="fp32", target_dtype="fp32", num_anchors=512)},
     # Block 16, 128 anchors per row (2048 query tokens), a wider drafter: activations and the SDPA mask dominate.
     "acts-fp32": {"target": dict(layers=4, hidden=512, heads=4, kv=2, head_dim=64, inter=1024, vocab=32768),
-                  "drafter": dict(num_layers=3, block_size=16, num_anchors=512, max_anchors_per_row=128,
-                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024),
-                  "train": dict(max_length=512, precision="fp32", target_dtype="fp32", chunk_tokens=512)},
+                  "drafter": dict(num_layers=3, block_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=1024),
+                  "train": dict(max_length=512, precision="fp32", target_dtype="fp32", chunk_tokens=512,
+                                num_anchors=512, max_anchors_per_row=128)},
     # The GPU recipe's dtypes (bf16 target, bf16 autocast over fp32 weights), two rows per micro-batch; small,
     # because this CPU has no native bf16 arithmetic.
     "acts-bf16": {"target": dict(layers=4, hidden=256, heads=4, kv=2, head_dim=64, inter=512, vocab=8192),
-                  "drafter": dict(num_layers=3, block_size=16, num_anchors=512, max_anchors_per_row=64,
-                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+                  "drafter": dict(num_layers=3, block_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=512),
                   "train": dict(max_length=256, precision="bf16", target_dtype="bf16", chunk_tokens=512,
-                                micro_batch_rows=2)},
+                                micro_batch_rows=2, num_anchors=512, max_anchors_per_row=64)},
 }
 
 
@@ -88,8 +89,10 @@ def qwen3_6_inputs(max_length: int = 4096) -> Any:
                            "num_target_layers": 64, "target_layer_ids": [1, 16, 31, 46, 61],
                            "target_hidden_size": 5120, "mask_token_id": 248070, "block_size": 16,
                            "rope_theta": 1e7})
+    cap = 512  # the train stage's default anchors per row
     return PlanInputs(drafter=cfg, target=target, max_length=max_length, micro_batch_rows=1,
-                      anchors=planned_anchor_count(cfg, max_length), target_bytes=2, autocast_bf16=True,
+                      anchors=planned_anchor_count(cfg.block_size, cap, max_length), max_anchors_per_row=cap,
+                      target_bytes=2, autocast_bf16=True,
                       backend="flex", device_type="cuda", parallelism="ddp", world_size=8, shard_size=8,
                       activation_checkpointing=False, chunk_tokens=None, feature_noise=False)
 
@@ -187,14 +190,15 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
         warmup, full = batch(8), batch(seq - 1)
         before = _rss()
         frozen = FrozenTarget.from_pretrained(target, cfg.target_layer_ids, device="cpu", dtype=dtype,
-                                              attn_implementation=config.target_attn_implementation)
+                                              attn_implementation=config.target_attn_implementation,
+                                              keep_output=config.recipe.needs_target_output)
         drafter = build_drafter(cfg, config.seed, config.runtime, env.device)
         optimizer = build_optimizer(drafter.parameters(), config.recipe, env.device)
         anchors = 0
         for step, packed in enumerate((warmup, full)):
             with autocast(config.runtime, env.device):
-                out = dflash_step(drafter, frozen, packed, cfg, torch.Generator().manual_seed(step), noise=True,
-                                  chunk_tokens=config.chunk_tokens)
+                out = dflash_step(drafter, frozen, packed, cfg, config.recipe, config.runtime,
+                                  torch.Generator().manual_seed(step), noise=True)
             out.loss.backward()
             clip_gradients(drafter.parameters(), config.grad_clip)
             optimizer.step()

@@ -16,8 +16,10 @@ tokens) and the long-answer target (function bodies from their signature and doc
 for each, prompts that neither it nor the drafter trained on, and a debug-size drafter made by the product
 itself from the other prompts: the demo's run file with them as its source, its import, generate, tokenize,
 train (`dflash-train run`) and export stages run by `dflash-pipeline local` (resumed with `--work-dir`).
-`--speaking docs` or `--speaking code` measures one. Each target has its goals (`SPEAKING_BENCHES`), printed as
-met or missed and by how much. On a GPU, the same script measures a real target and drafter:
+`--speaking docs` or `--speaking code` measures one; with `--drafter EXPORT_DIR` too, it measures that export (a
+recipe trial's, `bench/bench_drafter_trials.py`) instead of training the product's. Each target has its goals
+(`SPEAKING_BENCHES`), printed as met or missed and by how much. On a GPU, the same script measures a real
+target and drafter:
 
     python bench/bench_quality.py --target /models/Qwen3-8B --drafter /exports/dflash-qwen3-8b \\
         --prompts prompts.jsonl --device cuda --dtype bfloat16
@@ -89,7 +91,7 @@ SPEAKING_BENCHES = {
     "code": SpeakingBench(
         "code", 256,
         {"generate": {"max_new_tokens": 256, "chunk_records": 128},
-         "train": {"max_length": 512, "max_steps": 600, "drafter_overrides": {"num_anchors": 16}}},
+         "train": {"max_length": 512, "max_steps": 600, "num_anchors": 16}},
         # Goals: a trained tau of at least 2.0 and at least the best n-gram's tokens per target step.
         (Goal("tau", 2.0), Goal("tok/step", 1.0, "n-gram"), Goal("tau", 2.5, "untrained"),
          Goal("tok/step", 2.5, "untrained")),
@@ -288,7 +290,7 @@ def trained_drafter(target_dir: Path, train_questions: list[str], max_new_tokens
     # 16 anchors per row, as the train stage's debug preset: the fixture's default of 2 suits its 48 prompts.
     checkpoint = ef.train_drafter(target_dir, list(zip(prompts, answers, strict=True)), steps=steps,
                                   log=lambda line: print(f"  drafter training: {line}", flush=True), num_anchors=16)
-    cfg = DrafterConfig.model_validate_json((checkpoint / "drafter_config.json").read_text())
+    cfg = DrafterConfig.from_saved((checkpoint / "drafter_config.json").read_text())
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
     target_config = AutoConfig.from_pretrained(str(target_dir))
@@ -430,6 +432,8 @@ def speaking_measured(bench: SpeakingBench, args: argparse.Namespace, work: Path
     own = work / bench.key
     if args.fixture_drafter:
         trained, untrained = trained_drafter(target_dir, train_q, bench.max_new_tokens, args.train_steps, own)
+    elif args.drafter is not None:  # an export made elsewhere (a recipe trial's): measured, not trained
+        trained, untrained = args.drafter, untrained_twin(args.drafter, target_dir, own)
     else:
         trained = product_drafter(target_dir, train_q, own, bench.overrides)
         untrained = untrained_twin(trained, target_dir, own)
@@ -444,7 +448,8 @@ def main() -> None:
     parser.add_argument("--speaking", choices=["both", *SPEAKING_BENCHES], default="both",
                         help="which speaking target(s) to measure without --target (default: both)")
     parser.add_argument("--drafter", type=Path, default=None,
-                        help="exported drafter directory (with --target)")
+                        help="exported drafter directory (required with --target; with one --speaking target, "
+                        "measured instead of the product's own)")
     parser.add_argument("--prompts", type=Path, default=None, help="held-out prompts, JSONL (with --target)")
     parser.add_argument("--heldout", type=int, default=48, help="held-out prompts")
     parser.add_argument("--train-prompts", type=int, default=4200, help="prompts whose answers train the drafter")
@@ -477,6 +482,8 @@ def main() -> None:
                           args.drafter, untrained_twin(args.drafter, args.target, work), args.max_new_tokens or 64,
                           _stop_ids(args.target), _RATIO_GOALS)]
     else:
+        if args.drafter is not None and args.speaking == "both":
+            sys.exit("--drafter without --target measures one speaking target's drafter: name it with --speaking")
         keys = list(SPEAKING_BENCHES) if args.speaking == "both" else [args.speaking]
         pairs = []
         for key in keys:  # every target and drafter first: the engines then run back to back

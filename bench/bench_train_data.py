@@ -91,6 +91,7 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     from dflash_train.data.loader import ShardCache, StepLoader, build_plan
     from dflash_train.drafter.config import DrafterConfig
     from dflash_train.drafter.model import DFlashDrafter
+    from dflash_train.sections import TrainingRecipe, TrainingRuntime
     from dflash_train.target_model.frozen import FrozenTarget
     from dflash_train.training.step import dflash_step
     from tests.support.tiny_target import build_tiny_qwen3
@@ -102,14 +103,17 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     batches = [item.micro[0] for item in loader]
     loader.close()
     cache.close()
-    cfg = DrafterConfig.debug(num_anchors=num_anchors)
+    cfg = DrafterConfig.debug()
+    # CE on the data under exponential decay, sdpa attention: the step these rates were first measured with.
+    recipe = TrainingRecipe(num_anchors=num_anchors, position_weighting="exp_decay", label_agreement=False)
+    runtime = TrainingRuntime(attention_backend="sdpa")
     target = FrozenTarget.from_pretrained(build_tiny_qwen3(), cfg.target_layer_ids, device=device)
     drafter = DFlashDrafter(cfg).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 
     def one(batch: object, step: int) -> None:
-        out = dflash_step(drafter, target, batch.to(device), cfg, torch.Generator(device=device).manual_seed(step),
-                          noise=True)  # type: ignore[attr-defined]
+        out = dflash_step(drafter, target, batch.to(device), cfg, recipe, runtime,  # type: ignore[attr-defined]
+                          torch.Generator(device=device).manual_seed(step), noise=True)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -38,6 +38,7 @@ from dflash_train.data.batch import pack_row, stack_rows
 from dflash_train.drafter.attention import compile_drafter_layers
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
 from dflash_train.training.step import dflash_step
@@ -46,13 +47,13 @@ QWEN3_VOCAB = 151936
 MASK_TOKEN = 151669
 PRESETS: dict[str, dict[str, Any]] = {
     "debug": {"target": dict(layers=4, hidden=128, heads=2, kv=1, head_dim=64, inter=256),
-              "drafter": dict(num_layers=2, block_size=8, num_anchors=16), "ids": [1, 2],
+              "drafter": dict(num_layers=2, block_size=8), "anchors": 16, "ids": [1, 2],
               "rows": 2, "seq": 256, "docs_per_row": 2},
     "mid": {"target": dict(layers=28, hidden=2048, heads=16, kv=8, head_dim=128, inter=6144),
-            "drafter": dict(num_layers=5, block_size=16, num_anchors=512), "ids": None,
+            "drafter": dict(num_layers=5, block_size=16), "anchors": 512, "ids": None,
             "rows": 2, "seq": 4096, "docs_per_row": 2},
     "8b": {"target": dict(layers=36, hidden=4096, heads=32, kv=8, head_dim=128, inter=12288),
-           "drafter": dict(num_layers=5, block_size=16, num_anchors=512), "ids": None,
+           "drafter": dict(num_layers=5, block_size=16), "anchors": 512, "ids": None,
            "rows": 1, "seq": 4096, "docs_per_row": 1},
 }
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -107,7 +108,8 @@ def allowed_pairs(anchor_pos, keep, document_ids, block: int, window: int | None
     return int(((ctx + own) * keep.unsqueeze(-1)).sum())
 
 
-def step_flops(cfg: DrafterConfig, target: FrozenTarget, batch, gen_seed: int, tokens: int) -> float:
+def step_flops(cfg: DrafterConfig, recipe: TrainingRecipe, runtime: TrainingRuntime, target: FrozenTarget, batch,
+               gen_seed: int, tokens: int) -> float:
     """Model FLOPs of one step (see the module docstring); the anchors are re-drawn with the step's seed."""
     tcfg = target.config
     rows, seq = batch.shape
@@ -119,9 +121,9 @@ def step_flops(cfg: DrafterConfig, target: FrozenTarget, batch, gen_seed: int, t
                  for d in batch.document_ids[r].unique().tolist() if d >= 0)
     target_flops = kept * (per_layer * rows * seq + 2 * nh * hd * doc_sq)  # causal: half of 4*L^2
 
-    anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size,
+    anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, recipe.num_anchors, cfg.block_size,
                                       torch.Generator().manual_seed(gen_seed),
-                                      max_anchors_per_row=cfg.max_anchors_per_row)
+                                      max_anchors_per_row=runtime.max_anchors_per_row)
     q_len = anchor_pos.shape[1] * cfg.block_size
     pairs = sum(allowed_pairs(anchor_pos, keep, batch.document_ids, cfg.block_size,
                               cfg.sliding_window if t == "sliding_attention" else None) for t in cfg.layer_types)
@@ -162,7 +164,10 @@ def main(argv: list[str] | None = None) -> None:
                            "head_dim": shape["head_dim"], "intermediate_size": shape["inter"],
                            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960})
     cfg = DrafterConfig.from_target(probe, mask_token_id=MASK_TOKEN, target_layer_ids=preset["ids"],
-                                    attention_backend=args.backend, **preset["drafter"])
+                                    **preset["drafter"])
+    # CE on the data under exponential decay: the step these timings were first measured with.
+    recipe = TrainingRecipe(num_anchors=preset["anchors"], position_weighting="exp_decay", label_agreement=False)
+    runtime = TrainingRuntime(attention_backend=args.backend)
     target = build_target(shape, cfg.target_layer_ids, device, args.target_attn)
     target.check_drafter_config(cfg)
     torch.manual_seed(0)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     drafter.set_gradient_checkpointing(args.checkpointing)
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     if use_compile:  # as the trainer does: static shapes, the recompile limit raised first
-        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, runtime.max_anchors_per_row)))
     build_s = time.perf_counter() - t0
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def one_step(seed: int):
         with autocast:
-            out = dflash_step(drafter, target, batch, cfg, torch.Generator().manual_seed(seed))
+            out = dflash_step(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(seed))
         out.loss.backward()
         drafter.zero_grad(set_to_none=True)
         return out
@@ -200,11 +205,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     for i in range(args.steps):  # counted after timing: materialising masks on CPU is not part of the step
-        flops += step_flops(cfg, target, batch.to("cpu"), 1000 + i, trained // args.steps)
+        flops += step_flops(cfg, recipe, runtime, target, batch.to("cpu"), 1000 + i, trained // args.steps)
 
     result: dict[str, Any] = {
         "preset": args.preset, "device": str(device), "rows": rows, "seq": seq, "steps": args.steps,
-        "block_size": cfg.block_size, "num_anchors": cfg.num_anchors, "compile": use_compile,
+        "block_size": cfg.block_size, "num_anchors": recipe.num_anchors, "compile": use_compile,
         "backend": args.backend, "build_s": round(build_s, 1), "step_s": round(wall / args.steps, 4),
         "tokens_per_s": round(rows * seq * args.steps / wall, 1),
         "trained_tokens_per_s": round(trained / wall, 1),

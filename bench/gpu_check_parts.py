@@ -28,6 +28,7 @@ from dflash_train.drafter.attention import (
 )
 from dflash_train.drafter.config import QWEN3_6_MASK_TOKEN_ID, DrafterConfig, default_target_layer_ids
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
 from dflash_train.training.step import dflash_step
@@ -46,8 +47,9 @@ TINY: dict[str, int] = {
     "linear_k_heads": 1, "linear_v_heads": 3, "linear_head_dim": 32, "vocab": 248320,
 }
 # The tiny drafter: the reference layout (4 sliding + 1 full) at toy width, a window the short rows exceed.
-TINY_DRAFTER = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 64,
-                "num_anchors": 8}
+TINY_DRAFTER = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 64}
+# Anchors per document of the tiny run (the reference's 512 on the real shape).
+TINY_ANCHORS = 8
 # Token ids of real text stop below the Qwen3.6 control tokens (248,044 BPE ranks).
 TEXT_TOKENS = 248_044
 # Tolerances of max |a - b| relative to max |reference|: bf16 keeps 8 mantissa bits (0.4% per rounding) and
@@ -67,6 +69,9 @@ class Built:
     cfg: DrafterConfig
     drafter: DFlashDrafter
     build_s: float
+    # The step's sections: the reference's anchors (or the tiny run's), CE on the data under exponential decay.
+    recipe: TrainingRecipe
+    runtime: TrainingRuntime
     # What the train step ended with, for the parts after it (the shapes part runs the same setting).
     rows: int | None = None
     layers_compiled: bool = False
@@ -82,7 +87,8 @@ class Built:
             "target_dtype": str(self.target.dtype), "packing": self.target.packing,
             "linear_kernels": kernels.describe() if kernels else None,
             "drafter_params_m": round(sum(p.numel() for p in self.drafter.parameters()) / 1e6, 1),
-            "drafter": self.cfg.model_dump(), "build_s": round(self.build_s, 1),
+            "drafter": self.cfg.model_dump(), "anchors_per_document": self.recipe.num_anchors,
+            "max_anchors_per_row": self.runtime.max_anchors_per_row, "build_s": round(self.build_s, 1),
         }
 
 
@@ -114,8 +120,8 @@ def build(shape: dict[str, int], layers: int, device: torch.device, tiny: bool, 
     t0 = time.perf_counter()
     config = target_text_config(shape, layers)
     overrides: dict[str, Any] = dict(TINY_DRAFTER) if tiny else {}
-    if num_anchors:
-        overrides["num_anchors"] = num_anchors
+    recipe = TrainingRecipe(num_anchors=num_anchors or (TINY_ANCHORS if tiny else 512),
+                            position_weighting="exp_decay", label_agreement=False)
     cfg = DrafterConfig.from_target(config, mask_token_id=QWEN3_6_MASK_TOKEN_ID,
                                     target_layer_ids=feature_layer_ids(layers), **overrides)
     # bf16 target on CUDA, float32 on CPU: what the trainer's target_dtype "auto" picks.
@@ -126,7 +132,7 @@ def build(shape: dict[str, int], layers: int, device: torch.device, tiny: bool, 
     target = FrozenTarget(model, cfg.target_layer_ids)
     target.check_drafter_config(cfg)
     drafter = DFlashDrafter(cfg).to(device).train()  # float32 master weights, bf16 autocast in the step
-    return Built(target, cfg, drafter, time.perf_counter() - t0)
+    return Built(target, cfg, drafter, time.perf_counter() - t0, recipe, TrainingRuntime())
 
 
 def random_batches(count: int, rows: int, seq: int, docs_per_row: int, min_doc: int, seed: int) -> list[PackedBatch]:
@@ -182,10 +188,10 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
     cfg, target, drafter = b.cfg, b.target, b.drafter
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     if use_compile:  # as the trainer does with compile: true (static shapes, limit raised first)
-        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, b.runtime.max_anchors_per_row)))
     # Documents long enough that every one has num_anchors valid anchors: the query length then depends
     # on the anchor rules (per-document count, any per-row cap), not on the random boundaries.
-    min_doc = max(args.seq // 8, -(-(cfg.num_anchors + 2) * 8 // 7))
+    min_doc = max(args.seq // 8, -(-(b.recipe.num_anchors + 2) * 8 // 7))
     batches = [x.to(device) for x in random_batches(args.batches, args.rows, args.seq, args.docs_per_row, min_doc, 0)]
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=device.type == "cuda")
     seen: list[tuple[Any, int]] = []  # (drafter mask, query length) of every step
@@ -206,7 +212,8 @@ def run_train_step(b: Built, args: argparse.Namespace, device: torch.device, pea
         if timed:
             timer.start()
         with autocast:
-            out = dflash_step(drafter, target, batch, cfg, torch.Generator(device=device).manual_seed(i), noise=True)
+            out = dflash_step(drafter, target, batch, cfg, b.recipe, b.runtime,
+                              torch.Generator(device=device).manual_seed(i), noise=True)
         timer.mark("loss")
         out.loss.backward()
         timer.mark("backward")
@@ -392,10 +399,11 @@ def predicted_peak(b: Built, rows: int, seq: int, device: torch.device) -> dict[
                         dtype_bytes=target.dtype.itemsize)
     plan = memory_plan.plan_memory(memory_plan.PlanInputs(
         drafter=cfg, target=shape, max_length=seq, micro_batch_rows=rows,
-        anchors=memory_plan.planned_anchor_count(cfg, seq), target_bytes=target.dtype.itemsize,
-        autocast_bf16=True, backend=resolve_backend(cfg.attention_backend, device), device_type=device.type,
+        anchors=memory_plan.planned_anchor_count(cfg.block_size, b.runtime.max_anchors_per_row, seq),
+        max_anchors_per_row=b.runtime.max_anchors_per_row, target_bytes=target.dtype.itemsize,
+        autocast_bf16=True, backend=resolve_backend(b.runtime.attention_backend, device), device_type=device.type,
         parallelism="ddp", world_size=1, shard_size=1, activation_checkpointing=False, chunk_tokens=None,
-        feature_noise=cfg.feature_noise_std > 0))
+        feature_noise=b.recipe.feature_noise_std > 0))
     return {"memory_plan_peak_gib": round(plan.peak / 2**30, 2),
             "memory_plan_phases_gib": {k: round(v / 2**30, 2) for k, v in plan.phases.items()}}
 
@@ -413,7 +421,7 @@ def check_flex_vs_sdpa(b: Built, device: torch.device, seq: int | None = None) -
     cfg = b.cfg
     seq = seq or (2048 if device.type == "cuda" else 256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    anchors = min(cfg.num_anchors, 64)
+    anchors = min(b.recipe.num_anchors, 64)
     batch = random_batches(1, 1, seq, 2, seq // 4, seed=1)[0].to(device)
     gen = torch.Generator(device=device).manual_seed(1)
     anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, anchors, cfg.block_size, generator=gen)

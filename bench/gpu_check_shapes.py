@@ -69,11 +69,11 @@ def run_shapes(b: Any, args: argparse.Namespace, device: torch.device, vocab: in
     """The part (see the module docstring); `b` is gpu_check_parts.Built after the train step."""
     cfg, target, drafter = b.cfg, b.target, b.drafter
     rows = b.rows or args.rows
-    ladder = anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)
+    ladder = anchor_count_buckets(cfg.block_size, b.runtime.max_anchors_per_row)
     rungs = chosen_rungs(ladder, args.seq)
     docs = max(1, min(args.docs_per_row, min(rungs) * 3 // 4))
     # Per-document anchors as high as the top rung: the tails, not num_anchors, decide N here.
-    step_cfg = cfg.model_copy(update={"num_anchors": max(rungs)})
+    step_recipe = b.recipe.model_copy(update={"num_anchors": max(rungs)})
     out: dict[str, Any] = {"ladder": list(ladder), "rungs": rungs, "rows": rows, "seq": args.seq,
                            "docs_per_row": docs, "optimizer_step": False}
     untested: list[str] = []
@@ -104,7 +104,7 @@ def run_shapes(b: Any, args: argparse.Namespace, device: torch.device, vocab: in
                     t0 = time.perf_counter()
                     gen = torch.Generator(device=device).manual_seed(1000 * visit + n)
                     with autocast:
-                        step = dflash_step(drafter, target, batches[n], step_cfg, gen, noise=True)
+                        step = dflash_step(drafter, target, batches[n], cfg, step_recipe, b.runtime, gen, noise=True)
                     step.loss.backward()
                     drafter.zero_grad(set_to_none=True)
                     if device.type == "cuda":

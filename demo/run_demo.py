@@ -73,7 +73,7 @@ TARGET_ENV = "DFLASH_DEMO_TARGET"
 # the defaults above. The debug drafter preset fits the 4-layer Qwen3 target (layers 1 and 2); the 8-layer
 # hybrid one gets explicit layer ids, two linear-attention layers and the full-attention layer between them,
 # as its evaluate tests use.
-HYBRID_TRAIN = {"drafter_overrides": {"num_anchors": 4, "num_target_layers": 8, "target_layer_ids": [1, 3, 5]}}
+HYBRID_TRAIN = {"num_anchors": 4, "drafter_overrides": {"num_target_layers": 8, "target_layer_ids": [1, 3, 5]}}
 PER_TARGET: dict[str, dict[str, Any]] = {
     # The speaking target ends its turns after about 10 tokens of prose: the whole corpus's questions give the
     # drafter about 40K answer tokens to learn from. The n-gram baseline runs beside it in the serving check.

@@ -107,9 +107,10 @@ def _sources_digest(*extra: str) -> str:
     h = hashlib.sha256(_VERSION.encode())
     root = Path(dflash_train.__file__).parent
     for name in ("drafter/model.py", "training/step.py", "training/loss.py", "drafter/attention.py",
-                 "training/anchors.py", "data/batch.py", "target_model/frozen.py", "drafter/config.py"):
+                 "training/anchors.py", "data/batch.py", "target_model/frozen.py", "drafter/config.py", "sections.py"):
         h.update((root / name).read_bytes())
     h.update(Path(__file__).read_bytes())
+    h.update((Path(__file__).parents[1] / "support" / "step_recipe.py").read_bytes())
     for item in extra:
         h.update(item.encode())
     return h.hexdigest()[:16]
@@ -178,8 +179,10 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
     from dflash_train.target_model.frozen import FrozenTarget
     from dflash_train.training.loss import per_position_accuracy
     from dflash_train.training.step import dflash_step
+    from tests.support.step_recipe import step_recipe, step_runtime
 
-    cfg = drafter_config(block_size, arch_of(target_dir), num_anchors)
+    cfg = drafter_config(block_size, arch_of(target_dir))
+    recipe, runtime = step_recipe(num_anchors=num_anchors), step_runtime()
     target = FrozenTarget.from_pretrained(target_dir, cfg.target_layer_ids, dtype=torch.float32)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).train()
@@ -196,7 +199,7 @@ def train_drafter(target_dir: Path, docs: Sequence[tuple[list[int], list[int]]],
         row = slice(step % rows, step % rows + 1)
         batch = PackedBatch(packed.input_ids[row], packed.position_ids[row], packed.document_ids[row],
                             packed.loss_mask[row])
-        out = dflash_step(drafter, target, batch, cfg, generator=gen)
+        out = dflash_step(drafter, target, batch, cfg, recipe, runtime, gen)
         optim.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -259,15 +262,15 @@ def untrained_like(drafter: Any) -> Any:
     return DFlashDrafter(drafter.config).eval().requires_grad_(False)
 
 
-def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3", num_anchors: int = 2) -> DrafterConfig:
+def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3") -> DrafterConfig:
     """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer Qwen3 target, or
     over layers 1, 3 and 5 (linear, full, linear attention) of the 8-layer Qwen3.6-architecture target."""
     from dflash_train.drafter.config import DrafterConfig
 
     if arch == "qwen3_6":
-        return DrafterConfig.debug(block_size=block_size, num_anchors=num_anchors, num_target_layers=8,
+        return DrafterConfig.debug(block_size=block_size, num_target_layers=8,
                                    target_layer_ids=[1, 3, 5], mask_token_id=qwen_special_ids(arch)["mask"])
-    return DrafterConfig.debug(block_size=block_size, num_anchors=num_anchors, mask_token_id=MASK_ID)
+    return DrafterConfig.debug(block_size=block_size, mask_token_id=MASK_ID)
 
 
 # ----------------------------------------------------------------------------------- stage inputs

@@ -106,7 +106,8 @@ def test_a_wrong_thinking_mode_drops_the_label_agreement(speaking: Path) -> None
     from dflash_train.drafter.config import DrafterConfig
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.target_model.frozen import FrozenTarget
-    from dflash_train.training.step import LossRecipe, dflash_step
+    from dflash_train.training.step import dflash_step
+    from tests.support.step_recipe import step_recipe, step_runtime
 
     tokenizer = AutoTokenizer.from_pretrained(speaking)
     questions = [p.question for p in stdlib_corpus.split_pairs("heldout")[:4]]
@@ -124,8 +125,8 @@ def test_a_wrong_thinking_mode_drops_the_label_agreement(speaking: Path) -> None
     for mode, render in (("as generated", lambda q: st.chat_prompt_ids(tokenizer, q)), ("thinking on", thinking_on)):
         docs = [(render(q) + a, [False] * len(render(q)) + [True] * len(a)) for q, a in zip(questions, answers,
                                                                                              strict=True)]
-        out = dflash_step(DFlashDrafter(cfg), target, pack_documents(docs, 256), cfg, torch.Generator().manual_seed(0),
-                          recipe=LossRecipe(label_agreement=True))
+        out = dflash_step(DFlashDrafter(cfg), target, pack_documents(docs, 256), cfg,
+                          step_recipe(label_agreement=True), step_runtime(), torch.Generator().manual_seed(0))
         shares[mode] = out.agreed / out.tokens
     assert shares["as generated"] >= 0.95, shares  # float32 both times: near-ties aside, exactly the argmax
     assert shares["thinking on"] < shares["as generated"] - 0.2, shares

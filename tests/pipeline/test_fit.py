@@ -100,7 +100,7 @@ def test_on_80gb_the_headline_run_shards_under_auto_and_is_refused_under_ddp() -
 def test_a_dense_qwen3_8b_fits_80_and_141_gb_and_a_long_unchecked_window_only_141() -> None:
     for gpu in (H100, H200):
         assert all(s.verdict == "fits" for s in fit_of(run_on(EXAMPLE_RUN, gpu), QWEN3_8B).values())
-    heavy = {"max_length": 16384, "drafter_overrides": {"max_anchors_per_row": 2048},
+    heavy = {"max_length": 16384, "max_anchors_per_row": 2048,
              "activation_checkpointing": False}
     wide = fit_of(run_on(EXAMPLE_RUN, H200, **heavy), QWEN3_8B)["train"]
     assert wide.verdict == "fits" and 80 * GIB < wide.peak < 139 * GIB
@@ -108,7 +108,7 @@ def test_a_dense_qwen3_8b_fits_80_and_141_gb_and_a_long_unchecked_window_only_14
         build_plan(run_on(EXAMPLE_RUN, H100, **heavy), target_config=QWEN3_8B)
     message = str(refused.value)
     assert "stages.train.config.activation_checkpointing = true" in message
-    assert "stages.train.config.drafter_overrides = { max_anchors_per_row = " in message
+    assert "stages.train.config.max_anchors_per_row = " in message
     assert "stages.train.config.max_length = " not in message or "or less" in message
 
 

@@ -95,7 +95,7 @@ def test_only_counts_differ_and_each_is_smaller(runs: tuple[Any, Any]) -> None:
     train = env_of(containers(pilot_jobs["train"])[-1])
     full_train = env_of(containers(full_jobs["train"])[-1])
     for shape in ("DFLASH_TRAIN_MAX_LENGTH", "DFLASH_TRAIN_BATCH_TOKENS", "DFLASH_TRAIN_ACTIVATION_CHECKPOINTING",
-                  "DFLASH_TRAIN_DRAFTER_OVERRIDES"):
+                  "DFLASH_TRAIN_MAX_ANCHORS_PER_ROW"):
         assert train[shape] == full_train[shape]
     assert (train["DFLASH_TRAIN_MAX_STEPS"], train["DFLASH_TRAIN_RESTART_AFTER_STEP"]) == ("30", "15")
     assert env_of(containers(pilot_jobs["import"])[-1])["DFLASH_IMPORT_SAMPLE_RECORDS"] == "256"

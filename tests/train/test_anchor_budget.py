@@ -11,9 +11,11 @@ from pydantic import ValidationError
 from dflash_train.data.batch import pack_row, stack_rows
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import sample_anchors, valid_anchor_mask
 from dflash_train.training.step import draft_blocks
+from tests.support.step_recipe import step_recipe, step_runtime
 
 
 def _anchors_per_document(batch, anchor_pos, keep, row: int = 0) -> dict[int, int]:
@@ -76,20 +78,21 @@ def test_a_cap_that_does_not_bind_changes_nothing(qwen_docs):
 
 def test_cap_must_be_at_least_one():
     with pytest.raises(ValidationError, match="max_anchors_per_row"):
-        DrafterConfig.debug(max_anchors_per_row=0)
+        TrainingRuntime(max_anchors_per_row=0)
     batch = stack_rows([pack_row([([1, 2, 3], [True] * 3)], 4)])
     with pytest.raises(ValueError, match="max_anchors_per_row must be >= 1"):
         sample_anchors(batch.loss_mask, batch.document_ids, 4, 8, max_anchors_per_row=0)
-    assert DrafterConfig.debug().max_anchors_per_row == 512  # the SpecForge recipe
+    assert TrainingRuntime().max_anchors_per_row == 512  # the SpecForge recipe
 
 
 def test_the_training_step_applies_the_configured_cap(tiny_target_dir: Path, qwen_docs, mask_token_id):
-    cfg = DrafterConfig.debug(mask_token_id=mask_token_id, num_anchors=8, max_anchors_per_row=10)
+    cfg = DrafterConfig.debug(mask_token_id=mask_token_id)
     target = FrozenTarget.from_pretrained(tiny_target_dir, cfg.target_layer_ids)
     drafter = DFlashDrafter(cfg).eval()
     batch = stack_rows([pack_row(qwen_docs, 160), pack_row(qwen_docs[:1], 160)])
     with torch.no_grad():
-        blocks = draft_blocks(drafter, target, batch, cfg, torch.Generator().manual_seed(0))
+        blocks = draft_blocks(drafter, target, batch, cfg, step_recipe(num_anchors=8),
+                              step_runtime(max_anchors_per_row=10), torch.Generator().manual_seed(0))
     kept = blocks.keep.sum(dim=1).tolist()
     assert kept[0] == 10 and 0 < kept[1] <= 8
     assert len(_anchors_per_document(batch, blocks.anchor_pos, blocks.keep)) == len(qwen_docs)

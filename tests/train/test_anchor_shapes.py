@@ -20,6 +20,7 @@ from dflash_train.training.anchors import (
 )
 from dflash_train.training.loss import block_targets, dflash_loss
 from dflash_train.training.step import block_inputs, draft_blocks
+from tests.support.step_recipe import step_recipe, step_runtime
 
 
 def random_packed_batch(gen: torch.Generator, rows: int, seq: int, max_doc: int):
@@ -76,7 +77,7 @@ def _loss_and_grads(drafter, target, batch, cfg, anchor_pos, keep):
     hidden = drafter(target.embed(ids), positions, feats, batch.position_ids, mask)
     labels, weight = block_targets(batch.input_ids, batch.loss_mask, batch.document_ids, anchor_pos, keep,
                                    cfg.block_size)
-    out = dflash_loss(hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma)
+    out = dflash_loss(hidden, target.lm_head_weight, labels, weight, step_recipe().decay_gamma(cfg.block_size))
     drafter.zero_grad(set_to_none=True)
     out.loss.backward()
     grads = {name: p.grad.clone() for name, p in drafter.named_parameters()}
@@ -84,16 +85,17 @@ def _loss_and_grads(drafter, target, batch, cfg, anchor_pos, keep):
 
 
 def test_bucketed_padding_leaves_loss_and_gradients_unchanged(tiny_target_dir: Path, qwen_docs, mask_token_id):
-    cfg = DrafterConfig.debug(mask_token_id=mask_token_id, num_anchors=8, layer_types=["sliding_attention",
-                              "full_attention"], sliding_window=12)
+    cfg = DrafterConfig.debug(mask_token_id=mask_token_id, layer_types=["sliding_attention", "full_attention"],
+                              sliding_window=12)
+    recipe, runtime = step_recipe(num_anchors=8), step_runtime()
     target = FrozenTarget.from_pretrained(tiny_target_dir, cfg.target_layer_ids)
     drafter = DFlashDrafter(cfg).train()
     batch = stack_rows([pack_row(qwen_docs, 160), pack_row(qwen_docs[2:4], 160)])
     seed = 4
 
     def anchors(bucket: bool):
-        return sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size,
-                              torch.Generator().manual_seed(seed), max_anchors_per_row=cfg.max_anchors_per_row,
+        return sample_anchors(batch.loss_mask, batch.document_ids, recipe.num_anchors, cfg.block_size,
+                              torch.Generator().manual_seed(seed), max_anchors_per_row=runtime.max_anchors_per_row,
                               bucket=bucket)
 
     exact_pos, exact_keep = anchors(False)
@@ -116,5 +118,5 @@ def test_bucketed_padding_leaves_loss_and_gradients_unchanged(tiny_target_dir: P
 
     # The step itself pads to the ladder: the same anchors as the bucketed draw.
     with torch.no_grad():
-        blocks = draft_blocks(drafter, target, batch, cfg, torch.Generator().manual_seed(seed))
+        blocks = draft_blocks(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(seed))
     assert torch.equal(blocks.anchor_pos, padded_pos) and torch.equal(blocks.keep, padded_keep)

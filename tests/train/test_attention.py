@@ -84,8 +84,8 @@ def test_flex_vmap_and_broadcast_evaluations_of_the_predicate_agree(qwen_docs, w
 
 @pytest.fixture(scope="module")
 def setup(tiny_target_dir: Path, qwen_docs, mask_token_id):
-    cfg = DrafterConfig.debug(block_size=BLOCK, loss_decay_gamma=2.0, num_anchors=6, sliding_window=WINDOW,
-                              layer_types=["sliding_attention", "full_attention"], mask_token_id=mask_token_id)
+    cfg = DrafterConfig.debug(block_size=BLOCK, sliding_window=WINDOW, layer_types=["sliding_attention",
+                              "full_attention"], mask_token_id=mask_token_id)
     target = FrozenTarget.from_pretrained(tiny_target_dir, cfg.target_layer_ids)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).eval()

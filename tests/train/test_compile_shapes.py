@@ -40,10 +40,15 @@ CAP = 64
 CYCLE = (16, 32, 64, 16, 32, 64)
 
 
-def _config(backend: str = "flex") -> DrafterConfig:
-    return DrafterConfig.debug(num_anchors=CAP, max_anchors_per_row=CAP, attention_backend=backend,
-                               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+def _config() -> DrafterConfig:
+    return DrafterConfig.debug(layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                sliding_window=48)
+
+
+def _train_config(backend: str = "flex") -> TrainConfig:
+    """The run's side of the drafter: CAP anchors per document and per row, the attention kernel, compiled."""
+    return TrainConfig(input="in", output="out", target="t", compile=True, num_anchors=CAP, max_anchors_per_row=CAP,
+                       attention_backend=backend)
 
 
 def _batch(anchors_per_row: int, gen: torch.Generator):
@@ -60,7 +65,8 @@ def _batch(anchors_per_row: int, gen: torch.Generator):
     return stack_rows(rows)
 
 
-def _forward_counts(drafter: DFlashDrafter, cfg: DrafterConfig, train: bool = False) -> list[tuple[int, int]]:
+def _forward_counts(drafter: DFlashDrafter, cfg: DrafterConfig, config: TrainConfig, train: bool = False,
+                    ) -> list[tuple[int, int]]:
     """(N, graphs compiled by that step) for each N of CYCLE, fresh documents and anchors every step;
     with `train`, forward and backward as in a training step (the embedding frozen, as the target's is)."""
     gen = torch.Generator().manual_seed(0)
@@ -69,12 +75,12 @@ def _forward_counts(drafter: DFlashDrafter, cfg: DrafterConfig, train: bool = Fa
     for rung in CYCLE:
         # 3/4 of the rung: more than the rung below holds, so sample_anchors must put N on this rung.
         batch = _batch(rung * 3 // 4, gen)
-        anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size, gen,
-                                          max_anchors_per_row=cfg.max_anchors_per_row)
+        anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, config.num_anchors, cfg.block_size,
+                                          gen, max_anchors_per_row=config.max_anchors_per_row)
         ids, positions = block_inputs(batch.input_ids, batch.position_ids, anchor_pos, cfg.block_size,
                                       cfg.mask_token_id)
         mask = build_drafter_mask(anchor_pos, keep, batch.document_ids, cfg.block_size, cfg.layer_types,
-                                  cfg.sliding_window, cfg.attention_backend)
+                                  cfg.sliding_window, config.attention_backend)
         features = torch.randn(ROWS, SEQ, cfg.feature_size, generator=gen)
         before = counters["stats"]["unique_graphs"]
         with torch.set_grad_enabled(train):
@@ -88,13 +94,12 @@ def _forward_counts(drafter: DFlashDrafter, cfg: DrafterConfig, train: bool = Fa
 
 @pytest.mark.filterwarnings(f"error:{UNFUSED_FALLBACK}:UserWarning")
 def test_one_graph_per_ladder_rung_for_all_layers(fresh_dynamo):
-    cfg = _config()
-    assert anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row) == (16, 32, 64)
-    config = TrainConfig(input="in", output="out", target="t", compile=True)
+    cfg, config = _config(), _train_config()
+    assert anchor_count_buckets(cfg.block_size, config.max_anchors_per_row) == (16, 32, 64)
     drafter = build_drafter(cfg, config.seed, config.runtime, torch.device("cpu")).eval()
     # Set by build_drafter before compiling, not by the first traced call.
     assert torch._dynamo.config.recompile_limit >= GRAPHS_PER_SHAPE * 3
-    seen = _forward_counts(drafter, cfg)
+    seen = _forward_counts(drafter, cfg, config)
     assert [n for n, _ in seen] == list(CYCLE), seen  # N did land on each of the three rungs
     # First visit of a rung: exactly one graph for the three layers (a guard on anything per layer, or a
     # limit set inside the trace, would give more); second visit: nothing compiled.
@@ -102,10 +107,10 @@ def test_one_graph_per_ladder_rung_for_all_layers(fresh_dynamo):
 
 
 def test_training_compiles_two_graphs_per_ladder_rung(fresh_dynamo):
-    cfg = _config("sdpa")  # flex has no CPU backward; the graph count does not depend on the backend
-    config = TrainConfig(input="in", output="out", target="t", compile=True)
+    cfg = _config()
+    config = _train_config("sdpa")  # flex has no CPU backward; the graph count does not depend on the backend
     drafter = build_drafter(cfg, config.seed, config.runtime, torch.device("cpu")).train()
-    seen = _forward_counts(drafter, cfg, train=True)
+    seen = _forward_counts(drafter, cfg, config, train=True)
     assert [n for n, _ in seen] == list(CYCLE), seen
     assert [graphs for _, graphs in seen] == [2, 2, 2, 0, 0, 0], seen
     assert all(p.grad is not None for p in drafter.layers[0].parameters())  # the backward did run
@@ -119,7 +124,7 @@ def test_the_default_dynamic_compile_gives_a_different_count(fresh_dynamo):
     raise_recompile_limit(3)
     for layer in drafter.layers:
         layer.compile()  # torch's default: a shape that changes is made symbolic on its second value
-    seen = _forward_counts(drafter, cfg)
+    seen = _forward_counts(drafter, cfg, _train_config())
     assert [n for n, _ in seen] == list(CYCLE), seen
     assert sum(graphs for _, graphs in seen) < 3, seen
 

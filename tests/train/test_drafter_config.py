@@ -8,6 +8,8 @@ a test needs one (random weights, small vocabulary).
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,10 @@ from pydantic import ValidationError
 
 from dflash_shared.errors import ConfigError
 from dflash_shared.manifests import SpecialTokens, TargetIdentity, TokenizedSection
+from dflash_train import config as train_config
 from dflash_train.config import DRAFTER_OVERRIDE_KEYS, TrainConfig
 from dflash_train.drafter.config import (
+    MOVED_TO_TRAIN_SETTINGS,
     QWEN3_6_DRAFTER,
     DrafterConfig,
     captures_last_layer,
@@ -80,12 +84,15 @@ ALTERNATIVES: dict[str, Any] = {
     "target_hidden_size": 256,
     "layer_types": ["full_attention"] * 3,
     "sliding_window": 64,
+    "num_target_features": 2,
+}
+# One valid value per training rule that was a drafter setting: each is the train stage's now.
+MOVED: dict[str, Any] = {
     "num_anchors": 7,
     "max_anchors_per_row": 9,
     "loss_decay_gamma": 3.0,
     "feature_noise_std": 0.1,
     "attention_backend": "flex",
-    "num_target_features": 2,
 }
 # (setting, target) -> the error naming why it cannot take effect; every other pair must take effect.
 REFUSED = {
@@ -103,6 +110,7 @@ REFUSED = {
 def test_every_override_key_is_covered() -> None:
     """A new DrafterConfig field must be added here, so that the rule below is checked for it too."""
     assert set(ALTERNATIVES) == set(DRAFTER_OVERRIDE_KEYS)
+    assert set(MOVED) == set(MOVED_TO_TRAIN_SETTINGS)
 
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
@@ -167,9 +175,31 @@ def test_layer_count_and_ids_must_agree() -> None:
         DrafterConfig.from_target(dense_config(), mask_token_id=MASK, target_layer_ids=[])
 
 
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_training_rule_given_to_from_target_is_refused_naming_its_train_setting(name: str, arch: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} is a train setting now"):
+        DrafterConfig.from_target(text_of(TARGETS[arch]()), mask_token_id=MASK, **{name: MOVED[name]})
+
+
+def test_training_rules_are_refused_as_drafter_settings_and_dropped_from_saved_configs() -> None:
+    with pytest.raises(ValidationError, match=re.escape("set num_anchors = 4 in [stages.train] config")):
+        DrafterConfig.debug(num_anchors=4)
+    with pytest.raises(ValidationError, match=r"max_anchors_per_row is a train setting now \(runtime\).*"
+                                              r"--max-anchors-per-row"):
+        train_config.debug(input="in", output="out", target="t", drafter_overrides={"max_anchors_per_row": 64})
+    # A checkpoint written while they were drafter settings still lists them: they say how it was trained, not
+    # what the drafter is.
+    cfg = DrafterConfig.debug()
+    saved = {**cfg.model_dump(mode="json"), "num_anchors": 16, "max_anchors_per_row": 512, "loss_decay_gamma": 4.0,
+             "feature_noise_std": 0.0, "attention_backend": "sdpa"}
+    assert DrafterConfig.from_saved(saved) == cfg
+    assert DrafterConfig.from_saved(json.dumps(saved)) == cfg == DrafterConfig.from_saved(cfg.model_dump_json())
+
+
 def test_debug_preset_overrides_take_effect() -> None:
-    cfg = DrafterConfig.debug(layer_types=["full_attention"] * 3, num_anchors=3)
-    assert (cfg.num_layers, cfg.num_anchors) == (3, 3)
+    cfg = DrafterConfig.debug(layer_types=["full_attention"] * 3, block_size=16)
+    assert (cfg.num_layers, cfg.block_size) == (3, 16)
     with pytest.raises(ValidationError, match="num_target_features"):
         DrafterConfig.debug(num_target_features=2)
 

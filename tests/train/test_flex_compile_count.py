@@ -16,6 +16,7 @@ from dflash_train.data.batch import pack_row, stack_rows
 from dflash_train.drafter.attention import build_drafter_mask, compiled_flex_attention, compiled_flex_on_cpu
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
 
 # The start of flex's warning when it runs without torch.compile (torch/nn/attention/flex_attention.py).
@@ -34,11 +35,11 @@ def _batch(gen: torch.Generator, docs_per_row: int):
     return stack_rows(rows)
 
 
-def _drafter_forward(drafter, cfg, batch, gen):
-    anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, cfg.num_anchors, cfg.block_size, gen,
-                                      max_anchors_per_row=cfg.max_anchors_per_row)
+def _drafter_forward(drafter, cfg, recipe: TrainingRecipe, runtime: TrainingRuntime, batch, gen):
+    anchor_pos, keep = sample_anchors(batch.loss_mask, batch.document_ids, recipe.num_anchors, cfg.block_size, gen,
+                                      max_anchors_per_row=runtime.max_anchors_per_row)
     mask = build_drafter_mask(anchor_pos, keep, batch.document_ids, cfg.block_size, cfg.layer_types,
-                              cfg.sliding_window, "flex")
+                              cfg.sliding_window, runtime.attention_backend)
     q_len = anchor_pos.shape[1] * cfg.block_size
     embeds = torch.randn(2, q_len, cfg.hidden_size, generator=gen)
     features = torch.randn(2, SEQ, cfg.feature_size, generator=gen)
@@ -53,13 +54,14 @@ def _drafter_forward(drafter, cfg, batch, gen):
 def test_compiled_flex_compiles_at_most_once_per_ladder_rung(fresh_dynamo):
     # Block 8 and a 32-anchor cap: the ladder is (16, 32), so two kernels for the whole run, shared by the
     # sliding and the full-attention layer.
-    cfg = DrafterConfig.debug(num_anchors=4, max_anchors_per_row=32, attention_backend="flex",
-                              layer_types=["sliding_attention", "full_attention"], sliding_window=24)
-    ladder = anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)
+    cfg = DrafterConfig.debug(layer_types=["sliding_attention", "full_attention"], sliding_window=24)
+    recipe, runtime = TrainingRecipe(num_anchors=4), TrainingRuntime(max_anchors_per_row=32, attention_backend="flex")
+    ladder = anchor_count_buckets(cfg.block_size, runtime.max_anchors_per_row)
     assert ladder == (16, 32)
     drafter = DFlashDrafter(cfg).eval()
     gen = torch.Generator().manual_seed(0)
-    seen = [_drafter_forward(drafter, cfg, _batch(gen, docs), gen) for docs in (2, 6, 3, 2, 5, 1, 4, 3)]
+    seen = [_drafter_forward(drafter, cfg, recipe, runtime, _batch(gen, docs), gen)
+            for docs in (2, 6, 3, 2, 5, 1, 4, 3)]
     assert set(seen) == set(ladder), seen  # both rungs used, fresh anchors and masks every step
     assert counters["stats"]["unique_graphs"] <= len(ladder), dict(counters["stats"])
     assert counters["stats"]["unique_graphs"] >= 1  # the kernel was compiled, not run eagerly

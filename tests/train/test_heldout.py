@@ -18,6 +18,7 @@ from dflash_train.parallel.distributed import DistEnv
 from dflash_train.stage import run
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.heldout import accepted_prefix, heldout_acceptance, heldout_rows
+from tests.support.step_recipe import step_recipe, step_runtime
 from tests.train.train_fixtures import identity_of, synthetic_docs, tiny_target, write_tokenized
 
 
@@ -56,14 +57,15 @@ def test_heldout_rows_hold_only_heldout_documents_and_the_figures_add_up(tmp_pat
     target = FrozenTarget.from_pretrained(tiny_target(), cfg.target_layer_ids, keep_output=True)
     torch.manual_seed(0)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    figures = heldout_acceptance(DFlashDrafter(cfg), target, rows, cfg, env, micro_rows=1)
+    recipe, runtime = step_recipe(), step_runtime(micro_batch_rows=1)
+    figures = heldout_acceptance(DFlashDrafter(cfg), target, rows, cfg, recipe, runtime, env)
     reached = [figures[f"heldout_acc_{k}"] for k in range(1, cfg.block_size)]
     assert figures["heldout_blocks"] > 0
     assert all(a >= b for a, b in zip(reached, reached[1:], strict=False))  # a prefix: never more at k+1
     assert abs(figures["heldout_tau"] - (1 + sum(reached))) < 1e-9
     # The same drafter measured again sees the same anchors: the measurement is fixed, not a fresh draw.
     torch.manual_seed(0)
-    assert heldout_acceptance(DFlashDrafter(cfg), target, rows, cfg, env, micro_rows=1) == figures
+    assert heldout_acceptance(DFlashDrafter(cfg), target, rows, cfg, recipe, runtime, env) == figures
 
 
 def test_the_stage_logs_and_records_the_heldout_acceptance(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from dflash_train.target_model.frozen import FrozenTarget, TargetPass
 from dflash_train.training.loss import block_targets, dflash_loss
 from dflash_train.training.step import dflash_step, draft_blocks
 from tests.support.qwen_assets import qwen_embedding_rows
+from tests.support.step_recipe import step_recipe, step_runtime
 
 BLOCK = 4
 LAYER_IDS = [1]
@@ -40,6 +41,9 @@ STEPS = 500
 HIDDEN = 64  # narrow: the LM head over 151,936 rows is what each step costs
 PROMPT = 3  # unmasked tokens at the start of each document, so every anchor has 3 tokens of context
 TOKENS = torch.arange(1000, 1000 + 4096 * 7, 7)  # 4,096 real vocabulary ids
+GAMMA = 4.0  # a block of 4 has no default decay
+RECIPE = step_recipe(num_anchors=6, loss_decay_gamma=GAMMA)
+RUNTIME = step_runtime()
 
 
 class PlantedTarget(FrozenTarget):
@@ -72,8 +76,8 @@ def planted(mask_token_id: int) -> Iterator[tuple[DrafterConfig, PlantedTarget]]
     target = PlantedTarget(Qwen3ForCausalLM(config), LAYER_IDS)
     cfg = DrafterConfig.debug(
         num_layers=1, hidden_size=HIDDEN, target_hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, head_dim=32,
-        block_size=BLOCK, loss_decay_gamma=4.0, num_target_layers=3, target_layer_ids=LAYER_IDS,
-        num_anchors=6, layer_types=["sliding_attention"], sliding_window=LOOKAHEAD + 1, mask_token_id=mask_token_id,
+        block_size=BLOCK, num_target_layers=3, target_layer_ids=LAYER_IDS, layer_types=["sliding_attention"],
+        sliding_window=LOOKAHEAD + 1, mask_token_id=mask_token_id,
     )
     # One thread: on a busy two-core machine the small matmuls here run faster without thread hand-offs.
     threads = torch.get_num_threads()
@@ -89,10 +93,10 @@ def _train(cfg, target, label_offset: int, steps: int) -> tuple[float, list[floa
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         batch = _batch(gen)
-        blocks = draft_blocks(drafter, target, batch, cfg, gen)
+        blocks = draft_blocks(drafter, target, batch, cfg, RECIPE, RUNTIME, gen)
         labels, weight = block_targets(batch.input_ids, batch.loss_mask, batch.document_ids,
                                        blocks.anchor_pos + label_offset, blocks.keep, BLOCK)
-        out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma)
+        out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, GAMMA)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -103,10 +107,10 @@ def _train(cfg, target, label_offset: int, steps: int) -> tuple[float, list[floa
     with torch.no_grad():
         for _ in range(4):
             batch = _batch(gen)
-            blocks = draft_blocks(drafter, target, batch, cfg, gen)
+            blocks = draft_blocks(drafter, target, batch, cfg, RECIPE, RUNTIME, gen)
             labels, weight = block_targets(batch.input_ids, batch.loss_mask, batch.document_ids,
                                            blocks.anchor_pos + label_offset, blocks.keep, BLOCK)
-            out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma)
+            out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, GAMMA)
             losses.append(float(out.loss))
             correct += out.correct
             counted += out.counted
@@ -117,11 +121,11 @@ def test_step_matches_the_composed_pieces(planted):
     cfg, target = planted
     drafter = DFlashDrafter(cfg)
     batch = _batch(torch.Generator().manual_seed(7))
-    out = dflash_step(drafter, target, batch, cfg, torch.Generator().manual_seed(1))
-    blocks = draft_blocks(drafter, target, batch, cfg, torch.Generator().manual_seed(1))
+    out = dflash_step(drafter, target, batch, cfg, RECIPE, RUNTIME, torch.Generator().manual_seed(1))
+    blocks = draft_blocks(drafter, target, batch, cfg, RECIPE, RUNTIME, torch.Generator().manual_seed(1))
     labels, weight = block_targets(batch.input_ids, batch.loss_mask, batch.document_ids, blocks.anchor_pos,
                                    blocks.keep, BLOCK)
-    ref = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma)
+    ref = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, GAMMA)
     torch.testing.assert_close(out.loss, ref.loss)
     assert out.tokens == int(weight.sum()) > 0
     assert abs(float(out.loss) - torch.log(torch.tensor(float(target.vocab_rows)))) < 1.0  # untrained: ~ln V

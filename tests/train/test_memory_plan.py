@@ -51,15 +51,17 @@ QWEN3_6_27B = bench_memory_plan.qwen3_6_27b_shape()
 def reference_drafter(**overrides: object) -> DrafterConfig:
     values = {**QWEN3_6_DRAFTER, "hidden_size": 5120, "intermediate_size": 17408, "num_target_layers": 64,
               "target_layer_ids": [1, 16, 31, 46, 61], "target_hidden_size": 5120, "mask_token_id": 248070,
-              "block_size": 16, "loss_decay_gamma": 7.0, "rope_theta": 1e7, **overrides}
+              "block_size": 16, "rope_theta": 1e7, **overrides}
     return DrafterConfig(**values)  # type: ignore[arg-type]
 
 
 def gpu_inputs(**changes: object) -> PlanInputs:
     cfg = reference_drafter()
+    cap = 512  # the runtime's default max_anchors_per_row
     values: dict[str, object] = dict(
         drafter=cfg, target=QWEN3_6_27B, max_length=4096, micro_batch_rows=1,
-        anchors=planned_anchor_count(cfg, 4096), target_bytes=2, autocast_bf16=True, backend="flex",
+        anchors=planned_anchor_count(cfg.block_size, cap, 4096), max_anchors_per_row=cap, target_bytes=2,
+        autocast_bf16=True, backend="flex",
         device_type="cuda", parallelism="ddp", world_size=8, shard_size=8, activation_checkpointing=False,
         chunk_tokens=None, feature_noise=False)
     values.update(changes)
@@ -111,9 +113,9 @@ def test_terms_follow_the_settings() -> None:
     # (less than twice: autocast's bf16 copies of the drafter weights do not grow with the rows)
     assert 1.8 < rows2["drafter activations"] / terms["drafter activations"] < 2.0
     # Without the per-row cap a 4096-token row can carry a block per position: 8x the query tokens.
-    uncapped = reference_drafter(max_anchors_per_row=100_000)
-    assert planned_anchor_count(uncapped, 4096) == 4096
-    assert planned_anchor_count(reference_drafter(max_anchors_per_row=300), 4096) == 304
+    block = reference_drafter().block_size
+    assert planned_anchor_count(block, 100_000, 4096) == 4096
+    assert planned_anchor_count(block, 300, 4096) == 304
 
 
 def test_the_table_names_every_term_and_the_verdict() -> None:
@@ -135,12 +137,12 @@ def test_remedies_are_replanned_and_fit() -> None:
     assert "max_length" in text and "micro_batch_rows" in text and "parallelism=fsdp" in text
     # Each named value really fits when planned again.
     longest = int(next(f for f in fixes if f.startswith("max_length")).rsplit(" ", 1)[1])
-    cfg = plan.inputs.drafter
+    block, cap = plan.inputs.drafter.block_size, plan.inputs.max_anchors_per_row
     again = plan_memory(gpu_inputs(micro_batch_rows=4, max_length=longest,
-                                   anchors=planned_anchor_count(cfg, longest)))
+                                   anchors=planned_anchor_count(block, cap, longest)))
     assert again.peak <= 120 * GIB
     over = plan_memory(gpu_inputs(micro_batch_rows=4, max_length=longest + 1,
-                                  anchors=planned_anchor_count(cfg, longest + 1)))
+                                  anchors=planned_anchor_count(block, cap, longest + 1)))
     assert over.peak > 120 * GIB
 
 

@@ -10,9 +10,11 @@ from pydantic import ValidationError
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
+from dflash_shared.errors import ConfigError
 from dflash_train.drafter.attention import DrafterMask, SdpaMask, additive_mask, build_drafter_mask
 from dflash_train.drafter.config import DrafterConfig, default_target_layer_ids
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRecipe
 
 H, HEADS, KV_HEADS, HEAD_DIM = 128, 2, 1, 64
 
@@ -173,17 +175,21 @@ def test_config_presets_and_validation():
                          num_key_value_heads=8, head_dim=128, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1e6})
     cfg = DrafterConfig.from_target(target, mask_token_id=151669)
-    assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.num_layers == 5 and cfg.loss_decay_gamma == 7.0
+    assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.num_layers == 5
     assert cfg.feature_size == 5 * 4096 and cfg.layer_types == ["full_attention"] * 5
-    assert DrafterConfig.debug(block_size=8).loss_decay_gamma == 4.0
+    # The loss decay is the recipe's: by block size under exp_decay, none under D-PACE.
+    decay = TrainingRecipe(position_weighting="exp_decay")
+    assert decay.decay_gamma(cfg.block_size) == 7.0
+    assert decay.decay_gamma(DrafterConfig.debug(block_size=8).block_size) == 4.0
+    assert TrainingRecipe().decay_gamma(16) is None
     with pytest.raises(ValidationError, match="sliding_window is not set"):
         DrafterConfig.debug(layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValidationError, match="target layer id 4 outside 0..3"):
         DrafterConfig.debug(target_layer_ids=[1, 4])
     with pytest.raises(ValidationError, match="hidden_size 64 != target_hidden_size 128"):
         DrafterConfig.debug(hidden_size=64)
-    with pytest.raises(ValidationError, match="no default loss_decay_gamma"):
-        DrafterConfig.debug(block_size=4)
+    with pytest.raises(ConfigError, match="no default loss_decay_gamma"):
+        decay.decay_gamma(DrafterConfig.debug(block_size=4).block_size)
     with pytest.raises(ValidationError, match="extra"):
         DrafterConfig.debug(unknown_field=1)
 

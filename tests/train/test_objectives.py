@@ -21,11 +21,13 @@ from dflash_train.data.batch import pack_documents
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.mask_token import warn_on_zero_mask_row
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRecipe
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.loss import dflash_loss, dpace_weights, linear_token_loss
 from dflash_train.training.optim import warmup_stable_decay
-from dflash_train.training.step import LossRecipe, dflash_step
+from dflash_train.training.step import dflash_step
 from tests.support.qwen_assets import qwen_special_ids
+from tests.support.step_recipe import step_recipe, step_runtime
 
 ARCH_IDS = {"qwen3": [1, 2], "qwen3_6": [2, 3]}
 ARCH_LAYERS = {"qwen3": 4, "qwen3_6": 8}
@@ -132,18 +134,19 @@ def agreement_setup(arch_target_dir: Path, target_arch: str, qwen_docs):
             docs(_answers(arch_target_dir, prompts, 24, sample=True)))
 
 
-def _agreement(cfg: DrafterConfig, target: FrozenTarget, docs, recipe: LossRecipe) -> tuple[float, torch.Tensor]:
+def _agreement(cfg: DrafterConfig, target: FrozenTarget, docs, recipe: TrainingRecipe,
+               ) -> tuple[float, torch.Tensor]:
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
-    out = dflash_step(drafter, target, pack_documents(docs, 128), cfg, torch.Generator().manual_seed(0),
-                      recipe=recipe)
+    out = dflash_step(drafter, target, pack_documents(docs, 128), cfg, recipe, step_runtime(),
+                      torch.Generator().manual_seed(0))
     assert out.tokens > 0 and out.agreed >= 0
     return out.agreed / out.tokens, out.loss
 
 
 def test_label_agreement_is_full_on_the_targets_own_greedy_answers_and_drops_on_sampled_ones(agreement_setup):
     cfg, target, right, wrong = agreement_setup
-    recipe = LossRecipe(label_agreement=True)
+    recipe = step_recipe(label_agreement=True)
     own, _ = _agreement(cfg, target, right, recipe)
     drifted, _ = _agreement(cfg, target, wrong, recipe)
     assert own == 1.0
@@ -154,12 +157,12 @@ def test_target_label_objectives_train_on_the_targets_tokens(agreement_setup):
     """On the target's own answers the argmax objective is the data objective; after the wrong template it is
     not (its labels are the target's, not the sampled data's), and KL is a finite non-negative loss."""
     cfg, target, right, wrong = agreement_setup
-    data = _agreement(cfg, target, right, LossRecipe(label_agreement=True))[1]
-    argmax = _agreement(cfg, target, right, LossRecipe(objective="target_argmax_ce"))[1]
+    data = _agreement(cfg, target, right, step_recipe(label_agreement=True))[1]
+    argmax = _agreement(cfg, target, right, step_recipe(objective="target_argmax_ce"))[1]
     torch.testing.assert_close(argmax, data)
-    assert not torch.equal(_agreement(cfg, target, wrong, LossRecipe(objective="target_argmax_ce"))[1],
-                           _agreement(cfg, target, wrong, LossRecipe(label_agreement=True))[1])
-    kl = _agreement(cfg, target, right, LossRecipe(objective="target_kl"))[1]
+    assert not torch.equal(_agreement(cfg, target, wrong, step_recipe(objective="target_argmax_ce"))[1],
+                           _agreement(cfg, target, wrong, step_recipe(label_agreement=True))[1])
+    kl = _agreement(cfg, target, right, step_recipe(objective="target_kl"))[1]
     assert torch.isfinite(kl) and float(kl) >= 0
 
 
@@ -170,7 +173,7 @@ def test_a_target_without_its_output_layers_is_refused_for_target_labels(arch_ta
     target = FrozenTarget.from_pretrained(arch_target_dir, cfg.target_layer_ids)
     with pytest.raises(ValueError, match="keep_output"):
         dflash_step(DFlashDrafter(cfg), target, pack_documents(qwen_docs[:2], 64), cfg,
-                    recipe=LossRecipe(objective="target_kl"))
+                    step_recipe(objective="target_kl"), step_runtime())
 
 
 def test_a_zero_mask_row_is_warned_about(tiny_target_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -67,7 +67,9 @@ def test_presets_and_drafter_resolution(tmp_path: Path, monkeypatch: pytest.Monk
     cfg = resolve_drafter(shaped, str(tiny_target()), section)
     # The target's own layer shape (hidden 128, 2/1 heads of 64), the mask from the data's manifest.
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (128, 2, 1, 64)
-    assert (cfg.num_layers, cfg.target_layer_ids, cfg.block_size, cfg.loss_decay_gamma) == (1, [0, 2], 8, 4.0)
+    assert (cfg.num_layers, cfg.target_layer_ids, cfg.block_size) == (1, [0, 2], 8)
+    # The loss decay is the run's recipe: exp_decay's default gamma follows the resolved block size.
+    assert shaped.model_copy(update={"position_weighting": "exp_decay"}).recipe.decay_gamma(cfg.block_size) == 4.0
     assert cfg.mask_token_id == section.target.special_tokens.mask
     no_mask = section.model_copy(update={"target": section.target.model_copy(update={
         "special_tokens": section.target.special_tokens.model_copy(update={"mask": None})})})
@@ -160,7 +162,7 @@ def test_stage_on_s3_writes_the_drafter_manifest_last(s3_bucket: str, store: Obj
     out = join(s3_bucket, "drafter")
     config = debug(data, out, target, scratch_dir=str(tmp_path / "scratch"), max_steps=3, max_length=64,
                    batch_tokens=128, checkpoint_every=2, mask_token_id=SMALL_MASK_ID,
-                   drafter_overrides={"num_anchors": 2})
+                   num_anchors=2)
     uri = run(config, store)
     assert uri == join(out, "manifest.json")
     loaded = load_manifest(store, out, Kind.drafter)  # re-hashes every listed checkpoint file
@@ -206,7 +208,7 @@ def test_restart_after_step_stops_as_preempted_then_resumes_and_records_its_timi
     out = str(tmp_path / "drafter")
     config = debug(data, out, str(small_vocab_target()), scratch_dir=str(tmp_path / "scratch"), max_steps=4,
                    max_length=64, batch_tokens=128, checkpoint_every=2, restart_after_step=2, log_every=1,
-                   mask_token_id=SMALL_MASK_ID, drafter_overrides={"num_anchors": 2})
+                   mask_token_id=SMALL_MASK_ID, num_anchors=2)
     with pytest.raises(Preempted) as stopped:
         run(config, store)
     assert exit_code_for(stopped.value) == ExitCode.PREEMPTED
@@ -244,7 +246,7 @@ def test_a_resume_under_other_settings_is_refused_naming_them(tmp_path: Path) ->
     out = str(tmp_path / "drafter")
     config = debug(data, out, str(small_vocab_target()), scratch_dir=str(tmp_path / "scratch"), max_steps=3,
                    max_length=64, batch_tokens=128, checkpoint_every=2, restart_after_step=2,
-                   mask_token_id=SMALL_MASK_ID, drafter_overrides={"num_anchors": 2})
+                   mask_token_id=SMALL_MASK_ID, num_anchors=2)
     with pytest.raises(Preempted):
         run(config, store)
     checkpoint = join(out, "checkpoints", "step-00000002")

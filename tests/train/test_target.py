@@ -23,6 +23,7 @@ from dflash_train.target_model.frozen import FrozenTarget, varlen_segments
 from dflash_train.target_model.linear_kernels import REFERENCE, kernel_status, use_fla_conv
 from dflash_train.training.step import dflash_step
 from tests.support.qwen_assets import qwen_embedding_rows, qwen_special_ids
+from tests.support.step_recipe import step_recipe, step_runtime
 from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
 
 ALL_IDS = [0, 1, 2]  # every id a 4-layer target allows (the last layer is excluded)
@@ -339,14 +340,17 @@ def test_step_leaves_the_target_frozen_and_its_embedding_unresized(arch_target_d
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     drafter = DFlashDrafter(cfg)
     batch = pack_documents(qwen_docs, 64)
-    out = dflash_step(drafter, target, batch, cfg, torch.Generator().manual_seed(0), noise=True)
+    recipe, runtime = step_recipe(), step_runtime()
+    out = dflash_step(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(0), noise=True)
     out.loss.backward()
     assert all(not p.requires_grad and p.grad is None for p in target.model.parameters())
     assert all(p.grad is not None for p in drafter.parameters())
     after = target.model.state_dict()
-    noisy_cfg = cfg.model_copy(update={"feature_noise_std": 0.05})
-    clean = dflash_step(drafter, target, batch, noisy_cfg, torch.Generator().manual_seed(0), noise=False)
-    noisy = dflash_step(drafter, target, batch, noisy_cfg, torch.Generator().manual_seed(0), noise=True)
+    noisy_recipe = step_recipe(feature_noise_std=0.05)
+    clean = dflash_step(drafter, target, batch, cfg, noisy_recipe, runtime, torch.Generator().manual_seed(0),
+                        noise=False)
+    noisy = dflash_step(drafter, target, batch, cfg, noisy_recipe, runtime, torch.Generator().manual_seed(0),
+                        noise=True)
     assert float(clean.loss) != float(noisy.loss)
     assert target.embed_tokens.weight.shape == (qwen_embedding_rows(target_arch), 128)
     for name, tensor in before.items():

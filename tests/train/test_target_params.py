@@ -100,7 +100,7 @@ def test_the_drafter_from_a_plain_config_json_is_the_stages(target_arch: str, tm
     stage, plain = _drafters(raw, tmp_path, target_layer_ids=[1, 2])
     assert stage == plain
     for published in (QWEN3_6_27B, QWEN3_8B):
-        stage, plain = _drafters(published, tmp_path, max_anchors_per_row=2048)
+        stage, plain = _drafters(published, tmp_path, num_layers=3, block_size=8)
         assert stage == plain
 
 

@@ -20,12 +20,14 @@ from dflash_train.config import debug
 from dflash_train.data.batch import pack_documents
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.sections import TrainingRecipe
 from dflash_train.stage import run
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.checkpoint import MODEL, complete_checkpoints
 from dflash_train.training.metrics import read_scalars
 from dflash_train.training.optim import warmup_cosine
 from dflash_train.training.step import dflash_step
+from tests.support.step_recipe import step_recipe, step_runtime
 from tests.train.train_fixtures import (
     RESUME_STEPS,
     generated_answers,
@@ -37,14 +39,15 @@ from tests.train.train_fixtures import (
 )
 
 
-def evaluate(drafter: DFlashDrafter, target: FrozenTarget, cfg: DrafterConfig) -> tuple[float, list[float]]:
+def evaluate(drafter: DFlashDrafter, target: FrozenTarget, cfg: DrafterConfig, recipe: TrainingRecipe,
+             ) -> tuple[float, list[float]]:
     """(mean loss, per-slot accuracy) on fixed batches of the generated answers, fixed anchors."""
     docs = [(p + c, [0] * len(p) + [1] * len(c)) for p, c in generated_answers()]
     losses, correct, counted = [], torch.zeros(cfg.block_size), torch.zeros(cfg.block_size)
     drafter.eval()
     with torch.no_grad():
         for i in range(0, 32, 8):
-            out = dflash_step(drafter, target, pack_documents(docs[i:i + 8], 128), cfg,
+            out = dflash_step(drafter, target, pack_documents(docs[i:i + 8], 128), cfg, recipe, step_runtime(),
                               torch.Generator().manual_seed(i), noise=False)
             losses.append(float(out.loss))
             correct += out.correct
@@ -59,19 +62,20 @@ def test_training_on_target_generated_data_learns(tmp_path: Path) -> None:
     out = str(tmp_path / "drafter")
     config = debug(data, out, str(tiny_target()), scratch_dir=str(tmp_path / "scratch"), max_steps=24, lr=3e-3,
                    max_length=128, batch_tokens=256, micro_batch_rows=2, checkpoint_every=12, log_every=6,
-                   drafter_overrides={"num_anchors": 2, "num_key_value_heads": 2})
+                   num_anchors=2, drafter_overrides={"num_key_value_heads": 2})
     uri = run(config, store)
     section = load_manifest(store, out, Kind.drafter).manifest.section
     assert uri == join(out, "manifest.json") and isinstance(section, DrafterSection)
 
-    cfg = DrafterConfig.model_validate_json(store.read_bytes(join(section.checkpoint_uri, "drafter_config.json")))
+    cfg = DrafterConfig.from_saved(store.read_bytes(join(section.checkpoint_uri, "drafter_config.json")))
+    recipe = step_recipe(num_anchors=config.num_anchors)  # the run's anchors per document, fixed ones to compare
     target = FrozenTarget.from_pretrained(tiny_target(), cfg.target_layer_ids)
     torch.manual_seed(config.seed)
     untrained = DFlashDrafter(cfg)  # the trainer's own initialisation (same seed)
-    before_loss, before_acc = evaluate(untrained, target, cfg)
+    before_loss, before_acc = evaluate(untrained, target, cfg, recipe)
     trained = DFlashDrafter(cfg)
     trained.load_state_dict(load_file(join(section.checkpoint_uri, MODEL)))
-    after_loss, after_acc = evaluate(trained, target, cfg)
+    after_loss, after_acc = evaluate(trained, target, cfg, recipe)
     assert after_loss < before_loss - 0.3, (before_loss, after_loss)
     mean_before, mean_after = sum(before_acc) / len(before_acc), sum(after_acc) / len(after_acc)
     assert mean_after > 0.15 and mean_after > 10 * max(mean_before, 0.005), (before_acc, after_acc)

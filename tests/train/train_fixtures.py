@@ -251,7 +251,7 @@ def resume_args(output: str, **flags: str) -> list[str]:
     values = {"input": resume_data(), "output": output, "target": str(small_vocab_target()),
               "scratch-dir": join(session_root(), "scratch"), "max-steps": str(RESUME_STEPS), "max-length": "64",
               "batch-tokens": "128", "checkpoint-every": "2", "mask-token-id": str(SMALL_MASK_ID),
-              "drafter-overrides": '{"num_anchors": 2}', **flags}
+              "num-anchors": "2", **flags}
     # An empty value is a boolean flag given alone (`--compile`).
     return ["--preset", "debug", *(item for key, value in values.items() for item in (f"--{key}", value) if item)]
 

@@ -15,7 +15,7 @@ from pydantic_settings import SettingsConfigDict
 
 from dflash_shared.settings import StageSettings
 from dflash_shared.stage_identity import StageIdentity, stage_identity
-from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.config import MOVED_TO_TRAIN_SETTINGS, DrafterConfig, moved_setting_message
 from dflash_train.sections import TrainingRecipe, TrainingRuntime, section_of
 
 Preset = Literal["none", "debug"]
@@ -30,7 +30,7 @@ DEBUG_PRESET: dict[str, Any] = {
     "device": "cpu",
     "precision": "fp32",
     "drafter_preset": "debug",
-    "drafter_overrides": {"num_anchors": 4},
+    "num_anchors": 4,
     "max_length": 256,
     "batch_tokens": 1024,
     "micro_batch_rows": 1,
@@ -189,6 +189,9 @@ class TrainConfig(StageSettings, TrainingRecipe, TrainingRuntime, StageIO):
         keys = set(self.drafter_overrides)
         if "mask_token_id" in keys:
             raise ValueError("drafter_overrides may not hold mask_token_id; set --mask-token-id instead")
+        moved = sorted(keys & set(MOVED_TO_TRAIN_SETTINGS))
+        if moved:
+            raise ValueError("; ".join(moved_setting_message(name, self.drafter_overrides[name]) for name in moved))
         unknown = sorted(keys - DRAFTER_OVERRIDE_KEYS)
         if unknown:
             raise ValueError(
@@ -203,16 +206,18 @@ class TrainConfig(StageSettings, TrainingRecipe, TrainingRuntime, StageIO):
 
 
 # Settings a resumed run may change (see dflash_shared.stage_identity): where and how the work runs (device,
-# parallelism, kernels, compile, and micro_batch_rows, a memory knob: the update stays the mean of the step's
-# rows), the data cache, how often it logs and saves, the length of the run (a resume keeps the checkpoint's
-# schedule, with a warning), and the settings the checkpoint is checked by exactly in other terms: the drafter
-# ones (its resolved DrafterConfig) and the input and target locations (the data order, which holds the input
-# manifest's sha256). Every other setting (lr and the optimiser, precision, seed, batch_tokens, max_length, ...)
-# changes what the steps compute, and a resume under another value is refused.
+# parallelism, kernels, the drafter's attention_backend among them, compile, and micro_batch_rows, a memory knob:
+# the update stays the mean of the step's rows), the data cache, how often it logs and saves, the length of the run
+# (a resume keeps the checkpoint's schedule, with a warning), and the settings the checkpoint is checked by exactly
+# in other terms: the drafter ones (its resolved DrafterConfig) and the input and target locations (the data order,
+# which holds the input manifest's sha256). Every other setting (lr and the optimiser, precision, seed,
+# batch_tokens, max_length, the anchors per document and per row, ...) changes what the steps compute, and a resume
+# under another value is refused.
 RESUMABLE_CHANGES = frozenset({
     "preset", "input", "target", "drafter", "drafter_preset", "drafter_overrides", "mask_token_id", "init_from",
     "micro_batch_rows", "epochs", "max_steps", "cache_gib", "prefetch_steps", "verify_shards", "device", "parallelism",
-    "target_packing", "target_attn_implementation", "activation_checkpointing", "compile", "chunk_tokens",
+    "target_packing", "target_attn_implementation", "attention_backend", "activation_checkpointing", "compile",
+    "chunk_tokens",
     "checkpoint_every", "keep_checkpoints", "resume", "restart_after_step", "log_every", "tensorboard",
     "heldout_every", "heldout_documents",
     "copy_workers",

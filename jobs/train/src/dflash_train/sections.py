@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dflash_shared.errors import ConfigError
 
 Section = TypeVar("Section", bound=BaseModel)
+AttentionBackend = Literal["auto", "flex", "sdpa"]
+
+# Position-decay constants of the reference trainers, keyed by block size.
+DEFAULT_DECAY_GAMMA = {16: 7.0, 8: 4.0}
 
 
 def reads_target_output(objective: str, label_agreement: bool) -> bool:
@@ -52,6 +56,16 @@ class TrainingRecipe(BaseModel):
         default=0.2, gt=0, le=1, description="wsd: the share of all steps spent decaying to min_lr_ratio."
     )
 
+    # ------------------------------------------------------------------ blocks (training.anchors, training.step)
+    num_anchors: int = Field(
+        default=512, ge=1,
+        description="Anchors (blocks) sampled per document (conversation) of a packed row, before the memory's "
+        "per-row cap (max_anchors_per_row); 512 is SpecForge's recipe (every valid position of a normal answer).",
+    )
+    feature_noise_std: float = Field(
+        default=0.0, ge=0, description="Std of uniform noise added to the target features in training (0 = off)."
+    )
+
     # ------------------------------------------------------------------ objective (training.loss)
     objective: Literal["data_ce", "target_argmax_ce", "target_kl"] = Field(
         default="data_ce",
@@ -65,6 +79,11 @@ class TrainingRecipe(BaseModel):
         "trials); exp_decay, exp(-(k-1)/loss_decay_gamma).",
     )
     dpace_alpha: float = Field(default=0.5, ge=0, le=1, description="D-PACE confidence smoothing (speculators' 0.5).")
+    loss_decay_gamma: float | None = Field(
+        default=None, gt=0,
+        description="exp_decay's gamma: slot k weighs exp(-(k-1)/gamma); default by block size: 7 for 16, 4 for 8 "
+        "(the reference trainers').",
+    )
     label_agreement: bool = Field(
         default=True,
         description="Measure the share of trained data labels that are the trainer target's own greedy token "
@@ -79,6 +98,17 @@ class TrainingRecipe(BaseModel):
     @property
     def needs_target_output(self) -> bool:
         return reads_target_output(self.objective, self.label_agreement)
+
+    def decay_gamma(self, block_size: int) -> float | None:
+        """exp_decay's gamma: `loss_decay_gamma`, or the reference trainers' constant for this block size (ConfigError
+        when it has none); None under D-PACE, whose weights come from the drafter's confidence instead."""
+        if self.position_weighting != "exp_decay":
+            return None
+        if self.loss_decay_gamma is not None:
+            return self.loss_decay_gamma
+        if block_size not in DEFAULT_DECAY_GAMMA:
+            raise ConfigError(f"no default loss_decay_gamma for block_size {block_size}: set loss_decay_gamma")
+        return DEFAULT_DECAY_GAMMA[block_size]
 
     @model_validator(mode="after")
     def _check_weighting(self) -> TrainingRecipe:
@@ -109,6 +139,14 @@ class TrainingRuntime(BaseModel):
     )
 
     micro_batch_rows: int = Field(default=1, ge=1, description="Packed rows per forward pass on one rank.")
+    max_anchors_per_row: int = Field(
+        default=512, ge=1,
+        description="Memory bound on anchors (blocks) per packed row after the per-document draw, shared fairly "
+        "across the row's documents (round-robin); the memory plan names the largest count that fits.",
+    )
+    attention_backend: AttentionBackend = Field(
+        default="auto", description="Drafter attention: flex (BlockMask), sdpa (float mask), auto = flex on CUDA."
+    )
     precision: Literal["bf16", "fp32"] = Field(
         default="bf16", description="bf16: autocast over fp32 master weights; fp32: no autocast."
     )

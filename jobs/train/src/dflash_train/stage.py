@@ -110,6 +110,7 @@ def resolve(config: TrainConfig, store: ObjectStore, target_dir: str) -> Resolve
     if not source.manifest.split_shards("train"):
         raise BadInputError(f"{source.uri} holds no training shards (every record is held out for evaluation)")
     drafter = resolve_drafter(config, target_dir, section)
+    config.recipe.decay_gamma(drafter.block_size)  # a block size with no default decay is refused before any load
     max_length = config.max_length or section.max_length
     rows_per_step = config.batch_tokens // max_length
     if rows_per_step < 1:
@@ -178,8 +179,10 @@ def quality_recipe(config: TrainConfig, cfg: DrafterConfig, steps: int) -> dict[
     return {"objective": config.objective, "position_weighting": config.position_weighting,
             "dpace_alpha": config.dpace_alpha if config.position_weighting == "dpace" else None,
             "lr_schedule": config.lr_schedule, "lr": config.lr, "warmup_ratio": config.warmup_ratio,
-            "steps": steps, "num_anchors_per_document": cfg.num_anchors, "max_anchors_per_row": cfg.max_anchors_per_row,
-            "loss_decay_gamma": cfg.loss_decay_gamma, "feature_noise_std": cfg.feature_noise_std,
+            "steps": steps, "num_anchors_per_document": config.num_anchors,
+            "max_anchors_per_row": config.max_anchors_per_row,
+            "loss_decay_gamma": config.recipe.decay_gamma(cfg.block_size),
+            "feature_noise_std": config.feature_noise_std,
             "block_size": cfg.block_size, "num_layers": cfg.num_layers, "target_layer_ids": str(cfg.target_layer_ids),
             "init_from": config.init_from}
 
@@ -258,7 +261,7 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.parallel import distributed
     from dflash_train.target_model.loading import load_target
-    from dflash_train.trainer import Trainer, TrainerSetup, loss_recipe, refuse_other_settings
+    from dflash_train.trainer import Trainer, TrainerSetup, refuse_other_settings
     from dflash_train.training import checkpoint as ckpt
     from dflash_train.training import memory_plan, optim
     from dflash_train.training.metrics import MetricsSink
@@ -285,10 +288,9 @@ def _train(resolved: Resolved, store: ObjectStore, env: DistEnv, root: str) -> s
         steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         sharded = parallelism == "fsdp" and env.distributed
         # Rank 0 reads the checkpoint and broadcasts it: no rank but rank 0 holds a host copy of the target.
-        recipe = loss_recipe(config.recipe)
         target = load_target(resolved.target_dir, cfg.target_layer_ids, env, sharded, dtype,
                              attn_implementation=config.target_attn_implementation, packing=config.target_packing,
-                             keep_output=recipe.needs_target_output)
+                             keep_output=config.recipe.needs_target_output)
         warn_on_zero_mask_row(target, cfg.mask_token_id)
         log.info("drafter %.1fM parameters, %s, %d step(s), target %s on %s", drafter_params / 1e6, parallelism,
                  steps, resolved.target_dir, env.device)

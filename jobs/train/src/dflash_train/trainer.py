@@ -39,13 +39,13 @@ from dflash_train.drafter.attention import compile_drafter_layers
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.parallel.distributed import DistEnv, Parallelism, accumulate, wrap_drafter
-from dflash_train.sections import TrainingRecipe, TrainingRuntime
+from dflash_train.sections import TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training import checkpoint as ckpt
 from dflash_train.training.anchors import anchor_count_buckets
 from dflash_train.training.metrics import MetricsSink, MetricWindow
 from dflash_train.training.optim import autocast, build_optimizer, build_scheduler, clip_gradients
-from dflash_train.training.step import LossRecipe, dflash_step
+from dflash_train.training.step import dflash_step
 
 log = logging.getLogger(__name__)
 FINAL_METRIC_PREFIXES = ("loss", "tau", "accuracy", "acc_", "label_agreement", "heldout_")
@@ -97,12 +97,6 @@ class TrainResult:
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
 
-def loss_recipe(recipe: TrainingRecipe) -> LossRecipe:
-    """The step's objective and position weights from the training recipe."""
-    return LossRecipe(objective=recipe.objective, weighting=recipe.position_weighting,
-                      dpace_alpha=recipe.dpace_alpha, label_agreement=recipe.label_agreement)
-
-
 def scale_gradients(params: Iterable[nn.Parameter], factor: float) -> None:
     """Multiply every gradient by `factor` (DTensor gradients under FSDP2 included)."""
     for p in params:
@@ -128,7 +122,7 @@ def build_drafter(cfg: DrafterConfig, seed: int, runtime: TrainingRuntime, devic
     if runtime.compile:
         # Static shapes: per ladder rung two training graphs (the first layer, the rest) and one for
         # no_grad evaluation; the recompile limit is raised before the first compile (dflash_train.drafter.attention).
-        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, runtime.max_anchors_per_row)))
     return drafter
 
 
@@ -228,8 +222,7 @@ class Trainer:
     def resume(self, ref: ckpt.CheckpointRef) -> None:
         started = time.perf_counter()
         refuse_other_settings(self.store, ref, self.config)  # before a tensor is read
-        saved = ckpt.read_config_json(self.store, ref)
-        if saved != self.cfg.model_dump(mode="json"):
+        if DrafterConfig.from_saved(ckpt.read_config_json(self.store, ref)) != self.cfg:
             raise ConfigError(f"checkpoint {ref.uri} was trained with another drafter config; start a new output "
                               "prefix or set resume=never")
         state = ckpt.load_checkpoint(ref, self.model, self.optimizer, self.store, self.env, self.scratch)
@@ -258,7 +251,6 @@ class Trainer:
                             env.world_size, self.step, self.total_steps, config.prefetch_steps,
                             pin_memory=env.device.type == "cuda")
         window = MetricWindow(self.cfg.block_size, env.device)
-        recipe = loss_recipe(self.recipe)
         grad_norm = 0.0
         first_window = True
         if self.last_checkpoint is not None:
@@ -266,10 +258,10 @@ class Trainer:
         log.info("training steps %d..%d of %d: %d rows of %d tokens per step, %d micro-batch(es) per rank",
                  self.step + 1, self.total_steps, self.total_steps, self.rows_per_step, self.plan.max_length,
                  self.accumulation)
-        cfg = self.cfg
+        cap = runtime.max_anchors_per_row
         log.info("anchors: up to %d per document, at most %d per row; blocks per micro-batch row on the ladder %s"
-                 " (at most that many drafter attention shapes, each compiled once)", cfg.num_anchors,
-                 cfg.max_anchors_per_row, list(anchor_count_buckets(cfg.block_size, cfg.max_anchors_per_row)))
+                 " (at most that many drafter attention shapes, each compiled once)", self.recipe.num_anchors,
+                 cap, list(anchor_count_buckets(self.cfg.block_size, cap)))
         try:
             with deferred_stop() as stop:
                 for item in loader:
@@ -284,8 +276,8 @@ class Trainer:
                             micro_seed(config.seed, self.step, micro_id))
                         with accumulate(self.model, sync=i == count - 1):
                             with autocast(runtime, env.device):
-                                out = dflash_step(self.model, self.target, batch, self.cfg, gen,  # type: ignore[arg-type]
-                                                  noise=True, chunk_tokens=runtime.chunk_tokens, recipe=recipe)
+                                out = dflash_step(self.model, self.target, batch, self.cfg,  # type: ignore[arg-type]
+                                                  self.recipe, runtime, gen, noise=True)
                             assert out.loss_sum is not None
                             out.loss_sum.backward()
                         step_weight += out.weight_sum
@@ -348,8 +340,8 @@ class Trainer:
 
         assert self.heldout_rows is not None
         with autocast(self.runtime, self.env.device):
-            return heldout_acceptance(self.model, self.target, self.heldout_rows, self.cfg, self.env,
-                                      self.runtime.micro_batch_rows, self.runtime.chunk_tokens)
+            return heldout_acceptance(self.model, self.target, self.heldout_rows, self.cfg, self.recipe, self.runtime,
+                                      self.env)
 
     def _restart_due(self) -> bool:
         """restart_after_step reached in this process (the same on every rank: no collective needed). A run that

@@ -229,9 +229,9 @@ def drafter_of(values: Mapping[str, Any], raw: Mapping[str, Any]) -> DrafterConf
 _RUN_FILE_FIX = {
     "max_length": "stages.train.config.max_length = {} or less",
     "micro_batch_rows": "stages.train.config.micro_batch_rows = {} or less",
-    "max_anchors_per_row": "stages.train.config.drafter_overrides = {{ max_anchors_per_row = {} }} or less",
+    "max_anchors_per_row": "stages.train.config.max_anchors_per_row = {} or less",
     "activation_checkpointing": "stages.train.config.activation_checkpointing = true",
-    "attention_backend": 'stages.train.config.drafter_overrides = {{ attention_backend = "flex" }}',
+    "attention_backend": 'stages.train.config.attention_backend = "flex"',
     "parallelism": 'stages.train.config.parallelism = "fsdp"',
     "fsdp_ranks": 'stages.train.gpus = {} with stages.train.config.parallelism = "fsdp"',
 }
@@ -253,8 +253,9 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
     parallelism = "ddp" if requested == "auto" else requested
     if gpu is not None:
         parallelism = mp.auto_parallelism(requested, replica, drafter_params, gpu.total)
-    backend = "flex" if cfg.attention_backend == "auto" else cfg.attention_backend  # resolve_backend on CUDA
-    inputs = mp.run_inputs(section_of(TrainingRuntime, values), section_of(TrainingRecipe, values), cfg, sizes,
+    runtime = section_of(TrainingRuntime, values)
+    backend = "flex" if runtime.attention_backend == "auto" else runtime.attention_backend  # resolve_backend on CUDA
+    inputs = mp.run_inputs(runtime, section_of(TrainingRecipe, values), cfg, sizes,
                            max_length, parallelism,
                            device_type="cuda", world_size=world, shard_size=settings.gpus,
                            target_bytes=target_bytes, backend=backend)

@@ -1,4 +1,5 @@
-"""Shape and training-rule configuration of a DFlash drafter (`DrafterConfig`), with presets.
+"""The shape of a DFlash drafter (`DrafterConfig`), with presets. How it is trained (anchors, loss decay, feature
+noise, attention kernel) is the train stage's (`dflash_train.sections`).
 
 The drafter is a small stack of Qwen3 decoder layers that reads hidden states of chosen target layers and
 drafts a block of `block_size` tokens in one pass. Its hidden size must equal the target's (it shares the
@@ -15,6 +16,7 @@ No torch import here: the config is read by tooling that does not need a tensor 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -32,10 +34,11 @@ from dflash_shared.target_family import (
 )
 
 LayerType = Literal["full_attention", "sliding_attention"]
-AttentionBackend = Literal["auto", "flex", "sdpa"]
-
-# Position-decay constants of the reference trainers, keyed by block size.
-_DEFAULT_GAMMA = {16: 7.0, 8: 4.0}
+# Training rules a drafter config carried before they became train settings (`dflash_train.sections`), with the
+# section that holds each now: a config given with one is refused naming its new place; checkpoints written before
+# still list them, and `DrafterConfig.from_saved` reads those without them.
+MOVED_TO_TRAIN_SETTINGS = {"num_anchors": "recipe", "loss_decay_gamma": "recipe", "feature_noise_std": "recipe",
+                           "max_anchors_per_row": "runtime", "attention_backend": "runtime"}
 # First unused embedding row of the Qwen2/2.5/3 vocabulary (151,669 tokens in 151,936 rows); the
 # reference Qwen3 drafters use it as the mask token.
 QWEN3_MASK_TOKEN_ID = 151669
@@ -55,6 +58,12 @@ QWEN3_6_DRAFTER: dict[str, Any] = {
 }
 # Period of the reference hybrid drafter's layer pattern: four sliding-window layers, then one full-attention.
 _HYBRID_PERIOD = 5
+
+def moved_setting_message(name: str, value: Any) -> str:
+    """Where a training rule that was a drafter setting is set now (the train stage's flat settings)."""
+    return (f"{name} is a train setting now ({MOVED_TO_TRAIN_SETTINGS[name]}), not a drafter one: set {name} = "
+            f"{json.dumps(value)} in [stages.train] config (--{name.replace('_', '-')}), not in drafter_overrides")
+
 
 def is_hybrid_family(target_config: Any) -> bool:
     """Whether a HF (text) config is a Qwen3.5/3.6-style hybrid: linear-attention layers beside full attention."""
@@ -144,7 +153,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
 
 
 class DrafterConfig(BaseModel):
-    """Everything that shapes the drafter and its training rules (block size, anchors, loss decay)."""
+    """Everything that shapes the drafter: its layers, the target layers it reads, its block and mask token."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -173,37 +182,15 @@ class DrafterConfig(BaseModel):
     sliding_window: int | None = Field(
         None, ge=1, description="Window (tokens) of sliding_attention layers; required if any layer slides."
     )
-    num_anchors: int = Field(
-        512, ge=1, description="Anchors (blocks) sampled per document (conversation) of a packed row, before the "
-        "per-row cap; 512 per conversation is the SpecForge recipe (every valid position of a normal answer)."
-    )
-    max_anchors_per_row: int = Field(
-        512,
-        ge=1,
-        description="Memory bound on anchors (blocks) per packed row after the per-document draw, shared fairly "
-        "across the row's documents (round-robin); raise it to the largest count the memory plan fits (the fit "
-        "check names it when a value does not fit).",
-    )
-    loss_decay_gamma: float = Field(
-        ..., gt=0, description="Loss decay exp(-(k-1)/gamma) over block slot k; default 7 for B=16, 4 for B=8."
-    )
-    feature_noise_std: float = Field(
-        0.0, ge=0, description="Std of uniform noise added to target features in training (0 = off)."
-    )
-    attention_backend: AttentionBackend = Field(
-        "auto", description="Drafter attention: flex (BlockMask), sdpa (float mask), auto = flex on CUDA."
-    )
 
     @model_validator(mode="before")
     @classmethod
     def _fill_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            moved = sorted(set(data) & set(MOVED_TO_TRAIN_SETTINGS))
+            if moved:
+                raise ValueError("; ".join(moved_setting_message(name, data[name]) for name in moved))
             data = dict(data)
-            if data.get("loss_decay_gamma") is None:
-                block = int(data.get("block_size", 16))
-                if block not in _DEFAULT_GAMMA:
-                    raise ValueError(f"no default loss_decay_gamma for block_size={block}; set it explicitly")
-                data["loss_decay_gamma"] = _DEFAULT_GAMMA[block]
             if not data.get("layer_types"):
                 data["layer_types"] = ["full_attention"] * int(data.get("num_layers", 5))
         return data
@@ -245,6 +232,13 @@ class DrafterConfig(BaseModel):
                     " target"
                 )
         return self
+
+    @classmethod
+    def from_saved(cls, saved: str | bytes | Mapping[str, Any]) -> DrafterConfig:
+        """A config as a checkpoint's drafter_config.json holds it (JSON text or parsed), including those written
+        while the training rules were drafter settings: their values are the run's, not the drafter's."""
+        data = json.loads(saved) if isinstance(saved, str | bytes) else dict(saved)
+        return cls.model_validate({k: v for k, v in data.items() if k not in MOVED_TO_TRAIN_SETTINGS})
 
     @property
     def num_target_features(self) -> int:
@@ -339,8 +333,6 @@ class DrafterConfig(BaseModel):
             "target_layer_ids": [1, 2],
             "target_hidden_size": 128,
             "mask_token_id": QWEN3_MASK_TOKEN_ID,
-            "num_anchors": 16,
-            "attention_backend": "sdpa",
         }
         values.update(overrides)
         config = cls(**values)

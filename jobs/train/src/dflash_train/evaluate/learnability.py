@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_shared.evaluation_report import Acceptance, LearnabilityGate, PromptResult
 from dflash_shared.storage import ObjectStore
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 
 if TYPE_CHECKING:
     import torch
@@ -73,14 +74,12 @@ def acceptance_rate(acceptance: Acceptance, block_size: int) -> float:
     return acceptance.accepted_tokens / drafted if drafted else 0.0
 
 
-def memorising_config(cfg: Any, longest: int, documents: int) -> Any:
-    """`cfg` with an anchor at every position of every document and no feature noise: memorising needs every
-    block seen at every step, and noise would only slow it."""
-    from dflash_train.drafter.config import DrafterConfig
-
-    data = {**cfg.model_dump(), "num_anchors": longest, "max_anchors_per_row": longest * documents,
-            "feature_noise_std": 0.0}
-    return DrafterConfig.model_validate(data)
+def memorising_sections(longest: int, documents: int) -> tuple[TrainingRecipe, TrainingRuntime]:
+    """The step's recipe and runtime for memorising: an anchor at every position of every document (every block
+    seen at every step), no feature noise (it would only slow it), CE on the data with D-PACE weights."""
+    recipe = TrainingRecipe(num_anchors=longest, feature_noise_std=0.0, objective="data_ce",
+                            position_weighting="dpace", label_agreement=False)
+    return recipe, TrainingRuntime(max_anchors_per_row=longest * documents)
 
 
 def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], settings: GateSettings,
@@ -91,10 +90,10 @@ def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], 
     from dflash_train.data.batch import pack_documents
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.target_model.frozen import FrozenTarget
-    from dflash_train.training.step import LossRecipe, dflash_step
+    from dflash_train.training.step import dflash_step
 
     longest = max(len(p) + len(a) for p, a in docs)
-    cfg = memorising_config(cfg, longest, len(docs))
+    recipe, runtime = memorising_sections(longest, len(docs))
     # keep_output: the evaluation decodes with the whole model afterwards, so no layer may be dropped.
     target = FrozenTarget(model, cfg.target_layer_ids, keep_output=True)
     target.check_drafter_config(cfg)
@@ -105,14 +104,13 @@ def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], 
     warmup = max(1, settings.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup))
     generator = torch.Generator().manual_seed(settings.seed)
-    recipe = LossRecipe(objective="data_ce", weighting="dpace")
     # A bfloat16 target trains an fp32 drafter under autocast, as the trainer does.
     low_precision = next(model.parameters()).dtype == torch.bfloat16
     accuracy, step, streak = 0.0, 0, 0
     for step in range(1, settings.steps + 1):
         amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if low_precision else nullcontext()
         with amp:
-            out = dflash_step(drafter, target, batch, cfg, generator=generator, recipe=recipe)
+            out = dflash_step(drafter, target, batch, cfg, recipe, runtime, generator)
         optim.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

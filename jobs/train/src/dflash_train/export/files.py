@@ -159,7 +159,7 @@ def load_checkpoint_drafter(store: ObjectStore, checkpoint: str) -> DFlashDrafte
             paths[name] = os.path.join(tmp, name)
             store.download_to(join(checkpoint, name), paths[name])
         with open(paths[DRAFTER_CONFIG], encoding="utf-8") as fh:
-            cfg = DrafterConfig.model_validate_json(fh.read())
+            cfg = DrafterConfig.from_saved(fh.read())
         drafter = DFlashDrafter(cfg)
         tensors = load_file(paths[MODEL])
     unexpected = sorted(set(tensors) - set(expected_weight_names(cfg.num_layers)))

@@ -62,9 +62,6 @@ LAYER_WEIGHTS = (
 TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 
 
-# Only read back by `load_export`: the loss decay is a training setting the export does not carry.
-_INFERENCE_GAMMA = 7.0
-
 
 class ExportError(BadInputError):
     """An export directory (or the drafter being exported) is not in the expected format."""
@@ -194,7 +191,6 @@ def config_from_export(config: Mapping[str, Any], where: str = "config.json") ->
         mask_token_id=int(dflash["mask_token_id"]),
         layer_types=layer_types,
         sliding_window=sliding,
-        loss_decay_gamma=_INFERENCE_GAMMA,
     )
 
 

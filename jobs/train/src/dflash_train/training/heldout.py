@@ -28,8 +28,9 @@ from dflash_train.data.batch import PackedBatch, pack_documents
 from dflash_train.data.loader import ShardCache
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.parallel.distributed import DistEnv
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
-from dflash_train.training.step import LossRecipe, dflash_step
+from dflash_train.training.step import dflash_step
 
 log = logging.getLogger(__name__)
 HELDOUT_SEED = 20_261_206  # the fixed anchors of every measurement
@@ -60,9 +61,13 @@ def accepted_prefix(hits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def heldout_acceptance(model: torch.nn.Module, target: FrozenTarget, rows: PackedBatch, cfg: DrafterConfig,
-                       env: DistEnv, micro_rows: int, chunk_tokens: int | None = None) -> dict[str, float]:
-    """`heldout_tau` and `heldout_acc_k` over the rows (split over the ranks, summed; see the module docstring)."""
-    recipe = LossRecipe(objective="target_argmax_ce" if target.keep_output else "data_ce")
+                       recipe: TrainingRecipe, runtime: TrainingRuntime, env: DistEnv) -> dict[str, float]:
+    """`heldout_tau` and `heldout_acc_k` over the rows (split over the ranks, summed; see the module docstring):
+    the run's anchors and kernels, with the target's own greedy token as the label where the target keeps its output
+    layers (what decoding accepts), and no label agreement to measure."""
+    recipe = recipe.model_copy(update={"objective": "target_argmax_ce" if target.keep_output else "data_ce",
+                                       "position_weighting": "exp_decay", "label_agreement": False})
+    micro_rows = runtime.micro_batch_rows
     drafted = cfg.block_size - 1
     sums = torch.zeros(2 + drafted, dtype=torch.float64, device=env.device)  # blocks, accepted, reached[k]
     was_training = model.training
@@ -72,8 +77,7 @@ def heldout_acceptance(model: torch.nn.Module, target: FrozenTarget, rows: Packe
         for start in range(env.rank * micro_rows, total, env.world_size * micro_rows):
             batch = rows.rows(start, min(start + micro_rows, total)).to(env.device)
             gen = torch.Generator(device=env.device).manual_seed(HELDOUT_SEED + start)
-            out = dflash_step(model, target, batch, cfg, gen, noise=False, chunk_tokens=chunk_tokens,  # type: ignore[arg-type]
-                              recipe=recipe)
+            out = dflash_step(model, target, batch, cfg, recipe, runtime, gen, noise=False)  # type: ignore[arg-type]
             assert out.hits is not None and out.trained is not None
             accepted = accepted_prefix(out.hits, out.trained)
             head = torch.tensor([float(accepted.numel()), float(accepted.sum())], dtype=torch.float64)

@@ -254,7 +254,7 @@ def dflash_loss(
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
     weight: torch.Tensor,
-    gamma: float,
+    gamma: float | None,
     chunk_tokens: int | None = None,
     soft: torch.Tensor | None = None,
     weighting: Weighting = "exp_decay",
@@ -282,6 +282,8 @@ def dflash_loss(
         grid[take] = token_loss.detach()
         token_weight = dpace_weights(grid.view(-1, block), weight.reshape(-1, block), dpace_alpha).reshape(-1)[take]
     else:
+        if gamma is None:
+            raise ValueError("exp_decay position weights need a gamma")
         token_weight = position_decay(block, gamma, labels.device)[slot_taken]
     token_weight = token_weight.to(token_loss.dtype)
     loss_sum = (token_loss * token_weight).sum()

@@ -70,13 +70,13 @@ def drafter_parameter_count(cfg: DrafterConfig) -> tuple[int, int]:
     return cfg.num_layers * layer + cfg.feature_size * h + 2 * h, layer
 
 
-def planned_anchor_count(cfg: DrafterConfig, max_length: int) -> int:
+def planned_anchor_count(block_size: int, max_anchors_per_row: int, max_length: int) -> int:
     """The largest N a step can use: one anchor per valid position (at most S - 1), at most the per-row cap,
     on the anchor-count ladder of `anchors` (the plan must hold for the widest step of the run)."""
     from dflash_train.training.anchor_ladder import bucket_anchor_count
 
-    cap = cfg.max_anchors_per_row
-    return bucket_anchor_count(min(max_length - 1, cap), cfg.block_size, cap)
+    cap = max_anchors_per_row
+    return bucket_anchor_count(min(max_length - 1, cap), block_size, cap)
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class PlanInputs:
     max_length: int
     micro_batch_rows: int
     anchors: int  # N, anchors per row of the widest step
+    max_anchors_per_row: int  # the runtime's cap, which bounds N
     target_bytes: int  # bytes per target parameter as loaded (2 bf16, 4 fp32)
     autocast_bf16: bool
     backend: Backend
@@ -343,7 +344,7 @@ def plan_for_run(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterC
     sizes = target if isinstance(target, TargetSizes) else checkpoint_sizes(target)
     return plan_memory(run_inputs(runtime, recipe, cfg, sizes, max_length, parallelism, device_type=env.device.type,
                                   world_size=env.world_size, shard_size=int(mesh[-1]), target_bytes=target_bytes,
-                                  backend=resolve_backend(cfg.attention_backend, env.device)))
+                                  backend=resolve_backend(runtime.attention_backend, env.device)))
 
 
 def run_inputs(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterConfig, target: TargetSizes,
@@ -353,11 +354,12 @@ def run_inputs(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterCon
     output): the one mapping the train stage and the pipeline's pre-submit check both use."""
     return PlanInputs(
         drafter=cfg, target=target, max_length=max_length, micro_batch_rows=runtime.micro_batch_rows,
-        anchors=planned_anchor_count(cfg, max_length), target_bytes=target_bytes,
+        anchors=planned_anchor_count(cfg.block_size, runtime.max_anchors_per_row, max_length),
+        max_anchors_per_row=runtime.max_anchors_per_row, target_bytes=target_bytes,
         autocast_bf16=runtime.precision == "bf16", backend=backend, device_type=device_type,
         parallelism=parallelism, world_size=world_size, shard_size=shard_size,
         activation_checkpointing=runtime.activation_checkpointing, chunk_tokens=runtime.chunk_tokens,
-        feature_noise=cfg.feature_noise_std > 0, target_output=recipe.needs_target_output,
+        feature_noise=recipe.feature_noise_std > 0, target_output=recipe.needs_target_output,
         soft_labels=recipe.objective == "target_kl",
     )
 
@@ -466,21 +468,21 @@ def window_fits(base: PlanInputs, windows: tuple[int, ...], density_of: int | No
     """`base` planned at each training window, under DDP and FSDP (over base.world_size ranks), each without and
     with activation checkpointing, against each GPU class.
 
-    The anchor cap stays the drafter's (`max_anchors_per_row`), or with `density_of` grows with the window to
+    The anchor cap stays the run's (`max_anchors_per_row`), or with `density_of` grows with the window to
     keep the anchors per token of a `density_of`-token row: a fixed cap spreads the same blocks over more
     context as rows grow, so a long window trains fewer blocks per token of the data.
     """
     gpus = GPU_CLASSES if gpus is None else gpus
     out = []
     for length in windows:
-        cap = base.drafter.max_anchors_per_row
+        cap = base.max_anchors_per_row
         if density_of is not None:
             cap = max(1, cap * length // density_of)
-        cfg = base.drafter.model_copy(update={"max_anchors_per_row": cap})
         for parallelism in ("ddp", "fsdp"):
             for checkpointing in (False, True):
-                plan = plan_memory(replace(base, drafter=cfg, max_length=length,
-                                           anchors=planned_anchor_count(cfg, length), parallelism=parallelism,
+                plan = plan_memory(replace(base, max_anchors_per_row=cap, max_length=length,
+                                           anchors=planned_anchor_count(base.drafter.block_size, cap, length),
+                                           parallelism=parallelism,
                                            activation_checkpointing=checkpointing))
                 out.append(WindowFit(length, plan.inputs.anchors, parallelism, checkpointing, plan.peak,
                                      {name: plan.peak <= room for name, room in gpus.items()}))
@@ -531,10 +533,10 @@ def remedy_settings(plan: MemoryPlan) -> list[Remedy]:
     """Settings that would make `plan` fit, each checked by re-planning with it changed."""
     i = plan.inputs
     out = []
-    cfg = i.drafter
+    block = i.drafter.block_size
 
     def at_length(length: int) -> bool:
-        anchors = planned_anchor_count(cfg, length)
+        anchors = planned_anchor_count(block, i.max_anchors_per_row, length)
         return _fits(plan, max_length=length, anchors=anchors)
 
     longest = _largest(32, i.max_length - 1, at_length) if i.max_length > 32 else None
@@ -546,8 +548,7 @@ def remedy_settings(plan: MemoryPlan) -> list[Remedy]:
             out.append(Remedy("micro_batch_rows", rows))
     if i.anchors > 1:
         def at_cap(cap: int) -> bool:
-            capped = cfg.model_copy(update={"max_anchors_per_row": cap})
-            return _fits(plan, drafter=capped, anchors=planned_anchor_count(capped, i.max_length))
+            return _fits(plan, max_anchors_per_row=cap, anchors=planned_anchor_count(block, cap, i.max_length))
 
         cap = _largest(1, i.anchors - 1, at_cap)
         if cap is not None:
@@ -571,10 +572,9 @@ def _stage_flag(remedy: Remedy) -> str:
     return {
         "max_length": f"max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= {value}",
         "micro_batch_rows": f"micro_batch_rows (--micro-batch-rows) <= {value}",
-        "max_anchors_per_row": f'max_anchors_per_row <= {value} (--drafter-overrides \'{{"max_anchors_per_row": '
-                               f'{value}}}\')',
+        "max_anchors_per_row": f"max_anchors_per_row (--max-anchors-per-row) <= {value}",
         "activation_checkpointing": "activation_checkpointing=true (--activation-checkpointing)",
-        "attention_backend": 'attention_backend flex (--drafter-overrides \'{"attention_backend": "flex"}\')',
+        "attention_backend": "attention_backend=flex (--attention-backend flex)",
         "parallelism": "parallelism=fsdp (--parallelism fsdp)",
         "fsdp_ranks": f"parallelism=fsdp over {value} ranks (torchrun --nproc-per-node {value})",
     }[remedy.setting]

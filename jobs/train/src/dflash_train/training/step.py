@@ -25,25 +25,10 @@ from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.attention import build_drafter_mask, resolve_backend
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.sections import reads_target_output
+from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import sample_anchors
-from dflash_train.training.loss import Objective, Weighting, block_targets, chunked_argmax, dflash_loss
-
-
-@dataclass(frozen=True)
-class LossRecipe:
-    """What a step trains towards (see `dflash_train.training.loss`): the objective, the position weights,
-    and whether the label agreement is measured (it needs the target's output layers: `FrozenTarget.keep_output`)."""
-
-    objective: Objective = "data_ce"
-    weighting: Weighting = "exp_decay"
-    dpace_alpha: float = 0.5
-    label_agreement: bool = False
-
-    @property
-    def needs_target_output(self) -> bool:
-        return reads_target_output(self.objective, self.label_agreement)
+from dflash_train.training.loss import block_targets, chunked_argmax, dflash_loss
 
 
 @dataclass(frozen=True)
@@ -103,30 +88,33 @@ def draft_blocks(
     target: FrozenTarget,
     batch: PackedBatch,
     cfg: DrafterConfig,
+    recipe: TrainingRecipe,
+    runtime: TrainingRuntime,
     generator: torch.Generator | None = None,
     noise: bool = False,
 ) -> DraftBlocks:
-    """Steps 1-4 of the module docstring: the drafter's hidden states for freshly sampled anchors."""
+    """Steps 1-4 of the module docstring: the drafter's hidden states for freshly sampled anchors (the recipe's
+    anchors per document, the runtime's cap per row and attention kernel)."""
     target_pass = target.forward(batch.input_ids, batch.position_ids, batch.document_ids)
     features = target_pass.features
     anchor_pos, keep = sample_anchors(
         batch.loss_mask,
         batch.document_ids,
-        cfg.num_anchors,
+        recipe.num_anchors,
         cfg.block_size,
         generator,
-        max_anchors_per_row=cfg.max_anchors_per_row,
+        max_anchors_per_row=runtime.max_anchors_per_row,
     )
     ids, positions = block_inputs(batch.input_ids, batch.position_ids, anchor_pos, cfg.block_size, cfg.mask_token_id)
     embeds = target.embed(ids)
-    if noise and cfg.feature_noise_std > 0:
-        features = features + uniform_noise_like(features, cfg.feature_noise_std, generator)
+    if noise and recipe.feature_noise_std > 0:
+        features = features + uniform_noise_like(features, recipe.feature_noise_std, generator)
     device = batch.input_ids.device
     param_dtype = drafter.fc.weight.dtype
     if not torch.is_autocast_enabled(device.type):
         # Without autocast the drafter runs in its parameter dtype (e.g. fp32 drafter, bf16 target).
         features, embeds = features.to(param_dtype), embeds.to(param_dtype)
-    backend = resolve_backend(cfg.attention_backend, device)
+    backend = resolve_backend(runtime.attention_backend, device)
     mask = build_drafter_mask(
         anchor_pos,
         keep,
@@ -161,19 +149,20 @@ def dflash_step(
     target: FrozenTarget,
     batch: PackedBatch,
     cfg: DrafterConfig,
+    recipe: TrainingRecipe,
+    runtime: TrainingRuntime,
     generator: torch.Generator | None = None,
     noise: bool = False,
-    chunk_tokens: int | None = None,
-    recipe: LossRecipe | None = None,
 ) -> StepOutput:
     """Forward of one training step; call `.loss.backward()` (or the trainer's step-normalised `.loss_sum`).
 
-    `generator` drives anchor sampling (and the feature noise when on the features' device); `noise`
-    adds uniform noise of std cfg.feature_noise_std to the target features (training only); `recipe` picks the
-    objective and position weights (default: CE on the data token, exponential decay).
+    `recipe` gives the anchors per document, the objective, the position weights and whether the label agreement
+    is measured; `runtime` the anchors' cap per row, the attention kernel and the LM-head chunks. `generator` drives
+    anchor sampling (and the feature noise when on the features' device); `noise` adds uniform noise of std
+    recipe.feature_noise_std to the target features (training only).
     """
-    recipe = recipe or LossRecipe()
-    blocks = draft_blocks(drafter, target, batch, cfg, generator, noise)
+    chunk_tokens = runtime.chunk_tokens
+    blocks = draft_blocks(drafter, target, batch, cfg, recipe, runtime, generator, noise)
     labels, weight = block_targets(
         batch.input_ids, batch.loss_mask, batch.document_ids, blocks.anchor_pos, blocks.keep, cfg.block_size
     )
@@ -196,7 +185,7 @@ def dflash_step(
             final = blocks.target_final
             soft = final.gather(1, where.view(rows, -1, 1).expand(-1, -1, final.shape[-1]))
             soft = soft.view(*labels.shape, final.shape[-1])
-    out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, cfg.loss_decay_gamma, chunk_tokens,
-                      soft=soft, weighting=recipe.weighting, dpace_alpha=recipe.dpace_alpha)
+    out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, recipe.decay_gamma(cfg.block_size),
+                      chunk_tokens, soft=soft, weighting=recipe.position_weighting, dpace_alpha=recipe.dpace_alpha)
     return StepOutput(out.loss, out.correct, out.counted, int(out.counted.sum()), out.loss_sum, out.weight_sum,
                       agreed, out.hits, weight)
