@@ -57,6 +57,7 @@ TRIALS: dict[str, dict[str, Any]] = {
     # a difference between trials one seed can move.
     "today_seed1": {**BEFORE, "seed": 1},
     "dpace_seed1": {"position_weighting": "dpace", "seed": 1},
+    "dpace_wsd_seed1": {"position_weighting": "dpace", "lr_schedule": "wsd", "seed": 1},
     # One change of the default the trials above chose (D-PACE), for the targets measured after that choice. KL has no
 # D-PACE variant (D-PACE reads its confidence from a cross-entropy; the train config refuses the pair): `target_kl`
 # measures it against `today`.
