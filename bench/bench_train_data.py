@@ -91,9 +91,9 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     from dflash_train.data.loader import ShardCache, StepLoader, build_plan
     from dflash_train.drafter.config import DrafterConfig
     from dflash_train.drafter.model import DFlashDrafter
-    from dflash_train.sections import TrainingRecipe, TrainingRuntime
     from dflash_train.target_model.frozen import FrozenTarget
     from dflash_train.training.step import dflash_step
+    from tests.support.step_recipe import step_recipe, step_runtime
     from tests.support.tiny_target import build_tiny_qwen3
 
     store = ObjectStore()
@@ -105,8 +105,7 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     cache.close()
     cfg = DrafterConfig.debug()
     # CE on the data under exponential decay, sdpa attention: the step these rates were first measured with.
-    recipe = TrainingRecipe(num_anchors=num_anchors, position_weighting="exp_decay", label_agreement=False)
-    runtime = TrainingRuntime(attention_backend="sdpa")
+    recipe, runtime = step_recipe(num_anchors=num_anchors), step_runtime()
     target = FrozenTarget.from_pretrained(build_tiny_qwen3(), cfg.target_layer_ids, device=device)
     drafter = DFlashDrafter(cfg).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
