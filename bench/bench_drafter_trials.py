@@ -41,38 +41,39 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 # Each trial: what it changes of the bench's [stages.train] config. `today` is the recipe these trials started from
-# (CE on the data token, exponential decay, cosine: the defaults before the trials chose D-PACE), and every other
-# trial changes one thing of it; `dpace_wsd` is the two changes that each beat it, together; `*_seed1` are reruns under
-# another seed.
-BEFORE = {"position_weighting": "exp_decay"}
+# (CE on the data token, exponential decay, cosine: the defaults before the trials chose D-PACE, then WSD), and every
+# other trial changes one thing of it; `dpace` is D-PACE under cosine (the default between the two choices),
+# `dpace_wsd` both changes together (today's default, pinned here so that its figures keep their meaning as defaults
+# move); `*_seed1` are reruns under another seed.
+BEFORE = {"position_weighting": "exp_decay", "lr_schedule": "cosine"}
+DPACE = {"position_weighting": "dpace", "lr_schedule": "cosine"}
+DPACE_WSD = {"position_weighting": "dpace", "lr_schedule": "wsd"}
 TRIALS: dict[str, dict[str, Any]] = {
     "today": BEFORE,
     "anchors512": {**BEFORE, "num_anchors": 512},  # every valid position of a normal answer
     "target_argmax_ce": {**BEFORE, "objective": "target_argmax_ce"},
     "target_kl": {**BEFORE, "objective": "target_kl"},
-    "dpace": {"position_weighting": "dpace"},
+    "dpace": DPACE,
     "wsd": {**BEFORE, "lr_schedule": "wsd"},
-    "dpace_wsd": {"position_weighting": "dpace", "lr_schedule": "wsd"},
-    # A second seed (drafter init, data order, anchors) of the recipe before and of the chosen default: how much of
+    "dpace_wsd": DPACE_WSD,
+    # A second seed (drafter init, data order, anchors) of the recipe before and of the chosen defaults: how much of
     # a difference between trials one seed can move.
     "today_seed1": {**BEFORE, "seed": 1},
-    "dpace_seed1": {"position_weighting": "dpace", "seed": 1},
-    "dpace_wsd_seed1": {"position_weighting": "dpace", "lr_schedule": "wsd", "seed": 1},
-    # One change of the default the trials above chose (D-PACE), for the targets measured after that choice. KL has no
-# D-PACE variant (D-PACE reads its confidence from a cross-entropy; the train config refuses the pair): `target_kl`
-# measures it against `today`.
-    "dpace_anchors512": {"position_weighting": "dpace", "num_anchors": 512},
+    "dpace_seed1": {**DPACE, "seed": 1},
+    "dpace_wsd_seed1": {**DPACE_WSD, "seed": 1},
+    # One change of the D-PACE recipe, for the targets measured after that choice. KL has no D-PACE variant (D-PACE
+    # reads its confidence from a cross-entropy; the train config refuses the pair): `target_kl` measures it against
+    # `today`.
+    "dpace_anchors512": {**DPACE, "num_anchors": 512},
     # 4x the bench's 16 per document of the long answers (~145 valid positions): what 512 buys, at a CPU cost the
     # bench can run (512 trains about 5x slower per step here).
-    "dpace_anchors64": {"position_weighting": "dpace", "num_anchors": 64},
-    "dpace_argmax_ce": {"position_weighting": "dpace", "objective": "target_argmax_ce"},
+    "dpace_anchors64": {**DPACE, "num_anchors": 64},
+    "dpace_argmax_ce": {**DPACE, "objective": "target_argmax_ce"},
     # A warm start from the docstring target's D-PACE trial drafter: the same drafter shape and target shape, another
     # target's answers, as a released drafter of a sibling model would be. `{work_dir}` is `--work-dir`.
-    "dpace_warm_docs": {"position_weighting": "dpace",
-                        "init_from": "{work_dir}/trials/docs/dpace/store/trial-dpace/export"},
+    "dpace_warm_docs": {**DPACE, "init_from": "{work_dir}/trials/docs/dpace/store/trial-dpace/export"},
     # The other way round, for the docstring target: from the long-answer target's D-PACE trial drafter.
-    "dpace_warm_code": {"position_weighting": "dpace",
-                        "init_from": "{work_dir}/trials/code/dpace/store/trial-dpace/export"},
+    "dpace_warm_code": {**DPACE, "init_from": "{work_dir}/trials/code/dpace/store/trial-dpace/export"},
 }
 STAGES = ("import", "tokenize", "train", "export")
 PROMPTS = 48
@@ -172,6 +173,11 @@ def measure(target: Path, export: Path, prompts: list[list[int]], max_new_tokens
     return (sum(accepted) + len(accepted)) / len(accepted), per_position
 
 
+def trials_setup(bench_parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The quality bench's options as the trials run its setup: its defaults, the trials' held-out prompt count."""
+    return bench_parser.parse_args(["--heldout", str(PROMPTS)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, required=True, help="bench_quality.py's --work-dir")
@@ -181,13 +187,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     import torch
-    from bench_quality import SPEAKING_BENCHES, chat_ids, speaking_measured, speaking_prompts
+    from bench_quality import SPEAKING_BENCHES, build_parser, chat_ids, speaking_measured, speaking_prompts
 
     from tests.evaluate import eval_fixtures as ef
     from tests.support.speaking_target import TARGETS, build_speaking_target
 
     torch.set_num_threads(args.threads)
-    setup = argparse.Namespace(heldout=PROMPTS, train_prompts=4200, fixture_drafter=False, max_new_tokens=None)
+    setup = trials_setup(build_parser())
     results: dict[str, list[dict[str, Any]]] = {}
     for key in args.speaking:
         bench = SPEAKING_BENCHES[key]

@@ -442,7 +442,9 @@ def speaking_measured(bench: SpeakingBench, args: argparse.Namespace, work: Path
                     bench.goals)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's options; `bench_drafter_trials.py` takes its defaults from here, so an option added here reaches
+    the trials' call of `speaking_measured` too."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=None, help="target directory (default: speaking targets)")
     parser.add_argument("--speaking", choices=["both", *SPEAKING_BENCHES], default="both",
@@ -464,7 +466,11 @@ def main() -> None:
     parser.add_argument("--skip-offline", action="store_true", help="engine figures only")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the exports here (default: temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
         os.environ.setdefault(key, value)

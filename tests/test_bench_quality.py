@@ -155,3 +155,19 @@ def test_trials_compare_cost_in_cpu_seconds_where_both_have_them() -> None:
     before = trials.children_cpu_seconds()
     subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
     assert trials.children_cpu_seconds() - before > 0.05
+
+
+def test_the_trials_run_the_quality_benchs_setup_with_every_option_it_reads() -> None:
+    """The trials call `speaking_measured` with options of their own making: each option it reads must be there,
+    with the bench's default (an option added to the bench once broke every trial before its first step)."""
+    import ast
+    import inspect
+
+    bench = _bench()
+    setup = _trials().trials_setup(bench.build_parser())
+    tree = ast.parse(inspect.getsource(bench.speaking_measured))
+    read = {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args"}
+    assert {"heldout", "train_prompts", "fixture_drafter", "drafter", "max_new_tokens"} <= read
+    assert all(hasattr(setup, name) for name in read), read - set(vars(setup))
+    assert setup.heldout == 48 and setup.drafter is None and not setup.fixture_drafter
