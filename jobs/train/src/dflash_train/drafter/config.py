@@ -62,7 +62,8 @@ _HYBRID_PERIOD = 5
 def moved_setting_message(name: str, value: Any) -> str:
     """Where a training rule that was a drafter setting is set now (the train stage's flat settings)."""
     return (f"{name} is a train setting now ({MOVED_TO_TRAIN_SETTINGS[name]}), not a drafter one: set {name} = "
-            f"{json.dumps(value)} in [stages.train] config (--{name.replace('_', '-')}), not in drafter_overrides")
+            f"{json.dumps(value)} in [stages.train] config (--{name.replace('_', '-')}), not in drafter or "
+            "drafter_overrides")
 
 
 def is_hybrid_family(target_config: Any) -> bool:

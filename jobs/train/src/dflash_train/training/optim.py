@@ -3,10 +3,10 @@
 AdamW over the drafter's fp32 parameters (the master weights), with torch's default betas (0.9, 0.999) as
 the reference trainer (SpecForge) uses them unless the config says otherwise; the forward runs under bf16
 autocast when precision is bf16, so activations and matmuls are bf16 while updates accumulate in fp32. The
-schedule is linear warmup to the peak rate, then a cosine down to `min_lr_ratio` of it (the reference
-recipe: 4% warmup, cosine), or warmup-stable-decay (`wsd`: the peak held until the last `decay_ratio` of the
-steps, then a linear decay to `min_lr_ratio`; TorchSpec found it ~4% better in tau than cosine). The scheduler
-is a LambdaLR whose state is the step count, stored with each checkpoint.
+schedule is linear warmup to the peak rate, then warmup-stable-decay (`wsd`, the default: the peak held until the
+last `decay_ratio` of the steps, then a linear decay to `min_lr_ratio`; TorchSpec found it ~4% better in tau than
+cosine, and the recipe trials in docs/quality.md chose it) or a cosine down to `min_lr_ratio` (the reference
+recipe: 4% warmup, cosine). The scheduler is a LambdaLR whose state is the step count, stored with each checkpoint.
 """
 
 from __future__ import annotations
