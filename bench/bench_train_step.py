@@ -9,10 +9,14 @@ documents, and times `dflash_step` + `loss.backward()` after warm-up steps. Prin
   gradient; attention over the allowed (query, key) pairs of the step's mask) and the chunked LM-head loss
   (logits + the gradient of the hidden states: 4 * tokens * vocab * hidden).
 
-Presets: debug (the CPU test shape: 4-layer hidden-128 target, 2-layer drafter, block 8), mid (a
-Qwen3-1.7B-shaped target, 5-layer drafter, block 16, 512 anchors), 8b (a Qwen3-8B-shaped target).
+Presets: debug (the CPU test shape: 4-layer hidden-128 target, 2-layer drafter, block 8), speaking (the speaking
+targets' shape as `make bench-quality --speaking code` trains it: block 16, 16 anchors per document, rows of 512),
+mid (a Qwen3-1.7B-shaped target, 5-layer drafter, block 16, 512 anchors), 8b (a Qwen3-8B-shaped target).
   CPU:  python bench/bench_train_step.py
   GPU:  python bench/bench_train_step.py --device cuda --preset mid          (flex attention, torch.compile)
+`--label-agreement-every 0 1 10` times the same steps once per setting, side by side in one process (0: off;
+1: the target's greedy token at every trained position on every step; 10: on one step in ten, the default), and
+prints each one's seconds per step against the first.
 Needs torch >= 2.11, transformers >= 5.17 and pydantic; imports dflash_train from jobs/train/src when it is
 not installed. The CPU figure is also given per CPU second, since the machine may be shared.
 """
@@ -49,6 +53,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "debug": {"target": dict(layers=4, hidden=128, heads=2, kv=1, head_dim=64, inter=256),
               "drafter": dict(num_layers=2, block_size=8), "anchors": 16, "ids": [1, 2],
               "rows": 2, "seq": 256, "docs_per_row": 2},
+    "speaking": {"target": dict(layers=4, hidden=128, heads=2, kv=1, head_dim=64, inter=384),
+                 "drafter": dict(num_layers=2, block_size=16), "anchors": 16, "ids": [1, 2],
+                 "rows": 2, "seq": 512, "docs_per_row": 3},
     "mid": {"target": dict(layers=28, hidden=2048, heads=16, kv=8, head_dim=128, inter=6144),
             "drafter": dict(num_layers=5, block_size=16), "anchors": 512, "ids": None,
             "rows": 2, "seq": 4096, "docs_per_row": 2},
@@ -59,7 +66,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
-def build_target(shape: dict[str, int], layer_ids: list[int], device: torch.device, attn: str) -> FrozenTarget:
+def build_target(shape: dict[str, int], layer_ids: list[int], device: torch.device, attn: str,
+                 keep_output: bool = False) -> FrozenTarget:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -71,7 +79,7 @@ def build_target(shape: dict[str, int], layer_ids: list[int], device: torch.devi
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    return FrozenTarget(model, layer_ids)
+    return FrozenTarget(model, layer_ids, keep_output=keep_output)
 
 
 def random_batch(rows: int, seq: int, docs: int, gen: torch.Generator):
@@ -152,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target-attn", default="sdpa", help="target attn_implementation (sdpa, flex_attention)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per drafter layer")
     p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s for MFU (detected for H100/H200/A100)")
+    p.add_argument("--label-agreement-every", type=int, nargs="+", metavar="N",
+                   help="time the default recipe's steps under each label_agreement_every (0: off), side by side")
     args = p.parse_args(argv)
+    if args.label_agreement_every:
+        compare_agreement(args)
+        return
 
     device = torch.device(args.device)
     preset = PRESETS[args.preset]
@@ -231,6 +244,54 @@ def main(argv: list[str] | None = None) -> None:
                    "rss_after_build_mib": round(rss_built, 1)}
     result["torch"] = torch.__version__
     print(json.dumps(result))
+
+
+def _agreement_step(drafter: DFlashDrafter, target: FrozenTarget, batch: Any, cfg: DrafterConfig,
+                    recipe: TrainingRecipe, runtime: TrainingRuntime, step: int) -> int:
+    """One step as the trainer runs it (the label agreement when due): its agreed labels, -1 when not measured."""
+    out = dflash_step(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(step),
+                      measure_agreement=recipe.agreement_due(step))
+    out.loss.backward()
+    drafter.zero_grad(set_to_none=True)
+    return out.agreed
+
+
+def compare_agreement(args: argparse.Namespace) -> None:
+    """Seconds per CPU step of the default recipe under each label_agreement_every, in one process: the same batch,
+    anchors and drafter init each time; steps rounded up to whole measurement periods so each setting measures its
+    share."""
+    preset = PRESETS[args.preset]
+    rows, seq = args.rows or preset["rows"], args.seq or preset["seq"]
+    shape = preset["target"]
+    probe = type("C", (), {"num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
+                           "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv"],
+                           "head_dim": shape["head_dim"], "intermediate_size": shape["inter"],
+                           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960})
+    cfg = DrafterConfig.from_target(probe, mask_token_id=MASK_TOKEN, target_layer_ids=preset["ids"],
+                                    **preset["drafter"])
+    runtime = TrainingRuntime(attention_backend=args.backend)
+    batch = random_batch(rows, seq, preset["docs_per_row"], torch.Generator().manual_seed(0))
+    periods = [n for n in args.label_agreement_every if n > 0]
+    steps = max(args.steps, *periods) if periods else args.steps
+    for n in periods:
+        steps = -(-steps // n) * n
+    first = None
+    for every in args.label_agreement_every:
+        recipe = TrainingRecipe(num_anchors=preset["anchors"], label_agreement=every > 0,
+                                label_agreement_every=max(every, 1))
+        torch.manual_seed(0)
+        target = build_target(shape, cfg.target_layer_ids, torch.device("cpu"), args.target_attn,
+                              keep_output=recipe.needs_target_output)
+        drafter = DFlashDrafter(cfg).train()
+        for i in range(args.warmup):
+            _agreement_step(drafter, target, batch, cfg, recipe, runtime, i)
+        started, cpu0 = time.perf_counter(), time.process_time()
+        measured = sum(_agreement_step(drafter, target, batch, cfg, recipe, runtime, i) >= 0 for i in range(steps))
+        wall, cpu = (time.perf_counter() - started) / steps, (time.process_time() - cpu0) / steps
+        first = first or wall
+        print(json.dumps({"preset": args.preset, "label_agreement_every": every, "steps": steps,
+                          "measured_steps": measured, "step_s": round(wall, 4), "cpu_s_per_step": round(cpu, 4),
+                          "vs_first": round(wall / first, 3), "threads": torch.get_num_threads()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,34 @@ def test_a_zero_mask_row_is_warned_about(tiny_target_dir: Path, caplog: pytest.L
     with torch.no_grad():
         target.embed_tokens.weight[mask] = 0.01
     assert not warn_on_zero_mask_row(target, mask)
+
+
+def test_the_label_agreement_on_one_step_in_n_changes_no_step_and_is_carried_between(tmp_path: Path) -> None:
+    """label_agreement_every 4 measures steps 1 and 5 (the same figures as measuring every step), logs step 1's
+    measurement in the windows between, and trains exactly as measuring every step does: under data_ce the
+    target's greedy tokens feed no gradient."""
+    from dflash_shared.storage import ObjectStore
+    from dflash_train.config import debug
+    from dflash_train.stage import run
+    from dflash_train.training.metrics import read_scalars
+    from tests.train.train_fixtures import generated_answers, identity_of, synthetic_docs, tiny_target, write_tokenized
+
+    # The target's own greedy answers (agreement 1) among documents it would not write (agreement 0): each step's
+    # share depends on its rows.
+    own = [(p + c, [0] * len(p) + [1] * len(c)) for p, c in generated_answers()[:20]]
+    store = ObjectStore()
+    data = write_tokenized(store, str(tmp_path / "tok"), own + synthetic_docs(20, max_len=60),
+                           identity_of(tiny_target()), shards=2)
+    curves = {}
+    for every in (1, 4):
+        out = str(tmp_path / f"every{every}")
+        run(debug(data, out, str(tiny_target()), scratch_dir=str(tmp_path / f"scratch{every}"), max_steps=5,
+                  max_length=128, batch_tokens=256, log_every=1, checkpoint_every=5, label_agreement_every=every))
+        curves[every] = (read_scalars(store, out, "train/loss"), read_scalars(store, out, "perf/label_agreement"))
+    (loss_all, agree_all), (loss_some, agree_some) = curves[1], curves[4]
+    assert loss_some == loss_all and sorted(loss_all) == [1, 2, 3, 4, 5]
+    assert sorted(agree_all) == sorted(agree_some) == [1, 2, 3, 4, 5]
+    assert agree_some[1] == agree_all[1] and agree_some[5] == agree_all[5]
+    assert agree_some[2] == agree_some[3] == agree_some[4] == agree_all[1]
+    # Each step measured its own labels: were they all alike the carried windows could not be told apart.
+    assert len(set(agree_all.values())) > 1, agree_all

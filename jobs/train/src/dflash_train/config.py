@@ -219,7 +219,7 @@ RESUMABLE_CHANGES = frozenset({
     "target_packing", "target_attn_implementation", "attention_backend", "activation_checkpointing", "compile",
     "chunk_tokens",
     "checkpoint_every", "keep_checkpoints", "resume", "restart_after_step", "log_every", "tensorboard",
-    "heldout_every", "heldout_documents",
+    "heldout_every", "heldout_documents", "label_agreement_every",
     "copy_workers",
 })
 

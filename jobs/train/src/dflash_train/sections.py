@@ -92,6 +92,13 @@ class TrainingRecipe(BaseModel):
         "(keeps the target's last layers and runs its LM head over the trained positions, about a tenth of a "
         "target forward); logged, in progress and the manifest, with a warning below label_agreement_warn.",
     )
+    label_agreement_every: int = Field(
+        default=10, ge=1,
+        description="Steps between label-agreement measurements, the first step always measured (1: every step). "
+        "Each costs the target's LM head over the step's trained positions: under data_ce nothing else reads it, "
+        "and every step cost +31% per step on the CPU bench's target (docs/benchmarks.md). Target-label objectives "
+        "measure every step for free.",
+    )
     label_agreement_warn: float = Field(
         default=0.5, ge=0, le=1,
         description="Warn when the label agreement of the first logged window is below this share.",
@@ -100,6 +107,10 @@ class TrainingRecipe(BaseModel):
     @property
     def needs_target_output(self) -> bool:
         return reads_target_output(self.objective, self.label_agreement)
+
+    def agreement_due(self, completed_steps: int) -> bool:
+        """Whether the next step measures the label agreement: steps 1, 1 + label_agreement_every, ... (1-based)."""
+        return self.label_agreement and completed_steps % self.label_agreement_every == 0
 
     def decay_gamma(self, block_size: int) -> float | None:
         """exp_decay's gamma: `loss_decay_gamma`, or the reference trainers' constant for this block size (ConfigError

@@ -196,6 +196,7 @@ class Trainer:
         self.first_agreement: float | None = None  # label agreement of the first window this process logged
         self.heldout_rows = setup.heldout
         self.heldout: dict[str, float] = {}  # the latest held-out measurement, logged with every later window
+        self.agreement: dict[str, float] = {}  # the latest label agreement (every label_agreement_every steps)
 
     # ------------------------------------------------------------------ state
 
@@ -239,6 +240,7 @@ class Trainer:
             self.scheduler = build_scheduler(self.optimizer, self.recipe, self.total_steps)
         self.scheduler.load_state_dict(state.scheduler)
         self.metrics = {k: v for k, v in state.metrics.items() if k != FIRST_AGREEMENT}
+        self.agreement = {k: v for k, v in self.metrics.items() if k == "label_agreement"}
         self.first_agreement = state.metrics.get(FIRST_AGREEMENT, self.first_agreement)
         self.step, self.last_checkpoint = state.step, ref.uri
         self.resume_seconds, self.resumed_from = time.perf_counter() - started, state.step
@@ -252,7 +254,7 @@ class Trainer:
                             pin_memory=env.device.type == "cuda")
         window = MetricWindow(self.cfg.block_size, env.device)
         grad_norm = 0.0
-        first_window = True
+        agreement_warned = False
         if self.last_checkpoint is not None:
             sink.checkpoint_saved(self.step, self.last_checkpoint)
         log.info("training steps %d..%d of %d: %d rows of %d tokens per step, %d micro-batch(es) per rank",
@@ -270,6 +272,7 @@ class Trainer:
                     self.model.train()
                     count = len(item.micro)
                     step_weight = 0.0
+                    measure = self.recipe.agreement_due(self.step)
                     for i, (micro_id, cpu_batch) in enumerate(zip(item.micro_ids, item.micro, strict=True)):
                         batch = cpu_batch.to(env.device, non_blocking=True)
                         gen = torch.Generator(device=env.device).manual_seed(
@@ -277,7 +280,7 @@ class Trainer:
                         with accumulate(self.model, sync=i == count - 1):
                             with autocast(runtime, env.device):
                                 out = dflash_step(self.model, self.target, batch, self.cfg,  # type: ignore[arg-type]
-                                                  self.recipe, runtime, gen, noise=True)
+                                                  self.recipe, runtime, gen, noise=True, measure_agreement=measure)
                             assert out.loss_sum is not None
                             out.loss_sum.backward()
                         step_weight += out.weight_sum
@@ -299,15 +302,19 @@ class Trainer:
                             self.step % config.heldout_every == 0 or self.step == self.total_steps):
                         self.heldout = self._measure_heldout()
                     if self.step % config.log_every == 0 or self.step == self.total_steps:
-                        self.metrics = {**window.finish(env, lr, grad_norm), **self.heldout}
-                        if first_window and "label_agreement" in self.metrics:
-                            # The labels' agreement as training starts: what the drafter is about to learn (a
-                            # resumed process keeps the run's first, and warns again in its own log).
-                            if self.first_agreement is None:
-                                self.first_agreement = self.metrics["label_agreement"]
-                            if env.is_main:
-                                warn_on_agreement(self.metrics, self.recipe.label_agreement_warn)
-                        first_window = False
+                        measured = window.finish(env, lr, grad_norm)
+                        if "label_agreement" in measured:
+                            self.agreement = {"label_agreement": measured["label_agreement"]}
+                            if not agreement_warned:
+                                # The labels' agreement as training starts: what the drafter is about to learn (a
+                                # resumed process keeps the run's first, and warns again in its own log).
+                                if self.first_agreement is None:
+                                    self.first_agreement = measured["label_agreement"]
+                                if env.is_main:
+                                    warn_on_agreement(measured, self.recipe.label_agreement_warn)
+                                agreement_warned = True
+                        # A window without a measured step shows the latest measurement, as for the held-out tau.
+                        self.metrics = {**self.agreement, **measured, **self.heldout}
                         self.history.append((self.step, self.metrics))
                         sink.write(self.step, self.total_steps, self.metrics)
                     if self.step % config.checkpoint_every == 0 or self.step == self.total_steps:

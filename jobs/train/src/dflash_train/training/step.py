@@ -9,9 +9,9 @@
    position_ids[p] + k (document positions, as at inference);
 4. the drafter pass under the step's block-sparse mask (optionally with uniform noise on the features);
 5. the block loss of the recipe's objective and position weights through the target's LM head, in chunks
-   (`dflash_train.training.loss`); where the target keeps its output layers, the target's own greedy token at
-   every trained label's position too, which gives the label agreement: the share of trained data labels that
-   are what the trainer's target itself would say there.
+   (`dflash_train.training.loss`); where the objective reads the target's labels, or on a step that measures the
+   label agreement, the target's own greedy token at every trained label's position too. The label agreement is
+   the share of trained data labels that are what the trainer's target itself would say there.
 """
 
 from __future__ import annotations
@@ -153,13 +153,16 @@ def dflash_step(
     runtime: TrainingRuntime,
     generator: torch.Generator | None = None,
     noise: bool = False,
+    measure_agreement: bool = True,
 ) -> StepOutput:
     """Forward of one training step; call `.loss.backward()` (or the trainer's step-normalised `.loss_sum`).
 
     `recipe` gives the anchors per document, the objective, the position weights and whether the label agreement
     is measured; `runtime` the anchors' cap per row, the attention kernel and the LM-head chunks. `generator` drives
     anchor sampling (and the feature noise when on the features' device); `noise` adds uniform noise of std
-    recipe.feature_noise_std to the target features (training only).
+    recipe.feature_noise_std to the target features (training only). `measure_agreement` False skips the label
+    agreement on this step (the trainer measures it every `label_agreement_every` steps) where the objective does not
+    read the target's labels anyway.
     """
     chunk_tokens = runtime.chunk_tokens
     blocks = draft_blocks(drafter, target, batch, cfg, recipe, runtime, generator, noise)
@@ -167,7 +170,7 @@ def dflash_step(
         batch.input_ids, batch.loss_mask, batch.document_ids, blocks.anchor_pos, blocks.keep, cfg.block_size
     )
     agreed, soft = -1, None
-    if recipe.needs_target_output:
+    if recipe.objective != "data_ce" or (recipe.label_agreement and measure_agreement):
         if blocks.target_final is None:
             raise ValueError(f"objective {recipe.objective} and the label agreement need the target's output layers: "
                              "load the target with keep_output=True")
