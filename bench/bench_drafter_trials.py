@@ -6,8 +6,10 @@ in its store (DIR/<target>/store/bench-quality/completions). Each trial re-impor
 "completions"`: the token ids are kept, no generation runs) into a run of its own, whose run file is the bench's
 with one change to `[stages.train] config`, and runs its tokenize, train and export stages through
 `dflash-pipeline local`, as the bench does. The trial's export is then measured by the evaluate stage's offline
-speculative loop (`bench_quality.offline_tau`, equal to vLLM's engine tau in every bench so far) on the bench's
-48 held-out prompts: tau, and accepted tokens per drafted position.
+speculative loop (`bench_quality.offline_tau`, equal to vLLM's engine tau in every bench so far, and step by step
+in float32 in the serving check's test) on the bench's 48 held-out prompts: tau, tokens per target step as the bench
+counts the engine's, and accepted tokens per drafted position; with `--bench-json` (the bench's `--json` file of
+the same work dir) the tokens per step against the bench's best n-gram setting and its untrained drafter.
 
 Equal steps and equal CPU time: every trial trains the bench's number of steps. A trial whose stages took more than
 15% more CPU seconds than the first trial named (the baseline: `today` by default; more blocks per step) is run a
@@ -17,6 +19,7 @@ trial's `cpu.json`) are what a busy machine does not inflate; a trial trained be
 its training's wall-clock time (steps x the median seconds per step of its log), which holds only under equal load.
 
     .venv-generate/bin/python bench/bench_drafter_trials.py --work-dir /work/bq [--speaking code] [--trials kl]
+        [--bench-json bq.json]
 
 A trial whose export exists is measured again without training (delete DIR/trials/<target>/<name> to retrain).
 Runs in the generate environment with the train package installed (.venv-generate), like bench_quality.py.
@@ -151,11 +154,17 @@ def seconds_per_step(train_log: Path) -> float:
 
 
 def measure(target: Path, export: Path, prompts: list[list[int]], max_new_tokens: int, stops: list[int]
-            ) -> tuple[float, list[float]]:
-    """Offline tau and the accepted share per drafted position (the evaluate stage's loop)."""
+            ) -> tuple[float, float, list[float]]:
+    """Offline tau, tokens per target step and the accepted share per drafted position (the evaluate stage's loop).
+
+    Tokens per step as the bench counts the engine's (`dflash_generate.ngram_baseline.tokens_per_step`: every verify
+    step and each prompt's prefill), from the loop's own steps: in float32 the engine takes the same steps, step by
+    step (tests/evaluate/test_serve_check.py::test_engine_tau_agrees_with_offline_tau), so these are its figures too.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash_generate.ngram_baseline import tokens_per_step
     from dflash_train.evaluate.speculate import HookedTarget, speculative_generate
     from dflash_train.export.files import load_export_dir
 
@@ -163,14 +172,33 @@ def measure(target: Path, export: Path, prompts: list[list[int]], max_new_tokens
     drafter = load_export_dir(str(export), device="cpu", dtype=torch.float32)
     hooked = HookedTarget(model, drafter.config.target_layer_ids)
     accepted: list[int] = []
+    tokens = 0
     try:
         for prompt in prompts:
-            accepted += speculative_generate(drafter, hooked, prompt, max_new_tokens, frozenset(stops)).accepted
+            result = speculative_generate(drafter, hooked, prompt, max_new_tokens, frozenset(stops))
+            accepted += result.accepted
+            tokens += len(result.tokens)
     finally:
         hooked.close()
     drafted = drafter.config.block_size - 1
     per_position = [sum(a > k for a in accepted) / len(accepted) for k in range(drafted)]
-    return (sum(accepted) + len(accepted)) / len(accepted), per_position
+    return ((sum(accepted) + len(accepted)) / len(accepted), tokens_per_step(tokens, sum(accepted), len(accepted),
+                                                                              len(prompts)), per_position)
+
+
+def bench_baselines(bench_json: Path | None, key: str) -> dict[str, float]:
+    """The quality bench's tokens per step of its best n-gram setting and of the untrained drafter on this target
+    (its --json file, same prompts and tokens), which each trial's figure is divided by; {} without the file."""
+    if bench_json is None:
+        return {}
+    from dflash_generate.ngram_baseline import tokens_per_step
+
+    runs = json.loads(bench_json.read_text()).get(f"speaking target '{key}'", [])
+    per_step = {(r["method"], r["settings"]): tokens_per_step(r["tokens"], r["accepted"], r["drafts"], r["prompts"])
+                for r in runs}
+    ngram = [v for (method, _), v in per_step.items() if method == "n-gram"]
+    untrained = [v for (method, _), v in per_step.items() if method == "DFlash, untrained"]
+    return {**({"ngram": max(ngram)} if ngram else {}), **({"untrained": untrained[0]} if untrained else {})}
 
 
 def trials_setup(bench_parser: argparse.ArgumentParser) -> argparse.Namespace:
@@ -185,6 +213,9 @@ def main() -> None:
     parser.add_argument("--trials", nargs="+", choices=list(TRIALS), default=list(TRIALS))
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the offline loop")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--bench-json", type=Path, default=None,
+                        help="bench_quality.py's --json of the same work dir: tokens per step against its best n-gram "
+                        "and its untrained drafter")
     args = parser.parse_args()
     import torch
     from bench_quality import SPEAKING_BENCHES, build_parser, chat_ids, speaking_measured, speaking_prompts
@@ -210,16 +241,18 @@ def main() -> None:
         prompts = chat_ids(target_dir, conversations)
         stops = list(ef.stop_ids(target_dir))
         rows: list[dict[str, Any]] = []
+        baselines = bench_baselines(args.bench_json, key)
         queue = [(name, TRIALS[name]) for name in args.trials]
         while queue:
             name, change = queue.pop(0)
             export, metrics = trial_export(bench_dir, name, change)
-            tau, per_position = measure(target_dir, export, prompts, bench.max_new_tokens, stops)
+            tau, per_step, per_position = measure(target_dir, export, prompts, bench.max_new_tokens, stops)
             # `tau` of the manifest is training's estimate; the offline loop's is `offline_tau`.
-            row = {"trial": name, "change": change, **metrics, "offline_tau": tau,
-                   "accepted_per_position": per_position}
+            row = {"trial": name, "change": change, **metrics, "offline_tau": tau, "tokens_per_step": per_step,
+                   **{f"vs_{k}": per_step / v for k, v in baselines.items()}, "accepted_per_position": per_position}
             rows.append(row)
-            print(f"  {key} {name}: offline tau {tau:.3f}, per position "
+            against = "".join(f" ({per_step / v:.2f}x {k})" for k, v in baselines.items())
+            print(f"  {key} {name}: offline tau {tau:.3f}, {per_step:.3f} tokens/step{against}, per position "
                   f"{' '.join(f'{a:.2f}' for a in per_position)}, train {metrics['train_seconds']:.0f} s "
                   f"(CPU {metrics['cpu_seconds']:.0f} s), loss "
                   f"{metrics.get('loss', float('nan')):.3f}, label agreement "
@@ -231,13 +264,15 @@ def main() -> None:
                 scaled = max(1, round(steps * baseline_cost / cost))
                 queue.insert(0, (f"{name}@time", {**change, "max_steps": scaled}))
         results[key] = rows
-        print(f"\n{key}: | trial | change | steps | train s | CPU s | loss | label agreement | offline tau | accepted "
-              "per position |")
+        print(f"\n{key}: | trial | change | steps | train s | CPU s | loss | label agreement | held-out tau | "
+              "offline tau | tokens/step | vs n-gram | vs untrained | accepted per position |")
         for r in rows:
             print(f"| {r['trial']} | {json.dumps(r['change']) if r['change'] else '-'} | "
                   f"{int(r['steps']) or '-'} | {r['train_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
                   f"{r.get('loss', float('nan')):.3f} | "
-                  f"{r.get('label_agreement', float('nan')):.3f} | {r['offline_tau']:.3f} | "
+                  f"{r.get('label_agreement', float('nan')):.3f} | {r.get('heldout_tau', float('nan')):.2f} | "
+                  f"{r['offline_tau']:.3f} | {r['tokens_per_step']:.3f} | "
+                  f"{r.get('vs_ngram', float('nan')):.2f}x | {r.get('vs_untrained', float('nan')):.2f}x | "
                   f"{' '.join(f'{a:.2f}' for a in r['accepted_per_position'])} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
