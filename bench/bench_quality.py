@@ -88,7 +88,7 @@ SPEAKING_BENCHES = {
     # Answers of about 112 tokens (up to 330): generate up to 256, 128 prompts in the engine at once (the demo's
     # 16 leave the CPU engine idle between short batches), train on rows of prompt and answer (up to 512),
     # 16 anchors per document (of ~145 valid positions: the CPU's budget), and 760 steps for the longer answers:
-    # the training time 600 took while the label agreement was measured on every step (it costs a step 1.31x).
+    # the training time 600 took while the label agreement was measured on every step (it costs a step 1.31-1.35x).
     "code": SpeakingBench(
         "code", 256,
         {"generate": {"max_new_tokens": 256, "chunk_records": 128},

@@ -96,7 +96,7 @@ class TrainingRecipe(BaseModel):
         default=10, ge=1,
         description="Steps between label-agreement measurements, the first step always measured (1: every step). "
         "Each costs the target's LM head over the step's trained positions: under data_ce nothing else reads it, "
-        "and every step cost +31% per step on the CPU bench's target (docs/benchmarks.md). Target-label objectives "
+        "and every step cost +31-35% per step on the CPU bench's target (docs/benchmarks.md). Target-label objectives "
         "measure every step for free.",
     )
     label_agreement_warn: float = Field(
