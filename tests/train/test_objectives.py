@@ -153,6 +153,24 @@ def test_label_agreement_is_full_on_the_targets_own_greedy_answers_and_drops_on_
     assert drifted < 0.5, drifted
 
 
+def test_a_step_that_skips_the_agreement_computes_the_same_loss_and_target_labels_still_measure(agreement_setup):
+    """On both target families: a step told not to measure the agreement (the trainer's steps between measurements)
+    reports none and the same loss under data_ce; an objective that reads the target's labels measures it anyway."""
+    cfg, target, right, _ = agreement_setup
+    docs = pack_documents(right, 128)
+
+    def step(recipe: TrainingRecipe, measure: bool):
+        torch.manual_seed(0)
+        return dflash_step(DFlashDrafter(cfg), target, docs, cfg, recipe, step_runtime(),
+                           torch.Generator().manual_seed(0), measure_agreement=measure)
+
+    data_ce = step_recipe(label_agreement=True)
+    measured, skipped = step(data_ce, True), step(data_ce, False)
+    assert measured.agreed > 0 and skipped.agreed == -1
+    assert torch.equal(measured.loss, skipped.loss)
+    assert step(step_recipe(objective="target_argmax_ce"), False).agreed == measured.agreed
+
+
 def test_target_label_objectives_train_on_the_targets_tokens(agreement_setup):
     """On the target's own answers the argmax objective is the data objective; after the wrong template it is
     not (its labels are the target's, not the sampled data's), and KL is a finite non-negative loss."""
