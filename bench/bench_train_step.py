@@ -82,6 +82,17 @@ def build_target(shape: dict[str, int], layer_ids: list[int], device: torch.devi
     return FrozenTarget(model, layer_ids, keep_output=keep_output)
 
 
+def preset_drafter(preset: dict[str, Any]) -> DrafterConfig:
+    """The preset's drafter, shaped from its target's sizes as the train stage shapes one from a config.json."""
+    shape = preset["target"]
+    probe = type("C", (), {"num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
+                           "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv"],
+                           "head_dim": shape["head_dim"], "intermediate_size": shape["inter"],
+                           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960})
+    return DrafterConfig.from_target(probe, mask_token_id=MASK_TOKEN, target_layer_ids=preset["ids"],
+                                     **preset["drafter"])
+
+
 def random_batch(rows: int, seq: int, docs: int, gen: torch.Generator):
     out = []
     for _ in range(rows):
@@ -164,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="time the default recipe's steps under each label_agreement_every (0: off), side by side")
     args = p.parse_args(argv)
     if args.label_agreement_every:
+        if min(args.label_agreement_every) < 0:
+            p.error("--label-agreement-every takes 0 (off) or a number of steps")
         compare_agreement(args)
         return
 
@@ -172,12 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, seq = args.rows or preset["rows"], args.seq or preset["seq"]
     shape = preset["target"]
     t0 = time.perf_counter()
-    probe = type("C", (), {"num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
-                           "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv"],
-                           "head_dim": shape["head_dim"], "intermediate_size": shape["inter"],
-                           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960})
-    cfg = DrafterConfig.from_target(probe, mask_token_id=MASK_TOKEN, target_layer_ids=preset["ids"],
-                                    **preset["drafter"])
+    cfg = preset_drafter(preset)
     # CE on the data under exponential decay: the step these timings were first measured with.
     recipe = TrainingRecipe(num_anchors=preset["anchors"], position_weighting="exp_decay", label_agreement=False)
     runtime = TrainingRuntime(attention_backend=args.backend)
@@ -263,12 +271,7 @@ def compare_agreement(args: argparse.Namespace) -> None:
     preset = PRESETS[args.preset]
     rows, seq = args.rows or preset["rows"], args.seq or preset["seq"]
     shape = preset["target"]
-    probe = type("C", (), {"num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
-                           "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv"],
-                           "head_dim": shape["head_dim"], "intermediate_size": shape["inter"],
-                           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960})
-    cfg = DrafterConfig.from_target(probe, mask_token_id=MASK_TOKEN, target_layer_ids=preset["ids"],
-                                    **preset["drafter"])
+    cfg = preset_drafter(preset)
     runtime = TrainingRuntime(attention_backend=args.backend)
     batch = random_batch(rows, seq, preset["docs_per_row"], torch.Generator().manual_seed(0))
     periods = [n for n in args.label_agreement_every if n > 0]
