@@ -12,11 +12,12 @@ counts the engine's, and accepted tokens per drafted position; with `--bench-jso
 the same work dir) the tokens per step against the bench's best n-gram setting and its untrained drafter.
 
 Equal steps and equal CPU time: every trial trains the bench's number of steps. A trial whose stages took more than
-15% more CPU seconds than the first trial named (the baseline: `today` by default; more blocks per step) is run a
-second time (`<name>@time`) with its steps scaled down to the baseline's cost, so that what a change buys per step
-and per CPU-second are both shown. The CPU seconds (user and system, of every process the stages ran; kept in the
-trial's `cpu.json`) are what a busy machine does not inflate; a trial trained before they were recorded is compared by
-its training's wall-clock time (steps x the median seconds per step of its log), which holds only under equal load.
+15% more or less CPU seconds than the first trial named (the baseline: `today` by default; more blocks per step, or
+a cheaper precision) is run a second time (`<name>@time`) with its steps scaled to the baseline's cost, so that
+what a change buys per step and per CPU-second are both shown. The CPU seconds (user and system, of every process
+the stages ran; kept in the trial's `cpu.json`) are what a busy machine does not inflate; a trial trained before
+they were recorded is compared by its training's wall-clock time (steps x the median seconds per step of its log),
+which holds only under equal load.
 
     .venv-generate/bin/python bench/bench_drafter_trials.py --work-dir /work/bq [--speaking code] [--trials kl]
         [--bench-json bq.json]
@@ -77,10 +78,14 @@ TRIALS: dict[str, dict[str, Any]] = {
     "dpace_warm_docs": {**DPACE, "init_from": "{work_dir}/trials/docs/dpace/store/trial-dpace/export"},
     # The other way round, for the docstring target: from the long-answer target's D-PACE trial drafter.
     "dpace_warm_code": {**DPACE, "init_from": "{work_dir}/trials/code/dpace/store/trial-dpace/export"},
+    # The GPU's numerics on the CPU: a bf16 target and LM head under bf16 autocast, over fp32 master weights (the
+    # CPU's default is fp32 throughout). Against `dpace_wsd`, the defaults in fp32.
+    "dpace_wsd_bf16": {**DPACE_WSD, "precision": "bf16", "target_dtype": "bf16"},
 }
 STAGES = ("import", "tokenize", "train", "export")
 PROMPTS = 48
-SLOWER = 1.15  # a trial this much slower than the baseline also runs at the baseline's training time
+# A trial this much slower or faster than the baseline also runs at the baseline's training time.
+OTHER_COST = 1.15
 
 
 def trial_run(bench_run: dict[str, Any], bench_dir: Path, name: str, change: dict[str, Any]) -> dict[str, Any]:
@@ -140,15 +145,17 @@ def training_cost(metrics: dict[str, Any], baseline: dict[str, Any]) -> tuple[fl
     return metrics["train_seconds"], baseline["train_seconds"]
 
 
-def seconds_per_step(train_log: Path) -> float:
-    """The training's steady pace: the median seconds per step between consecutive metric lines of its log (a
-    resumed run's restart gap and the start-up are not steps, and a median leaves them out)."""
+def seconds_per_step(train_log: Path, span: int = 20) -> float:
+    """The training's steady pace: the median seconds per step over `span` consecutive metric lines of its log (a
+    resumed run's restart gap and the start-up are not steps, and a median leaves them out; the log's whole-second
+    stamps need a span of lines to time steps shorter than a second)."""
     points = []
     for line in train_log.read_text(errors="replace").splitlines():
         if "metrics: step " in line:
             stamp = datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
             points.append((int(line.split("metrics: step ", 1)[1].split("/", 1)[0]), stamp))
-    pairs = zip(points, points[1:], strict=False)
+    span = max(1, min(span, len(points) - 1))
+    pairs = zip(points, points[span:], strict=False)
     paces = [(b[1] - a[1]).total_seconds() / (b[0] - a[0]) for a, b in pairs if b[0] > a[0]]
     return statistics.median(paces) if paces else float("nan")
 
@@ -259,7 +266,8 @@ def main() -> None:
                   f"{metrics.get('label_agreement', float('nan')):.3f}", flush=True)
             baseline = rows[0]
             cost, baseline_cost = training_cost(metrics, baseline)
-            if "@" not in name and name != baseline["trial"] and cost > SLOWER * baseline_cost:
+            other_cost = not 1 / OTHER_COST <= cost / baseline_cost <= OTHER_COST
+            if "@" not in name and name != baseline["trial"] and other_cost:
                 steps = int(json.loads((bench_dir / "run.json").read_text())["stages"]["train"]["config"]["max_steps"])
                 scaled = max(1, round(steps * baseline_cost / cost))
                 queue.insert(0, (f"{name}@time", {**change, "max_steps": scaled}))

@@ -16,7 +16,9 @@ mid (a Qwen3-1.7B-shaped target, 5-layer drafter, block 16, 512 anchors), 8b (a 
   GPU:  python bench/bench_train_step.py --device cuda --preset mid          (flex attention, torch.compile)
 `--label-agreement-every 0 1 10` times the same steps once per setting, side by side in one process (0: off;
 1: the target's greedy token at every trained position on every step; 10: on one step in ten, the default), and
-prints each one's seconds per step against the first.
+prints each one's seconds per step against the first. `--precision fp32 bf16` does the same for the train stage's
+precision settings: fp32 (the CPU default: an fp32 target, no autocast) and bf16 (`precision = "bf16"`,
+`target_dtype = "bf16"`: a bf16 target and LM head under bf16 autocast, as on a GPU), with their first losses.
 Needs torch >= 2.11, transformers >= 5.17 and pydantic; imports dflash_train from jobs/train/src when it is
 not installed. The CPU figure is also given per CPU second, since the machine may be shared.
 """
@@ -67,7 +69,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
 def build_target(shape: dict[str, int], layer_ids: list[int], device: torch.device, attn: str,
-                 keep_output: bool = False) -> FrozenTarget:
+                 keep_output: bool = False, dtype: torch.dtype | None = None) -> FrozenTarget:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -76,7 +78,7 @@ def build_target(shape: dict[str, int], layer_ids: list[int], device: torch.devi
         head_dim=shape["head_dim"], max_position_embeddings=40960, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return FrozenTarget(model, layer_ids, keep_output=keep_output)
@@ -173,7 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s for MFU (detected for H100/H200/A100)")
     p.add_argument("--label-agreement-every", type=int, nargs="+", metavar="N",
                    help="time the default recipe's steps under each label_agreement_every (0: off), side by side")
+    p.add_argument("--precision", choices=["fp32", "bf16"], nargs="+",
+                   help="time the default recipe's steps under each precision (target dtype, autocast), side by side")
     args = p.parse_args(argv)
+    if args.precision:
+        compare_precision(args)
+        return
     if args.label_agreement_every:
         if min(args.label_agreement_every) < 0:
             p.error("--label-agreement-every takes 0 (off) or a number of steps")
@@ -295,6 +302,43 @@ def compare_agreement(args: argparse.Namespace) -> None:
         print(json.dumps({"preset": args.preset, "label_agreement_every": every, "steps": steps,
                           "measured_steps": measured, "step_s": round(wall, 4), "cpu_s_per_step": round(cpu, 4),
                           "vs_first": round(wall / first, 3), "threads": torch.get_num_threads()}), flush=True)
+
+
+def compare_precision(args: argparse.Namespace) -> None:
+    """Seconds per CPU step of the default recipe under each precision, in one process: the same batch, anchors
+    and drafter init each time, the label agreement off (it is measured on one step in ten)."""
+    preset = PRESETS[args.preset]
+    rows, seq = args.rows or preset["rows"], args.seq or preset["seq"]
+    cfg = preset_drafter(preset)
+    runtime = TrainingRuntime(attention_backend=args.backend)
+    recipe = TrainingRecipe(num_anchors=preset["anchors"], label_agreement=False)
+    batch = random_batch(rows, seq, preset["docs_per_row"], torch.Generator().manual_seed(0))
+    first = None
+    for precision in args.precision:
+        bf16 = precision == "bf16"
+        torch.manual_seed(0)
+        target = build_target(preset["target"], cfg.target_layer_ids, torch.device("cpu"), args.target_attn,
+                              dtype=torch.bfloat16 if bf16 else torch.float32)
+        drafter = DFlashDrafter(cfg).train()
+
+        def step(seed: int, drafter: DFlashDrafter = drafter, target: FrozenTarget = target,
+                 bf16: bool = bf16) -> float:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = dflash_step(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(seed))
+            out.loss.backward()
+            drafter.zero_grad(set_to_none=True)
+            return float(out.loss.detach())
+
+        for i in range(args.warmup):
+            step(i)
+        started, cpu0 = time.perf_counter(), time.process_time()
+        losses = [step(1000 + i) for i in range(args.steps)]
+        wall, cpu = (time.perf_counter() - started) / args.steps, (time.process_time() - cpu0) / args.steps
+        first = first or wall
+        print(json.dumps({"preset": args.preset, "precision": precision, "steps": args.steps, "step_s": round(wall, 4),
+                          "cpu_s_per_step": round(cpu, 4), "vs_first": round(wall / first, 3),
+                          "first_losses": [round(x, 4) for x in losses[:3]], "threads": torch.get_num_threads()}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_the_headline_run_fits_h200_and_the_plan_prints_each_stage() -> None:
 
 def test_on_80gb_the_headline_run_shards_under_auto_and_is_refused_under_ddp() -> None:
     # parallelism auto resolves as the train stage does: target and drafter state take more than 80% of the GPU,
-    # so FSDP, and the run fits at about the bench's 45 GiB.
+    # so FSDP, and the run fits at about the bench's 44 GiB.
     auto = fit_of(run_on(HEADLINE_RUN, H100), QWEN3_6_27B)["train"]
     assert auto.verdict == "fits" and auto.summary.startswith("fsdp (from auto)") and auto.peak < 50 * GIB
     # DDP asked for: ~114 GiB per rank of 79 GiB. Refused, the fix named as the run file sets it.

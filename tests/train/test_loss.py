@@ -14,6 +14,7 @@ from dflash_train.training.loss import (
     dflash_loss,
     expected_acceptance_length,
     linear_cross_entropy,
+    linear_token_loss,
     per_position_accuracy,
     position_decay,
 )
@@ -76,6 +77,29 @@ def test_chunked_ce_passes_gradcheck():
     labels = torch.randint(0, 11, (5,), generator=gen)
     tw = torch.rand(5, generator=gen, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda h, w: linear_cross_entropy(h, w, labels, tw, 2)[0], (hidden, weight))
+
+
+@pytest.mark.parametrize("sharpness", [0.3, 10.0])
+def test_a_bf16_head_keeps_its_logits_in_bf16_and_the_loss_close_to_their_exact_cross_entropy(sharpness):
+    """A bf16 LM head (the GPU's, and the CPU's with target_dtype bf16) works on bf16 logits in place. Against the
+    float64 cross-entropy of the same bf16 logits: the loss within 2^-8 (its rounded share: the non-argmax mass),
+    the hidden states' gradient within bf16's own rounding. At 10x sharpness the drafter is confident (the label's
+    probability ~0.96), where a plainly rounded row sum would be off by as much as the gradient at the label
+    (0.7% of the gradient's norm measured that way, against 0.25% here)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(5000, 64, generator=gen).bfloat16()
+    hidden = (torch.randn(64, 64, generator=gen) * sharpness).bfloat16().requires_grad_(True)
+    logits = (hidden.detach() @ weight.t()).double()
+    labels = logits.argmax(-1)
+    loss, pred = linear_token_loss(hidden, weight, labels)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and torch.equal(pred, labels)
+    ref = F.cross_entropy(logits, labels, reduction="none")
+    assert float((loss.detach().double() - ref).abs().max()) < 2**-8
+    probs = torch.softmax(logits, -1)
+    probs[torch.arange(64), labels] -= 1.0
+    ref_grad = probs @ weight.double()
+    assert float((hidden.grad.double() - ref_grad).norm() / ref_grad.norm()) < 0.004
 
 
 def test_dflash_loss_is_the_decayed_weighted_mean_with_slot_accuracy():

@@ -276,16 +276,18 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
             attn_note += " (CPU flash kernel: no score matrix)"
 
     # LM head: the loss takes the weighted slots (at most N x (B - 1) per row), gathers their hidden states
-    # h [T, H] and keeps their gradient [T, H] (both fp32) from its forward. A chunk of logits [chunk, V] is
-    # fp32 (the softmax and its gradient work in place in it); a bf16 head adds the bf16 matmul output, then
-    # the bf16 copy of the gradient: 6 B per logit, 4 B with an fp32 head. The loop frees each chunk's buffers
-    # before the next chunk's logits are made, so one chunk is live at a time.
+    # h [T, H] and keeps their gradient [T, H] (both fp32) from its forward. A chunk of logits [chunk, V] is in
+    # the head's dtype, and the softmax and its gradient work in place in it: 2 B per logit with a bf16 head, 4 B
+    # with an fp32 one. The loop frees each chunk's buffer before the next chunk's logits are made, so one chunk is
+    # live at a time.
     trained = rows * i.anchors * (block - 1)
     # Soft labels hold two chunks of logits (the drafter's and the target's log-softmax and probabilities), and
-    # the loss halves its default chunk to keep the same budget (loss.linear_token_loss).
+    # the loss halves its default chunk to keep the same budget (loss.linear_token_loss). Beside the drafter's
+    # logits: the target's log-softmax and probabilities and their product with the logits (fp32), and a bf16
+    # head's logits in fp32 for that product.
     chunk = i.chunk_tokens or max(1, DEFAULT_LOGITS_BYTES // (4 * tgt.vocab_size * (2 if i.soft_labels else 1)))
     chunk = min(chunk, trained)
-    per_logit = (4 if i.target_bytes == 4 else 4 + 2 * i.target_bytes) + (8 + 2 * i.target_bytes) * i.soft_labels
+    per_logit = i.target_bytes + (12 + (4 if i.target_bytes != 4 else 0)) * i.soft_labels
     lm = per_logit * chunk * tgt.vocab_size + 2 * trained * h * 4
     lm_note = f"chunks of {chunk} tokens x {tgt.vocab_size} vocab + h, grad_h [{trained}, {h}] fp32"
     if i.soft_labels:
