@@ -269,7 +269,7 @@ def main() -> None:
             other_cost = not 1 / OTHER_COST <= cost / baseline_cost <= OTHER_COST
             if "@" not in name and name != baseline["trial"] and other_cost:
                 steps = int(json.loads((bench_dir / "run.json").read_text())["stages"]["train"]["config"]["max_steps"])
-                scaled = max(1, round(steps * baseline_cost / cost))
+                scaled = max(1, round(steps * baseline_cost / cost))  # max_steps wins over epochs
                 queue.insert(0, (f"{name}@time", {**change, "max_steps": scaled}))
         results[key] = rows
         print(f"\n{key}: | trial | change | steps | train s | CPU s | loss | label agreement | held-out tau | "

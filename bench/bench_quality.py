@@ -87,12 +87,14 @@ SPEAKING_BENCHES = {
                                            Goal("tok/step", 2.0, "untrained"))),
     # Answers of about 112 tokens (up to 330): generate up to 256, 128 prompts in the engine at once (the demo's
     # 16 leave the CPU engine idle between short batches), train on rows of prompt and answer (up to 512),
-    # 16 anchors per document (of ~145 valid positions: the CPU's budget), and 760 steps for the longer answers:
-    # the training time 600 took while the label agreement was measured on every step (it costs a step 1.31-1.35x).
+    # 16 anchors per document (of ~145 valid positions: the CPU's budget), in bf16 as on a GPU (a bf16 target and
+    # LM head under autocast), and 1,305 steps: the CPU time 760 steps took in float32 (bench_drafter_trials.py,
+    # `dpace_wsd_bf16@time`; 760 were themselves 600's time before the label agreement was measured one step in ten).
     "code": SpeakingBench(
         "code", 256,
         {"generate": {"max_new_tokens": 256, "chunk_records": 128},
-         "train": {"max_length": 512, "max_steps": 760, "num_anchors": 16}},
+         "train": {"max_length": 512, "max_steps": 1305, "num_anchors": 16, "precision": "bf16",
+                   "target_dtype": "bf16"}},
         # Goals: a trained tau of at least 2.0 and at least the best n-gram's tokens per target step.
         (Goal("tau", 2.0), Goal("tok/step", 1.0, "n-gram"), Goal("tau", 2.5, "untrained"),
          Goal("tok/step", 2.5, "untrained")),

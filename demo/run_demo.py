@@ -77,8 +77,11 @@ HYBRID_TRAIN = {"num_anchors": 4, "drafter_overrides": {"num_target_layers": 8, 
 PER_TARGET: dict[str, dict[str, Any]] = {
     # The speaking target ends its turns after about 10 tokens of prose: the whole corpus's questions give the
     # drafter about 40K answer tokens to learn from. The n-gram baseline runs beside it in the serving check.
+    # Trained in bf16 as on a GPU (a bf16 target and LM head under autocast, fp32 master weights), and 707 steps:
+    # the CPU time 400 took in float32 (bench/bench_drafter_trials.py, `dpace_wsd_bf16@time`, docs/quality.md).
     "speaking": {"run_id": "demo-speaking", "model": "model-speaking", "stages": {
-        "train": {"epochs": 4, "max_steps": 400, "checkpoint_every": 100, "lr": 3e-3},
+        "train": {"epochs": 4, "max_steps": 707, "checkpoint_every": 100, "lr": 3e-3, "precision": "bf16",
+                  "target_dtype": "bf16"},
         "evaluate": {"num_prompts": 48, "baseline_prompts": 16},
         "serve-check": {"ngram_baseline": True},
     }},

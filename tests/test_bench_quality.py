@@ -157,6 +157,15 @@ def test_trials_compare_cost_in_cpu_seconds_where_both_have_them() -> None:
     assert trials.children_cpu_seconds() - before > 0.05
 
 
+def test_a_trials_pace_is_timed_over_spans_of_log_lines(tmp_path: Path) -> None:
+    """The train log's stamps are whole seconds: steps of 0.4 s, each on a line of its own, are not 0 s a step."""
+    trials = _trials()
+    log = tmp_path / "train-0.log"
+    log.write_text("".join(f"2026-12-07T13:00:{int(step * 0.4):02d}Z INFO [train rank=0] x.metrics: step {step}/100 "
+                           "(1%) loss 1.0\n" for step in range(1, 101)))
+    assert trials.seconds_per_step(log) == pytest.approx(0.4, abs=0.03)
+
+
 def test_the_trials_run_the_quality_benchs_setup_with_every_option_it_reads() -> None:
     """The trials call `speaking_measured` with options of their own making: each option it reads must be there,
     with the bench's default (an option added to the bench once broke every trial before its first step)."""
