@@ -111,12 +111,12 @@ class _LinearTokenLoss(torch.autograd.Function):
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
                 h = hidden[start:end].to(weight.dtype)
-                grad, row_sum, token_loss[start:end], pred[start:end] = _chunk_loss(
+                grad, scale, token_loss[start:end], pred[start:end] = _chunk_loss(
                     h, weight, labels[start:end], None if soft is None else soft[start:end], stats)
                 if grad_h is not None:
-                    # d loss_t / d logits = (softmax - label distribution), normalised after the matmul: [T, H]
-                    # instead of [T, V] divisions.
-                    grad_h[start:end] = ((grad @ weight).to(stats) / row_sum.unsqueeze(1)).to(hidden.dtype)
+                    # d loss_t / d logits = (softmax - label distribution); a bf16 head's is normalised after the
+                    # matmul, on [T, H].
+                    grad_h[start:end] = ((grad @ weight).to(stats) / scale.unsqueeze(1)).to(hidden.dtype)
                 del grad
         ctx.mark_non_differentiable(pred)
         ctx.save_for_backward(hidden, weight, labels, *(() if soft is None else (soft,)),
@@ -141,9 +141,9 @@ class _LinearTokenLoss(torch.autograd.Function):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 end = min(start + ctx.chunk, hidden.shape[0])
                 h = hidden[start:end].to(weight.dtype)
-                grad, row_sum = _chunk_loss(h, weight, labels[start:end], None if soft is None else soft[start:end],
-                                            stats)[:2]
-                grad.mul_((grad_loss[start:end].to(stats) / row_sum).to(grad.dtype).unsqueeze(1))
+                grad, scale = _chunk_loss(h, weight, labels[start:end], None if soft is None else soft[start:end],
+                                          stats)[:2]
+                grad.mul_((grad_loss[start:end].to(stats) / scale).to(grad.dtype).unsqueeze(1))
                 acc += (grad.t() @ h).to(stats)
                 if soft is not None:  # the target's side of KL depends on the head too
                     acc += _soft_side_grad(soft[start:end], weight, h, grad_loss[start:end], stats)
@@ -153,13 +153,14 @@ class _LinearTokenLoss(torch.autograd.Function):
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, soft: torch.Tensor | None,
                 stats: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_sum * d loss / d logits [T, V], row_sum [T], loss [T], argmax [T]) of one chunk.
+    """(scale * d loss / d logits [T, V], scale [T], loss [T], argmax [T]) of one chunk.
 
     One buffer of logits in the head's dtype, worked on in place: its max, then exp(logits - max), whose row sums
-    (row_sum, in `stats`) give the loss. The label distribution times row_sum is subtracted in `stats` (at the
-    label: exact where the drafter is confident), and the caller divides by row_sum after its matmul, on [T, H]. With
-    a bf16 head that is four passes over a bf16 buffer, where a float32 copy took six and two conversions (2.0x
-    faster steps on CPU: docs/benchmarks.md)."""
+    (row_sum, in `stats`) give the loss. A float32 head then normalises the buffer (scale 1). A bf16 head does not:
+    the label distribution times row_sum is subtracted in `stats` (at the label: exact where the drafter is
+    confident), and the caller divides by scale = row_sum after its matmul, on [T, H]. That is four passes over a
+    bf16 buffer, where a float32 copy took six and two conversions (a bf16 step 2.0x faster on CPU:
+    docs/benchmarks.md)."""
     logits = h @ weight.t()
     row_max, pred = logits.max(dim=-1)
     if soft is None:
@@ -183,6 +184,15 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, sof
         row_sum = exp.sum(dim=-1).to(stats) + 1
         exp[rows, pred] = 1
     loss = row_max.to(stats) + row_sum.log() - label_logit
+    if exp.dtype == stats:
+        # A float32 (or float64) head normalises in place, as it always has: its training is unchanged to the bit.
+        exp.div_(row_sum.unsqueeze(1))
+        scale = torch.ones_like(row_sum)
+        if soft is None:
+            exp[rows, labels] -= 1.0
+        else:
+            exp.sub_(p)
+        return exp, scale, loss, pred
     if soft is None:
         exp[rows, labels] = (exp[rows, labels].to(stats) - row_sum).to(exp.dtype)
     else:
