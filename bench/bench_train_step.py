@@ -30,6 +30,8 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +273,15 @@ def _agreement_step(drafter: DFlashDrafter, target: FrozenTarget, batch: Any, cf
     return out.agreed
 
 
+def timed_steps(step: Callable[[int], Any], warmup: int, seeds: range) -> tuple[float, float, list[Any]]:
+    """(wall s, CPU s per step, each step's result) of `step` over `seeds`, after `warmup` steps (seeds 0..)."""
+    for i in range(warmup):
+        step(i)
+    started, cpu0 = time.perf_counter(), time.process_time()
+    results = [step(seed) for seed in seeds]
+    return (time.perf_counter() - started) / len(seeds), (time.process_time() - cpu0) / len(seeds), results
+
+
 def compare_agreement(args: argparse.Namespace) -> None:
     """Seconds per CPU step of the default recipe under each label_agreement_every, in one process: the same batch,
     anchors and drafter init each time; steps rounded up to whole measurement periods so each setting measures its
@@ -293,15 +304,23 @@ def compare_agreement(args: argparse.Namespace) -> None:
         target = build_target(shape, cfg.target_layer_ids, torch.device("cpu"), args.target_attn,
                               keep_output=recipe.needs_target_output)
         drafter = DFlashDrafter(cfg).train()
-        for i in range(args.warmup):
-            _agreement_step(drafter, target, batch, cfg, recipe, runtime, i)
-        started, cpu0 = time.perf_counter(), time.process_time()
-        measured = sum(_agreement_step(drafter, target, batch, cfg, recipe, runtime, i) >= 0 for i in range(steps))
-        wall, cpu = (time.perf_counter() - started) / steps, (time.process_time() - cpu0) / steps
+        wall, cpu, agreed = timed_steps(
+            partial(_agreement_step, drafter, target, batch, cfg, recipe, runtime), args.warmup, range(steps))
+        measured = sum(n >= 0 for n in agreed)
         first = first or wall
         print(json.dumps({"preset": args.preset, "label_agreement_every": every, "steps": steps,
                           "measured_steps": measured, "step_s": round(wall, 4), "cpu_s_per_step": round(cpu, 4),
                           "vs_first": round(wall / first, 3), "threads": torch.get_num_threads()}), flush=True)
+
+
+def _precision_step(drafter: DFlashDrafter, target: FrozenTarget, batch: Any, cfg: DrafterConfig,
+                    recipe: TrainingRecipe, runtime: TrainingRuntime, bf16: bool, step: int) -> float:
+    """One step under bf16 autocast or none: its loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = dflash_step(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(step))
+    out.loss.backward()
+    drafter.zero_grad(set_to_none=True)
+    return float(out.loss.detach())
 
 
 def compare_precision(args: argparse.Namespace) -> None:
@@ -320,20 +339,8 @@ def compare_precision(args: argparse.Namespace) -> None:
         target = build_target(preset["target"], cfg.target_layer_ids, torch.device("cpu"), args.target_attn,
                               dtype=torch.bfloat16 if bf16 else torch.float32)
         drafter = DFlashDrafter(cfg).train()
-
-        def step(seed: int, drafter: DFlashDrafter = drafter, target: FrozenTarget = target,
-                 bf16: bool = bf16) -> float:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = dflash_step(drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(seed))
-            out.loss.backward()
-            drafter.zero_grad(set_to_none=True)
-            return float(out.loss.detach())
-
-        for i in range(args.warmup):
-            step(i)
-        started, cpu0 = time.perf_counter(), time.process_time()
-        losses = [step(1000 + i) for i in range(args.steps)]
-        wall, cpu = (time.perf_counter() - started) / args.steps, (time.process_time() - cpu0) / args.steps
+        step = partial(_precision_step, drafter, target, batch, cfg, recipe, runtime, bf16)
+        wall, cpu, losses = timed_steps(step, args.warmup, range(1000, 1000 + args.steps))
         first = first or wall
         print(json.dumps({"preset": args.preset, "precision": precision, "steps": args.steps, "step_s": round(wall, 4),
                           "cpu_s_per_step": round(cpu, 4), "vs_first": round(wall / first, 3),
