@@ -27,7 +27,7 @@ from dflash_generate.serve_check import engine_passes  # noqa: E402
 from dflash_generate.serve_check import report as sc_report  # noqa: E402
 from dflash_generate.serve_check import stage as sc_stage  # noqa: E402
 from dflash_shared.errors import BadInputError, exit_code_for  # noqa: E402
-from dflash_shared.lossless import DEFAULT_TIE_MARGIN, TOP_LOGPROBS, NumericsPolicy  # noqa: E402
+from dflash_shared.lossless import DEFAULT_TIE_MARGIN, ENGINE_LOGPROBS, NumericsPolicy  # noqa: E402
 from dflash_shared.manifest_io import load_manifest  # noqa: E402
 from dflash_shared.manifests import Kind  # noqa: E402
 from dflash_shared.storage import join  # noqa: E402
@@ -85,7 +85,7 @@ def setting(bf16_run: Any, tiny_target_dir: Path, in_process_vllm: None) -> Any:
 def plain(setting: Any) -> list[Any]:
     _, report, engine = setting
     with _in_process_engine(engine, None) as llm:
-        return engine_passes.generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
+        return engine_passes.generate(llm, report, logprobs=ENGINE_LOGPROBS, label="plain")
 
 
 def _passes(setting: Any, plain: list[Any], chain: Any, export: str, rules: dict[str, Any],

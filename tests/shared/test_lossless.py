@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_shared.lossless import (
+    ENGINE_LOGPROBS,
     Comparing,
     NumericsPolicy,
     Step,
@@ -51,6 +52,24 @@ def test_a_rounding_flip_is_a_near_tie_in_both_runs() -> None:
     assert parting.tie and parting.index == 7
     assert parting.speculative_margin == pytest.approx(0.125) and parting.plain_margin == pytest.approx(0.125)
     assert not judge("p", 7, Step(9, {9: -0.700, 7: -0.825}), Step(7, {7: -0.690, 9: -0.815}), FP32).tie
+
+
+def test_a_rounding_flip_among_three_near_tied_tokens_is_judged_from_the_engines_top_log_probabilities() -> None:
+    """A flat distribution (a random-weight target) can hold three tokens within the margin: the speculative run
+    ranks a third token between its own and the plain one. Its top two miss the plain token, so the flip cannot be
+    judged from them and reads as a difference; the engine's top ENGINE_LOGPROBS hold it, and the margins decide."""
+    speculative = {9: -1.00, 4: -1.05, 7: -1.10, 2: -4.0}
+    plain = Step(7, {7: -1.000, 9: -1.008, 4: -1.02})
+
+    def top(logprobs: dict[int, float], k: int) -> dict[int, float]:
+        return dict(sorted(logprobs.items(), key=lambda kv: -kv[1])[:k])
+
+    assert not judge("p", 1, Step(9, top(speculative, 2)), plain, BF16).tie  # plain's 7 is third: unknown
+    parting = judge("p", 1, Step(9, top(speculative, ENGINE_LOGPROBS)), plain, BF16)
+    assert parting.tie and parting.speculative_margin == pytest.approx(0.10)
+    # A third token further than the margin is still a difference, with as many log-probabilities as the engine has.
+    far = {9: -1.00, 4: -1.05, 7: -1.40}
+    assert not judge("p", 1, Step(9, top(far, ENGINE_LOGPROBS)), plain, BF16).tie
 
 
 def test_a_token_the_speculative_run_itself_ranks_lower_is_a_difference_however_close() -> None:

@@ -14,9 +14,10 @@ places between the two runs, and that is rounding, not a wrong drafter or verifi
 The policy, in bfloat16/float16, at every position where the two outputs part:
 
 * it is a rounding flip (a near-tie) only when BOTH runs show it in their OWN log-probabilities: each run's token
-  is the best of its own distribution (margin >= 0) and the other run's token is among its top
-  `TOP_LOGPROBS` within `tie_margin` nats. A verifier that wrongly accepts a draft token shows it in its own
-  log-probabilities: the token it committed is not its own best one (negative margin), however close the two are;
+  is the best of its own distribution (margin >= 0) and the other run's token is within `tie_margin` nats of it
+  (the offline loop reads it from the full distribution, the engine from its top `ENGINE_LOGPROBS`). A verifier
+  that wrongly accepts a draft token shows it in its own log-probabilities: the token it committed is not its own
+  best one (negative margin), however close the two are;
 * after a near-tie the comparison goes on teacher-forced: the speculative side continues from the plain run's token
   (the offline loop commits it, the engine is asked again with the plain prefix), so every later position is still
   compared, not just the first parting of a prompt;
@@ -43,9 +44,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Dtypes whose rounding can swap near-tied tokens between a verification pass and a one-token step.
 REDUCED_PRECISION = ("bfloat16", "float16")
-# Log-probabilities kept per position on each side (vLLM: SamplingParams(logprobs=TOP_LOGPROBS)): a rounding flip
-# swaps the top two; a token further down is a real difference.
+# Log-probabilities the offline loop keeps per position on each side, beside the other side's token, which it
+# reads from the full distribution: a rounding flip swaps the top two.
 TOP_LOGPROBS = 2
+# The engine returns only its top-k log-probabilities and the committed token's (vLLM: SamplingParams(logprobs=k),
+# at most its `max_logprobs`, 20 by default), so a parting's margins can be judged only where each side's token is
+# among the other side's k. On a flat distribution (a random-weight target, 40-50% of positions near-ties) three or
+# more tokens can lie within the margin: with k = 2 a rounding flip among three was counted a real difference
+# (seen on the random-weight Qwen3.6 fixture). The margins, not the rank, decide a near-tie.
+ENGINE_LOGPROBS = 20
 # Defaults (figures from `make bench-numerics` and the serving checks in docs/numerics.md). Margin:
 # two bfloat16 steps at logits of 16-32 (a logit of a large model's head rounds to a step of 0.125-0.25 nats, and
 # a reduction in another order moves it by a step or two); the near-ties measured here had margins of 0.0039 and

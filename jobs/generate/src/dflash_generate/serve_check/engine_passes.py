@@ -18,7 +18,7 @@ from dflash_generate.target import TargetInfo, read_target
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.evaluation_report import OfflineReport
 from dflash_shared.lossless import (
-    TOP_LOGPROBS,
+    ENGINE_LOGPROBS,
     Comparing,
     Equivalence,
     NumericsPolicy,
@@ -175,7 +175,7 @@ def generate_continuations(llm: Any, report: OfflineReport, prefixes: dict[int, 
     order = sorted(prefixes)
     prompts = [TokensPrompt(prompt_token_ids=[*report.results[i].prompt_token_ids, *prefixes[i]]) for i in order]
     params = [SamplingParams(temperature=0.0, max_tokens=report.max_new_tokens - len(prefixes[i]),
-                             stop_token_ids=report.stop_token_ids, detokenize=False, logprobs=TOP_LOGPROBS)
+                             stop_token_ids=report.stop_token_ids, detokenize=False, logprobs=ENGINE_LOGPROBS)
               for i in order]
     outs = llm.generate(prompts, params, use_tqdm=False)
     return {i: _generated(o) for i, o in zip(order, outs, strict=True)}
@@ -186,7 +186,7 @@ def speculative_pass(llm: Any, report: OfflineReport, plain: list[Generated],
     """Generate the report's prompts with the speculative engine (counters read around it), then compare with
     the plain outputs, teacher-forced past near-ties."""
     before = spec_counters(llm.get_metrics())
-    outputs = generate(llm, report, logprobs=TOP_LOGPROBS, label="speculative")
+    outputs = generate(llm, report, logprobs=ENGINE_LOGPROBS, label="speculative")
     acceptance = engine_acceptance(before, spec_counters(llm.get_metrics()))
     comparison, rounds = forced_comparison(llm, report, plain, outputs, policy)
     return SpeculativePass(acceptance=acceptance, outputs=outputs, comparison=comparison, forced_rounds=rounds)

@@ -22,7 +22,7 @@ from dflash_shared import identity
 from dflash_shared.errors import BadInputError
 from dflash_shared.evaluation_report import REPORT_NAME as OFFLINE_REPORT_NAME
 from dflash_shared.evaluation_report import OfflineReport, parse_report
-from dflash_shared.lossless import TOP_LOGPROBS
+from dflash_shared.lossless import ENGINE_LOGPROBS
 from dflash_shared.manifest_io import LoadedManifest, committed, load_manifest, write_manifest
 from dflash_shared.manifests import MANIFEST_NAME, Accounting, DrafterSection, EvaluationSection, Kind, Manifest, Shard
 from dflash_shared.preflight import Preflight, io_checks
@@ -91,8 +91,8 @@ def run(config: ServeCheckConfig, store: ObjectStore | None = None) -> str:
         gate = report.learnability_replay()  # the learnability gate's prompts and drafter, where it ran
         # Plain first: the speculative engine, started second, continues along the plain outputs past near-ties.
         with started_engine(engine, None) as (llm, plain_start):
-            plain_outputs = generate(llm, report, logprobs=TOP_LOGPROBS, label="plain")
-            gate_plain = generate(llm, gate, logprobs=TOP_LOGPROBS, label="learnability plain") if gate else []
+            plain_outputs = generate(llm, report, logprobs=ENGINE_LOGPROBS, label="plain")
+            gate_plain = generate(llm, gate, logprobs=ENGINE_LOGPROBS, label="learnability plain") if gate else []
         with started_engine(engine, speculative) as (llm, spec_start):
             served = speculative_pass(llm, report, plain_outputs, policy)
         starts = {"speculative": spec_start, "plain": plain_start}
