@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO / "bench"))
 BEFORE = {"position_weighting": "exp_decay", "lr_schedule": "cosine"}
 DPACE = {"position_weighting": "dpace", "lr_schedule": "cosine"}
 DPACE_WSD = {"position_weighting": "dpace", "lr_schedule": "wsd"}
+DPACE_WSD_BF16 = {**DPACE_WSD, "precision": "bf16", "target_dtype": "bf16"}
 TRIALS: dict[str, dict[str, Any]] = {
     "today": BEFORE,
     "anchors512": {**BEFORE, "num_anchors": 512},  # every valid position of a normal answer
@@ -80,8 +81,23 @@ TRIALS: dict[str, dict[str, Any]] = {
     "dpace_warm_code": {**DPACE, "init_from": "{work_dir}/trials/code/dpace/store/trial-dpace/export"},
     # The GPU's numerics on the CPU: a bf16 target and LM head under bf16 autocast, over fp32 master weights (the
     # CPU's default is fp32 throughout). Against `dpace_wsd`, the defaults in fp32.
-    "dpace_wsd_bf16": {**DPACE_WSD, "precision": "bf16", "target_dtype": "bf16"},
+    "dpace_wsd_bf16": DPACE_WSD_BF16,
+    # One change of the bf16 recipe (the benches' since it was measured): twice the peak learning rate; a drafter
+    # twice as deep with twice the MLP (the debug preset's 2 layers, 256); KL to the target under
+    # warmup-stable-decay (exponential decay: D-PACE reads a cross-entropy).
+    "bf16_lr2x": {**DPACE_WSD_BF16, "lr": 6e-3},
+    "bf16_deeper": {**DPACE_WSD_BF16, "drafter_overrides": {"num_layers": 4, "intermediate_size": 512}},
+    "bf16_kl_wsd": {**DPACE_WSD_BF16, "position_weighting": "exp_decay", "objective": "target_kl"},
+    # The earlier trials' changes again, on the bf16 recipe: 4x the anchors per document, CE on the target's greedy
+    # token, a warm start from the other speaking target's bf16 drafter (same shapes), a second seed.
+    "bf16_anchors64": {**DPACE_WSD_BF16, "num_anchors": 64},
+    "bf16_argmax_ce": {**DPACE_WSD_BF16, "objective": "target_argmax_ce"},
+    "bf16_warm_other": {**DPACE_WSD_BF16, "init_from": "{work_dir}/trials/{other}/dpace_wsd_bf16/store/"
+                                                       "trial-dpace-wsd-bf16/export"},
+    "bf16_seed1": {**DPACE_WSD_BF16, "seed": 1},
 }
+# A warm start's source: the other speaking target's trial of the same name.
+OTHER_TARGET = {"docs": "code", "code": "docs"}
 STAGES = ("import", "tokenize", "train", "export")
 PROMPTS = 48
 # A trial this much slower or faster than the baseline also runs at the baseline's training time.
@@ -97,7 +113,7 @@ def trial_run(bench_run: dict[str, Any], bench_dir: Path, name: str, change: dic
     train = run["stages"]["train"]["config"]
     for key, value in change.items():
         if isinstance(value, str):
-            value = value.format(work_dir=bench_dir.parent)
+            value = value.format(work_dir=bench_dir.parent, other=OTHER_TARGET[bench_dir.name])
         train[key] = {**train.get(key, {}), **value} if isinstance(value, dict) else value
     return run
 

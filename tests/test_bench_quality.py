@@ -93,8 +93,11 @@ def _check_trial(run: dict, bench_run: dict, bench_dir: Path, name: str, changes
     assert {k: v for k, v in train.items() if k not in changes} == {
         k: v for k, v in before.items() if k not in changes}
     for k, v in changes.items():  # a dict change (drafter_overrides) replaces only the keys it names
-        if isinstance(v, str):  # a path under the bench's --work-dir (a warm start's export)
-            v = v.format(work_dir=bench_dir.parent)
+        if isinstance(v, str):  # a path under the bench's --work-dir (a warm start's export, maybe the other
+            # speaking target's)
+            other = _trials().OTHER_TARGET[bench_dir.name]
+            v = v.format(work_dir=bench_dir.parent, other=other)
+            assert "{other}" not in changes[k] or f"/trials/{other}/" in v, (name, v)
         assert train[k] == ({**before.get(k, {}), **v} if isinstance(v, dict) else v), (name, k)
     assert {k: v for k, v in run["stages"].items() if k != "train"} == {
         k: v for k, v in bench_run["stages"].items() if k != "train"}
