@@ -93,7 +93,7 @@ def test_a_committed_stage_is_skipped_naming_each_setting_the_run_file_now_gives
     assert "train: complete, skipped" in said
     assert ('train: its committed output was made with other settings than the run file gives now '
             '(drafter_overrides {"num_layers": 5} there, {"num_layers": 3} now; max_steps 400 there, 707 now)') in said
-    assert f"delete {manifest.rsplit('/', 1)[0]} and run again" in said
+    assert f"delete {manifest.rsplit('/', 1)[0]} and the later stages' outputs, which were made from it" in said
     # The same settings: skipped without a word about them.
     ObjectStore().write_bytes(manifest, json.dumps({"producer": {"config": given}}).encode())
     out = io.StringIO()

@@ -127,7 +127,8 @@ def run_local(
             if changed:
                 say(f"  {stage.name}: its committed output was made with other settings than the run file gives now "
                     f"({'; '.join(changed)}), and stays as it was. To make it with these: a new run_id, or delete "
-                    f"{manifest_prefix(manifest)} and run again")
+                    f"{manifest_prefix(manifest)} and the later stages' outputs, which were made from it, and run "
+                    "again")
             done.append(StageRun(stage.name, True, 0.0, manifest))
             continue
         python = str(repo / envs[stage.image] / "bin" / "python")
