@@ -158,10 +158,11 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
     from dflash_train.drafter.config import DrafterConfig
     from dflash_train.parallel.distributed import DistEnv
     from dflash_train.target_model.frozen import FrozenTarget
-    from dflash_train.trainer import build_drafter
     from dflash_train.training.memory_plan import plan_for_run
-    from dflash_train.training.optim import autocast, build_optimizer, clip_gradients, target_dtype
+    from dflash_train.training.optim import build_optimizer, clip_gradients
+    from dflash_train.training.precision import autocast, target_dtype
     from dflash_train.training.step import dflash_step
+    from dflash_train.training.warm_start import initial_drafter
 
     spec = SHAPES[name]
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -192,7 +193,7 @@ def worker(name: str, target_dir: str | None) -> dict[str, Any]:
         frozen = FrozenTarget.from_pretrained(target, cfg.target_layer_ids, device="cpu", dtype=dtype,
                                               attn_implementation=config.target_attn_implementation,
                                               keep_output=config.recipe.needs_target_output)
-        drafter = build_drafter(cfg, config.seed, config.runtime, env.device)
+        drafter, _ = initial_drafter(cfg, config.seed, config.runtime, env.device)
         optimizer = build_optimizer(drafter.parameters(), config.recipe, env.device)
         anchors = 0
         for step, packed in enumerate((warmup, full)):

@@ -266,7 +266,7 @@ FORMATS = ("native", "speculators")
 
 
 def _preset(target_dir: Path) -> DrafterConfig:
-    """The drafter preset training picks for a tiny target (the from_target path of stage.resolve_drafter).
+    """The drafter preset training picks for a tiny target (the from_target path of drafter.resolve.resolve_drafter).
 
     The 4-layer dense target is too shallow for the default spread of 5 feature layers, so it names two.
     """

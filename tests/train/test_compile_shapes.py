@@ -1,6 +1,6 @@
 """Compiled drafter layers: one static graph per anchor-ladder rung, shared by every layer, as designed.
 
-The trainer compiles each drafter layer (`TrainConfig.compile`, through `build_drafter`). Here the real
+The trainer compiles each drafter layer (`TrainConfig.compile`, through `initial_drafter`). Here the real
 drafter (two sliding-window layers and one full-attention layer, flex attention captured into the layer's
 graph) runs its forward on CPU (flex has no CPU backward) while the anchor count N cycles over three ladder
 rungs twice, with anchors drawn by `sample_anchors` from documents whose loss masks put N on each rung.
@@ -28,9 +28,9 @@ from dflash_train.drafter.attention import (
 )
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.trainer import build_drafter
 from dflash_train.training.anchors import anchor_count_buckets, sample_anchors
 from dflash_train.training.step import block_inputs
+from dflash_train.training.warm_start import initial_drafter
 
 # The start of flex's warning when it runs uncompiled (a layer that fell out of its compiled graph).
 UNFUSED_FALLBACK = "flex_attention called without torch.compile"
@@ -96,8 +96,8 @@ def _forward_counts(drafter: DFlashDrafter, cfg: DrafterConfig, config: TrainCon
 def test_one_graph_per_ladder_rung_for_all_layers(fresh_dynamo):
     cfg, config = _config(), _train_config()
     assert anchor_count_buckets(cfg.block_size, config.max_anchors_per_row) == (16, 32, 64)
-    drafter = build_drafter(cfg, config.seed, config.runtime, torch.device("cpu")).eval()
-    # Set by build_drafter before compiling, not by the first traced call.
+    drafter = initial_drafter(cfg, config.seed, config.runtime, torch.device("cpu"))[0].eval()
+    # Set by initial_drafter before compiling, not by the first traced call.
     assert torch._dynamo.config.recompile_limit >= GRAPHS_PER_SHAPE * 3
     seen = _forward_counts(drafter, cfg, config)
     assert [n for n, _ in seen] == list(CYCLE), seen  # N did land on each of the three rungs
@@ -109,7 +109,7 @@ def test_one_graph_per_ladder_rung_for_all_layers(fresh_dynamo):
 def test_training_compiles_two_graphs_per_ladder_rung(fresh_dynamo):
     cfg = _config()
     config = _train_config("sdpa")  # flex has no CPU backward; the graph count does not depend on the backend
-    drafter = build_drafter(cfg, config.seed, config.runtime, torch.device("cpu")).train()
+    drafter = initial_drafter(cfg, config.seed, config.runtime, torch.device("cpu"))[0].train()
     seen = _forward_counts(drafter, cfg, config, train=True)
     assert [n for n, _ in seen] == list(CYCLE), seen
     assert [graphs for _, graphs in seen] == [2, 2, 2, 0, 0, 0], seen

@@ -217,7 +217,7 @@ def _section() -> TokenizedSection:
 
 def test_stage_applies_num_layers_on_a_hybrid_target(tmp_path: Path) -> None:
     """`--drafter-preset from_target --drafter-overrides '{"num_layers": 1}'` on a Qwen3.6 checkpoint."""
-    from dflash_train.stage import resolve_drafter
+    from dflash_train.drafter.resolve import resolve_drafter
 
     hybrid_config().save_pretrained(tmp_path)
     config = TrainConfig(input="in", output="out", target="t", drafter_overrides={"num_layers": 1, "block_size": 8})

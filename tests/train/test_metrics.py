@@ -35,7 +35,7 @@ def test_progress_report_and_tensorboard_reach_the_store_while_training_runs(tmp
     time.sleep(0.01)
     sink.write(20, 100, {**METRICS, "loss": 2.0})
     sink.state = "finished"  # what the trainer sets once the last step is done
-    sink.close(store, out)
+    sink.close()
     last = json.loads(store.read_bytes(report_uri))
     assert (last["state"], last["step"], last["loss"]) == ("finished", 20, 2.0)
     assert last["last_checkpoint"]["step"] == 10 and last["eta_s"] is not None and last["updated"].endswith("Z")
@@ -44,5 +44,5 @@ def test_progress_report_and_tensorboard_reach_the_store_while_training_runs(tmp
     other = MetricsSink(DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")),
                         str(tmp_path / "tb1"), True, "r1", store=store, output=str(tmp_path / "other"))
     other.write(10, 100, METRICS)
-    other.close(store, str(tmp_path / "other"))
+    other.close()
     assert not store.list(str(tmp_path / "other"))

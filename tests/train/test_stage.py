@@ -15,7 +15,9 @@ from dflash_shared.manifests import DrafterSection, Kind, TokenizedSection
 from dflash_shared.settings import parse_settings
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.config import TrainConfig, debug
-from dflash_train.stage import build_manifest, resolve_drafter, run
+from dflash_train.drafter.resolve import resolve_drafter
+from dflash_train.publish import build_manifest
+from dflash_train.stage import run
 from tests.train.train_fixtures import (
     SMALL_MASK_ID,
     identity_of,
@@ -102,7 +104,8 @@ class _RecordingStore(ObjectStore):
 
 def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
     from dflash_train.data.loader import ShardCache, StepLoader
-    from dflash_train.stage import plan_data, resolve, trained_tokens
+    from dflash_train.publish import trained_tokens
+    from dflash_train.setup import plan_data, resolve
 
     store = _RecordingStore()
     train_docs = synthetic_docs(30, max_len=60)  # token ids below 1,100

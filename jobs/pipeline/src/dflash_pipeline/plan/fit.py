@@ -208,7 +208,7 @@ def gpu_of(run: RunConfig, settings: JobSettings) -> tuple[GpuModel | None, str]
 
 
 def drafter_of(values: Mapping[str, Any], raw: Mapping[str, Any]) -> DrafterConfig:
-    """The drafter the train stage will build (`stage.resolve_drafter`), from its config values and the
+    """The drafter the train stage will build (`drafter.resolve.resolve_drafter`), from its config values and the
     target's config.json; ConfigError where the stage would refuse it."""
     def stand_in_mask(config: Any) -> int:
         # The stage's default is the first embedding row past the tokenizer, which needs the tokenizer; the id

@@ -343,12 +343,14 @@ def count_rows(cache: ShardCache, shard: Shard, max_length: int) -> tuple[int, W
 
 @dataclass(frozen=True)
 class StepBatches:
-    """This rank's micro-batches of one optimizer step; `rows_after` is the data position after it."""
+    """This rank's micro-batches of one optimizer step; `rows_after` is the number of rows consumed after it and
+    `position` the data position there, as a checkpoint of that step stores it (`DataPlan.position`)."""
 
     step: int
     micro: list[PackedBatch]
     micro_ids: list[int]
     rows_after: int
+    position: dict[str, int]
 
 
 class StepLoader:
@@ -412,7 +414,8 @@ class StepLoader:
         groups = self.rows_per_step // self.micro_rows
         mine = list(range(self.rank, groups, self.world))
         micro = [self.micro_batch(first + g * self.micro_rows) for g in mine]
-        return StepBatches(step, micro, mine, first + self.rows_per_step)
+        after = first + self.rows_per_step
+        return StepBatches(step, micro, mine, after, self.plan.position(after))
 
     # -------------------------------------------------------------- background thread
 

@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dflash_shared.errors import ConfigError
-from dflash_shared.stage_identity import StageIdentity
+from dflash_shared.stage_identity import StageIdentity, refuse_changed
 from dflash_shared.storage import ObjectStore, join
+from dflash_train.drafter.config import DrafterConfig
 from dflash_train.parallel.distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -311,3 +312,23 @@ def read_state(store: ObjectStore, ref: CheckpointRef) -> TrainState:
 def read_config_json(store: ObjectStore, ref: CheckpointRef) -> dict[str, Any]:
     """The drafter config stored with a checkpoint."""
     return dict(json.loads(store.read_bytes(join(ref.uri, DRAFTER_CONFIG))))
+
+
+def refuse_other_settings(store: ObjectStore, ref: CheckpointRef, identity: StageIdentity) -> None:
+    """SettingsChangedError (exit 64) when `ref` was saved under other settings than those of `identity` (the run's
+    `dflash_train.config.settings_identity`: those that change what a step computes, see RESUMABLE_CHANGES), naming
+    each and the ways out."""
+    refuse_changed(read_state(store, ref).identity, identity, f"checkpoint {ref.uri} was saved by a run with other "
+                   "settings", "`python -m dflash_pipeline restart --config RUN.toml --stage train` (it deletes the "
+                   "checkpoints and the later stages' outputs), or write to a new output prefix (a new run_id)")
+
+
+def resume_checkpoint(ref: CheckpointRef, identity: StageIdentity, drafter: DrafterConfig, model: nn.Module,
+                      optimizer: torch.optim.Optimizer, store: ObjectStore, env: DistEnv, scratch: str) -> TrainState:
+    """Load `ref` into model and optimizer once it is known to continue this run: saved under the same settings
+    and for the same drafter (ConfigError otherwise, before a tensor is read)."""
+    refuse_other_settings(store, ref, identity)
+    if DrafterConfig.from_saved(read_config_json(store, ref)) != drafter:
+        raise ConfigError(f"checkpoint {ref.uri} was trained with another drafter config; start a new output "
+                          "prefix or set resume=never")
+    return load_checkpoint(ref, model, optimizer, store, env, scratch)

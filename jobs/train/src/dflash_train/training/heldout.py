@@ -30,6 +30,7 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.parallel.distributed import DistEnv
 from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
+from dflash_train.training.precision import autocast
 from dflash_train.training.step import dflash_step
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def heldout_acceptance(model: torch.nn.Module, target: FrozenTarget, rows: Packe
                        recipe: TrainingRecipe, runtime: TrainingRuntime, env: DistEnv) -> dict[str, float]:
     """`heldout_tau` and `heldout_acc_k` over the rows (split over the ranks, summed; see the module docstring):
     the run's anchors and kernels, with the target's own greedy token as the label where the target keeps its output
-    layers (what decoding accepts), and no label agreement to measure."""
+    layers (what decoding accepts), and no label agreement to measure; under the runtime's autocast."""
     recipe = recipe.model_copy(update={"objective": "target_argmax_ce" if target.keep_output else "data_ce",
                                        "position_weighting": "exp_decay", "label_agreement": False})
     micro_rows = runtime.micro_batch_rows
@@ -77,7 +78,9 @@ def heldout_acceptance(model: torch.nn.Module, target: FrozenTarget, rows: Packe
         for start in range(env.rank * micro_rows, total, env.world_size * micro_rows):
             batch = rows.rows(start, min(start + micro_rows, total)).to(env.device)
             gen = torch.Generator(device=env.device).manual_seed(HELDOUT_SEED + start)
-            out = dflash_step(model, target, batch, cfg, recipe, runtime, gen, noise=False)  # type: ignore[arg-type]
+            with autocast(runtime, env.device):
+                out = dflash_step(model, target, batch, cfg, recipe, runtime, gen,  # type: ignore[arg-type]
+                                  noise=False)
             assert out.hits is not None and out.trained is not None
             accepted = accepted_prefix(out.hits, out.trained)
             head = torch.tensor([float(accepted.numel()), float(accepted.sum())], dtype=torch.float64)

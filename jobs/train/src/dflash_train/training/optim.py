@@ -1,8 +1,8 @@
-"""Optimiser, learning-rate schedule and precision of the drafter's training.
+"""Optimiser, learning-rate schedule and gradient clipping of the drafter's training.
 
 AdamW over the drafter's fp32 parameters (the master weights), with torch's default betas (0.9, 0.999) as
-the reference trainer (SpecForge) uses them unless the config says otherwise; the forward runs under bf16
-autocast when precision is bf16, so activations and matmuls are bf16 while updates accumulate in fp32. The
+the reference trainer (SpecForge) uses them unless the config says otherwise; updates accumulate in fp32 whatever
+the forward's precision (`training.precision`). The
 schedule is linear warmup to the peak rate, then warmup-stable-decay (`wsd`, the default: the peak held until the
 last `decay_ratio` of the steps, then a linear decay to `min_lr_ratio`; TorchSpec found it ~4% better in tau than
 cosine, and the recipe trials in docs/quality.md chose it) or a cosine down to `min_lr_ratio` (the reference
@@ -11,14 +11,13 @@ recipe: 4% warmup, cosine). The scheduler is a LambdaLR whose state is the step 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from dflash_train.sections import TrainingRecipe, TrainingRuntime
+from dflash_train.sections import TrainingRecipe
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -85,16 +84,3 @@ def clip_gradients(params: Iterable[nn.Parameter], max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else float("inf"))
     full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
     return float(full() if full is not None else norm)
-
-
-def autocast(runtime: TrainingRuntime, device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """bf16 autocast for the forward pass, or nothing for fp32 training."""
-    if runtime.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def target_dtype(runtime: TrainingRuntime, device: torch.device) -> torch.dtype:
-    if runtime.target_dtype == "bf16" or (runtime.target_dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32

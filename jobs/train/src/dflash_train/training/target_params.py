@@ -271,3 +271,10 @@ def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
         header = json.loads(fh.read(length))
     return [(name, math.prod(int(d) for d in info["shape"]), [int(d) for d in info["shape"]])
             for name, info in header.items() if name != "__metadata__"]
+
+
+def loaded_sizes(target_dir: str | Path, loaded_bytes: int) -> tuple[TargetSizes, int]:
+    """The checkpoint's sizes (`checkpoint_sizes`) and the device bytes of one whole replica loaded at `loaded_bytes`
+    per parameter (`replica_bytes`): what the train stage weighs its parallelism and memory plan with."""
+    sizes = checkpoint_sizes(target_dir)
+    return sizes, replica_bytes(target_dir, sizes.dtype_bytes, loaded_bytes)

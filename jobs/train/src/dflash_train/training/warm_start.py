@@ -1,4 +1,6 @@
-"""Warm start: a fresh run's first weights from a drafter that exists (`init_from`), instead of random ones.
+"""The drafter a run starts from: freshly initialised (seeded, so the same on every rank), or warm-started.
+
+Warm start: a fresh run's first weights from a drafter that exists (`init_from`), instead of random ones.
 
 Two sources, told apart by what the folder holds: a training checkpoint of this project (`drafter_config.json`
 and the fp32 `model.safetensors`, e.g. `<output>/checkpoints/step-00001000`), or an export in the native format
@@ -22,10 +24,13 @@ import torch
 
 from dflash_shared.errors import ConfigError
 from dflash_shared.storage import ObjectStore, join
+from dflash_train.drafter.attention import compile_drafter_layers
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.export.files import load_checkpoint_drafter, load_export
 from dflash_train.export.format import CONFIG_NAME
+from dflash_train.sections import TrainingRuntime
+from dflash_train.training.anchor_ladder import anchor_count_buckets
 from dflash_train.training.checkpoint import DRAFTER_CONFIG
 
 log = logging.getLogger(__name__)
@@ -80,3 +85,23 @@ def warm_start(drafter: DFlashDrafter, store: ObjectStore, uri: str, target_voca
                                 strict=True)
     log.info("warm start: drafter weights from the %s %s", kind, uri)
     return f"{kind} {uri}"
+
+
+def initial_drafter(cfg: DrafterConfig, seed: int, runtime: TrainingRuntime, device: torch.device,
+                    store: ObjectStore | None = None, init_from: str | None = None,
+                    target_vocab_rows: int = 0) -> tuple[DFlashDrafter, str | None]:
+    """The run's first drafter on `device`: seeded random weights, or those at `init_from` (`warm_start`); and what
+    was loaded (None: random weights). Gradient checkpointing and compilation as the runtime says."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).to(device)
+    if runtime.activation_checkpointing:
+        drafter.set_gradient_checkpointing(True)
+    if runtime.compile:
+        # Static shapes: per ladder rung two training graphs (the first layer, the rest) and one for
+        # no_grad evaluation; the recompile limit is raised before the first compile (dflash_train.drafter.attention).
+        compile_drafter_layers(drafter.layers, len(anchor_count_buckets(cfg.block_size, runtime.max_anchors_per_row)))
+    loaded = None
+    if init_from is not None:
+        assert store is not None
+        loaded = warm_start(drafter, store, init_from, target_vocab_rows)
+    return drafter, loaded
