@@ -275,6 +275,32 @@ class LossOutput:
     hits: torch.Tensor | None = None  # [B, N, block] bool: trained slots whose argmax is the label
 
 
+def target_next_tokens(final_hidden: torch.Tensor, lm_head: torch.Tensor, wanted: torch.Tensor,
+                       chunk_tokens: int | None = None) -> torch.Tensor:
+    """[B, S] long: the target's greedy next token after each position where `wanted` [B, S] is set, else -1."""
+    out = torch.full(wanted.shape, -1, dtype=torch.long, device=wanted.device)
+    where = wanted.nonzero(as_tuple=True)
+    if where[0].numel():
+        out[where] = chunked_argmax(final_hidden[where], lm_head, chunk_tokens)
+    return out
+
+
+def block_target_labels(final_hidden: torch.Tensor, lm_head: torch.Tensor, loss_mask: torch.Tensor,
+                        document_ids: torch.Tensor, anchor_pos: torch.Tensor, block_size: int,
+                        chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's own labels of the blocks anchored at `anchor_pos` [B, N], beside `block_targets`' data labels:
+    ([B, N, block] the target's greedy token after p + k - 1, -1 where no trained label follows; [B, N, block] the
+    flat positions p + k - 1 they are predicted from, clamped into the row)."""
+    rows, seq = loss_mask.shape
+    # Positions t whose next token is a trained label: t + 1 loss-masked and in t's document.
+    wanted = torch.zeros_like(loss_mask, dtype=torch.bool)
+    wanted[:, :-1] = loss_mask[:, 1:].bool() & (document_ids[:, 1:] == document_ids[:, :-1])
+    next_tokens = target_next_tokens(final_hidden, lm_head, wanted, chunk_tokens)
+    k = torch.arange(block_size, device=anchor_pos.device)
+    where = (anchor_pos.unsqueeze(-1) + k - 1).clamp(0, seq - 1)
+    return next_tokens.gather(1, where.view(rows, -1)).view_as(where), where
+
+
 def dflash_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,

@@ -28,7 +28,7 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.anchors import sample_anchors
-from dflash_train.training.loss import block_targets, chunked_argmax, dflash_loss
+from dflash_train.training.loss import block_target_labels, block_targets, dflash_loss
 
 
 @dataclass(frozen=True)
@@ -128,22 +128,6 @@ def draft_blocks(
     return DraftBlocks(hidden, anchor_pos, keep, target_pass.final_hidden)
 
 
-def target_next_tokens(final_hidden: torch.Tensor, lm_head: torch.Tensor, wanted: torch.Tensor,
-                       chunk_tokens: int | None = None) -> torch.Tensor:
-    """[B, S] long: the target's greedy next token after each position where `wanted` [B, S] is set, else -1."""
-    out = torch.full(wanted.shape, -1, dtype=torch.long, device=wanted.device)
-    where = wanted.nonzero(as_tuple=True)
-    if where[0].numel():
-        out[where] = chunked_argmax(final_hidden[where], lm_head, chunk_tokens)
-    return out
-
-
-def _label_positions(anchor_pos: torch.Tensor, block_size: int, seq: int) -> torch.Tensor:
-    """[B, N, block] flat positions p + k - 1 (clamped into the row): where slot k's label is predicted from."""
-    k = torch.arange(block_size, device=anchor_pos.device)
-    return (anchor_pos.unsqueeze(-1) + k - 1).clamp(0, seq - 1)
-
-
 def dflash_step(
     drafter: DFlashDrafter,
     target: FrozenTarget,
@@ -174,19 +158,14 @@ def dflash_step(
         if blocks.target_final is None:
             raise ValueError(f"objective {recipe.objective} and the label agreement need the target's output layers: "
                              "load the target with keep_output=True")
-        rows, seq = batch.input_ids.shape
-        # Positions t whose next token is a trained label: t + 1 loss-masked and in t's document.
-        wanted = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
-        wanted[:, :-1] = batch.loss_mask[:, 1:].bool() & (batch.document_ids[:, 1:] == batch.document_ids[:, :-1])
-        next_tokens = target_next_tokens(blocks.target_final, target.lm_head_weight, wanted, chunk_tokens)
-        where = _label_positions(blocks.anchor_pos, cfg.block_size, seq)
-        target_labels = next_tokens.gather(1, where.view(rows, -1)).view_as(labels)
+        target_labels, where = block_target_labels(blocks.target_final, target.lm_head_weight, batch.loss_mask,
+                                                   batch.document_ids, blocks.anchor_pos, cfg.block_size, chunk_tokens)
         agreed = int(((target_labels == labels) & weight).sum())
         if recipe.objective != "data_ce":
             labels = torch.where(weight, target_labels, labels)
         if recipe.objective == "target_kl":
             final = blocks.target_final
-            soft = final.gather(1, where.view(rows, -1, 1).expand(-1, -1, final.shape[-1]))
+            soft = final.gather(1, where.view(final.shape[0], -1, 1).expand(-1, -1, final.shape[-1]))
             soft = soft.view(*labels.shape, final.shape[-1])
     out = dflash_loss(blocks.hidden, target.lm_head_weight, labels, weight, recipe.decay_gamma(cfg.block_size),
                       chunk_tokens, soft=soft, weighting=recipe.position_weighting, dpace_alpha=recipe.dpace_alpha)
