@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,30 @@ def test_a_committed_output_is_skipped(tmp_path: Path, caplog: pytest.LogCapture
     assert execute(PROGRAM, COMMAND, ["--output", str(out)]) is None
     assert [name for name, _ in CALLS] == ["shard", "checks"]
     assert "is committed, nothing to do" in caplog.text
+
+
+def test_a_committed_output_made_with_other_settings_is_skipped_naming_them(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A Job started with other settings than its committed output was made with changes nothing, and says so:
+    each setting the manifest records otherwise, and how to redo the stage. Where the process is (output, shard)
+    is no setting of the output and is not named; nor is a setting the manifest does not record."""
+    out = tmp_path / "out"
+    out.mkdir()
+    recorded = {"output": "elsewhere", "shard_index": 7, "fail_check": True}
+    (out / "manifest.json").write_text(json.dumps({"producer": {"config": recorded}}))
+    caplog.set_level(logging.INFO)
+    assert execute(PROGRAM, COMMAND, ["--output", str(out), "--shard-index", "1"]) is None
+    assert [name for name, _ in CALLS] == ["shard", "checks"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("fake: its committed output was made with other settings than this run's "
+                                  "(fail_check true there, false now), and stays as it was")
+    assert f"delete {out} and the later stages' outputs" in warnings[0]
+    # The same settings: skipped without a word about them.
+    (out / "manifest.json").write_text(json.dumps({"producer": {"config": {**recorded, "fail_check": False}}}))
+    caplog.clear()
+    assert execute(PROGRAM, COMMAND, ["--output", str(out)]) is None
+    assert "nothing to do" in caplog.text and "other settings" not in caplog.text
 
 
 def test_stage_main_exits_with_the_failures_code_and_one_error_line(tmp_path: Path,

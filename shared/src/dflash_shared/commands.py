@@ -60,6 +60,9 @@ class StageCommand:
     # `preflight` command runs the same list and exits)
     start_checks: str | None = None
     output: str | None = "output"  # config field of the output prefix whose manifest means done (None: no skip)
+    # Settings that differ between the processes of one output by design (besides stage_identity.NOT_SETTINGS): not
+    # compared with what its committed manifest records
+    per_process: tuple[str, ...] = ()
     wrapper: str | None = None  # module:context manager around the whole command
     run_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -101,7 +104,8 @@ def execute(program: StageProgram, command: StageCommand, argv: Sequence[str]) -
 def _execute(program: StageProgram, command: StageCommand, argv: Sequence[str]) -> int | None:
     from dflash_shared.logs import setup_logging
     from dflash_shared.manifest_io import committed
-    from dflash_shared.settings import parse_settings
+    from dflash_shared.settings import parse_settings, public_dict
+    from dflash_shared.stage_identity import NOT_SETTINGS
     from dflash_shared.storage import ObjectStore
 
     config = parse_settings(load(command.config), list(argv), prog=f"{program.prog} {command.name}")
@@ -111,8 +115,11 @@ def _execute(program: StageProgram, command: StageCommand, argv: Sequence[str]) 
     if command.start_checks is not None:
         # Before any work: each passed check logged as `preflight` logs it, the failures in the one error line.
         load(command.start_checks)(config, store).check(fold_failures=True)
-    if command.output is not None and committed(store, getattr(config, command.output), command.log_as):
-        return None
+    if command.output is not None:
+        left_out = NOT_SETTINGS | set(command.per_process)
+        given = {k: v for k, v in public_dict(config).items() if k not in left_out}
+        if committed(store, getattr(config, command.output), command.log_as, given):
+            return None
     kwargs = dict(command.run_kwargs, **({"shard": shard} if shard is not None else {}))
     result = load(command.run)(config, store, **kwargs)
     # A run function returns what it committed (a URI, or None) or an exit code of its own (a preflight's).

@@ -72,16 +72,48 @@ def manifest_uri(prefix_or_uri: str) -> str:
     return prefix_or_uri if prefix_or_uri.endswith(".json") else join(prefix_or_uri, MANIFEST_NAME)
 
 
-def committed(store: ObjectStore, output: str, stage: str) -> str | None:
+def committed(store: ObjectStore, output: str, stage: str, given: Mapping[str, object] | None = None) -> str | None:
     """The output's manifest URI when it exists (the stage's output is committed: a rerun does nothing), else None.
 
     The one "already done" test of every single-manifest stage: the CLI entry (dflash_shared.commands) asks it
-    before any work, and each stage's run asks it again for callers that use the run function directly."""
+    before any work, and each stage's run asks it again for callers that use the run function directly. With
+    `given` (the settings this process runs with) a committed output whose manifest records other values is
+    named in a warning, with the ways to redo it: the output stays as it was made."""
     done = manifest_uri(output)
     if not store.exists(done):
         return None
     log.info("%s exists: %s is committed, nothing to do", done, stage)
+    if given is not None and (changed := recorded_otherwise(store, done, given)):
+        log.warning("%s: its committed output was made with other settings than this run's (%s), and stays as it was. "
+                    "To make it with these: write to a new output prefix (a new run_id), or delete %s and the later "
+                    "stages' outputs, which were made from it, and run again", stage, "; ".join(changed), output)
     return done
+
+
+def recorded_otherwise(store: ObjectStore, manifest: str, given: Mapping[str, object]) -> list[str]:
+    """Each of the `given` settings whose value the committed manifest's producer records otherwise ("max_steps 400
+    there, 707 now"); a setting the manifest does not record is not compared. A nested setting is given whole or
+    as `parent__child` (the run file's and the environment's spelling)."""
+    try:
+        recorded = json.loads(store.read_bytes(manifest))["producer"]["config"]
+    except (KeyError, TypeError, ValueError) as err:
+        log.warning("%s: no settings recorded to compare with this run's (%s)", manifest, err)
+        return []
+    changed = []
+    for key, now in sorted(given.items()):
+        there: object = recorded
+        for part in key.split("__"):
+            there = there.get(part, _NOT_RECORDED) if isinstance(there, dict) else _NOT_RECORDED
+        if there is not _NOT_RECORDED and _canonical(there) != _canonical(now):
+            changed.append(f"{key} {_canonical(there)} there, {_canonical(now)} now")
+    return changed
+
+
+_NOT_RECORDED = object()
+
+
+def _canonical(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _map_locations(manifest: Manifest, move: Callable[[str], str]) -> Manifest:

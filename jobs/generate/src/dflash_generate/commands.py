@@ -18,7 +18,9 @@ PROGRAM = StageProgram(
             name="run", log_as="generate", sharding="workers", shard="dflash_generate.stage:worker_shard",
             about="generate the target's completions of the prompts with vLLM",
             config="dflash_generate.config:GenerateConfig", run="dflash_generate.stage:run",
-            start_checks="dflash_generate.checks:build_preflight"),
+            start_checks="dflash_generate.checks:build_preflight",
+            # Each worker of a pod records its own engine's rank; the manifest holds the last one's.
+            per_process=("data_parallel_rank",)),
         StageCommand(
             name="serve-check", log_as="serve-check",
             about="load an exported drafter in vLLM beside its target and measure acceptance",

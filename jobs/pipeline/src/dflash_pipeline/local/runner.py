@@ -16,7 +16,6 @@ pod's log goes, so `pipeline logs` reads a local run as it reads a cluster's.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -33,7 +32,7 @@ from dflash_pipeline.run.layout import layout
 from dflash_pipeline.run.stages import IMAGE_ENTRYPOINT, StageDef, plan, stage_config
 from dflash_shared.errors import ConfigError
 from dflash_shared.exit_codes import ExitCode, describe
-from dflash_shared.manifest_io import manifest_prefix
+from dflash_shared.manifest_io import manifest_prefix, recorded_otherwise
 from dflash_shared.pod_log import LogShipper, exit_line
 from dflash_shared.runner import COUNT_ENV, INDEX_ENV
 from dflash_shared.storage import ObjectStore, join
@@ -123,7 +122,7 @@ def run_local(
         settings = run.stages.for_stage(stage.name)
         if store.exists(manifest):
             say(f"[{number}/{len(stages)}] {stage.name}: complete, skipped ({manifest})")
-            changed = changed_settings(store, manifest, stage_config(stage, run, settings))
+            changed = recorded_otherwise(store, manifest, stage_config(stage, run, settings))
             if changed:
                 say(f"  {stage.name}: its committed output was made with other settings than the run file gives now "
                     f"({'; '.join(changed)}), and stays as it was. To make it with these: a new run_id, or delete "
@@ -173,31 +172,6 @@ def run_local(
     if run.pilot_of is not None and not only:
         _write_pilot_report(run, store, done, console)
     return done
-
-
-def changed_settings(store: ObjectStore, manifest: str, given: Mapping[str, object]) -> list[str]:
-    """Each setting the stage is given now (`stage_config`) whose value its committed manifest records otherwise
-    ("max_steps 400 there, 707 now"); a setting the manifest does not record is not compared."""
-    try:
-        recorded = json.loads(store.read_bytes(manifest))["producer"]["config"]
-    except (KeyError, TypeError, ValueError) as err:
-        log.warning("%s: no settings recorded to compare with the run file's (%s)", manifest, err)
-        return []
-    changed = []
-    for key, now in sorted(given.items()):
-        there: object = recorded
-        for part in key.split("__"):  # a nested setting (drafter_overrides__num_layers)
-            there = there.get(part, _NOT_RECORDED) if isinstance(there, dict) else _NOT_RECORDED
-        if there is not _NOT_RECORDED and _canonical(there) != _canonical(now):
-            changed.append(f"{key} {_canonical(there)} there, {_canonical(now)} now")
-    return changed
-
-
-_NOT_RECORDED = object()
-
-
-def _canonical(value: object) -> str:
-    return json.dumps(value, sort_keys=True)
 
 
 def _write_pilot_report(run: RunConfig, store: ObjectStore, done: list[StageRun], console: Console | None) -> None:
