@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_shared.storage import ObjectStore, join
@@ -13,7 +14,7 @@ from dflash_train.parallel.distributed import DistEnv
 from dflash_train.training.metrics import MetricsSink, read_scalars
 
 METRICS = {"loss": 2.5, "tau": 1.75, "accuracy": 0.3, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 5000.0,
-           "label_tokens_per_s": 900.0, "steps_per_s": 2.0, "peak_memory_gib_max": 0.1}
+           "label_tokens_per_s": 900.0, "steps_per_s": 2.0, "peak_memory_gib_max": 0.1, "label_agreement": 0.9}
 
 
 def test_progress_report_and_tensorboard_reach_the_store_while_training_runs(tmp_path: Path) -> None:
@@ -40,6 +41,9 @@ def test_progress_report_and_tensorboard_reach_the_store_while_training_runs(tmp
     assert (last["state"], last["step"], last["loss"]) == ("finished", 20, 2.0)
     assert last["last_checkpoint"]["step"] == 10 and last["eta_s"] is not None and last["updated"].endswith("Z")
     assert read_scalars(store, out, "train/loss") == {10: 2.5, 20: 2.0}
+    # What the drafter learns is under train/, the rates under perf/.
+    assert read_scalars(store, out, "train/label_agreement") == pytest.approx({10: 0.9, 20: 0.9})
+    assert read_scalars(store, out, "perf/label_tokens_per_s") == {10: 900.0, 20: 900.0}
     # Rank 0 only: another rank writes nothing.
     other = MetricsSink(DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")),
                         str(tmp_path / "tb1"), True, "r1", store=store, output=str(tmp_path / "other"))

@@ -228,7 +228,7 @@ def test_the_label_agreement_on_one_step_in_n_changes_no_step_and_is_carried_bet
         out = str(tmp_path / f"every{every}")
         run(debug(data, out, str(tiny_target()), scratch_dir=str(tmp_path / f"scratch{every}"), max_steps=5,
                   max_length=128, batch_tokens=256, log_every=1, checkpoint_every=5, label_agreement_every=every))
-        curves[every] = (read_scalars(store, out, "train/loss"), read_scalars(store, out, "perf/label_agreement"))
+        curves[every] = (read_scalars(store, out, "train/loss"), read_scalars(store, out, "train/label_agreement"))
     (loss_all, agree_all), (loss_some, agree_some) = curves[1], curves[4]
     assert loss_some == loss_all and sorted(loss_all) == [1, 2, 3, 4, 5]
     assert sorted(agree_all) == sorted(agree_some) == [1, 2, 3, 4, 5]

@@ -252,7 +252,8 @@ class MetricsSink:
         log.info(format_line(step, total, metrics, eta))
         if self._writer is not None:
             for name, value in metrics.items():
-                group = "perf" if name.startswith(("peak_", "tokens_", "label_", "steps_")) else "train"
+                # Rates and memory under perf/; what the drafter learns (label agreement included) under train/.
+                group = "perf" if name.startswith("peak_") or name.endswith("_per_s") else "train"
                 self._writer.add_scalar(f"{group}/{name}", value, step)
         self._latest = {"step": step, "total": total, "tokens": step * self.tokens_per_step,
                         "eta_s": None if eta is None else round(eta, 1),
