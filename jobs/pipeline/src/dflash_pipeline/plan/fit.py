@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.plan.fit_engine import Engine
+from dflash_pipeline.plan.fit_engine import Engine, gib
 from dflash_pipeline.plan.fit_engine import remedies as engine_remedies
 from dflash_pipeline.plan.gpu_models import GpuModel, fitting, lookup, with_memory
 from dflash_pipeline.run.config import JobSettings, RunConfig, load_run_config, quantity_value
@@ -54,12 +54,6 @@ from dflash_train.drafter.resolve import build_drafter
 from dflash_train.sections import TrainingRecipe, TrainingRuntime, section_of
 from dflash_train.training import memory_plan as mp
 from dflash_train.training.target_params import DTYPE_BYTES, ConfigView, TargetSizes, target_sizes, text_config
-
-GIB = mp.GIB
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -81,11 +75,11 @@ class StageFit:
     def lines(self) -> list[str]:
         """The verdict with the predicted memory per GPU against the GPU's, then the terms."""
         if self.available is None:
-            head = f"{_gib(self.peak)} per GPU"
+            head = f"{gib(self.peak)} per GPU"
         elif self.engine:
-            head = f"{_gib(self.peak)} per GPU at least, of the {_gib(self.available)} vLLM takes"
+            head = f"{gib(self.peak)} per GPU at least, of the {gib(self.available)} vLLM takes"
         else:
-            head = f"peak {_gib(self.peak)} per GPU, of {_gib(self.available)} free"
+            head = f"peak {gib(self.peak)} per GPU, of {gib(self.available)} free"
         where = f" on {self.gpu}" if self.gpu else ""
         verdict = {"refused": "DOES NOT FIT", "not checked": "not checked"}.get(self.verdict, self.verdict)
         tail = f" ({self.reason})" if self.verdict == "not checked" and self.reason else ""
@@ -267,9 +261,9 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
     if gpu is None:
         other = "fsdp" if parallelism == "ddp" else "ddp"
         alt = mp.plan_memory(replace(inputs, parallelism=other)).peak
-        return StageFit("train", "", "not checked", plan.peak, None, f"{summary}; under {other}: {_gib(alt)}",
+        return StageFit("train", "", "not checked", plan.peak, None, f"{summary}; under {other}: {gib(alt)}",
                         gpu_note)
-    plan = plan.with_available(gpu.usable, f"{gpu.name}: free of {_gib(gpu.total)}")
+    plan = plan.with_available(gpu.usable, f"{gpu.name}: free of {gib(gpu.total)}")
     where = f"{gpu.name} ({gpu_note})"
     if plan.fits:
         return StageFit("train", where, "fits", plan.peak, gpu.usable, summary)
@@ -277,7 +271,7 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
     bigger = [m.name for m in fitting(plan.peak) if m.total > gpu.total]
     if bigger:
         fixes.append("a bigger GPU: " + ", ".join(bigger))
-    reason = (f"predicted peak {_gib(plan.peak)} per GPU does not fit the {_gib(gpu.usable)} free on {gpu.name} "
+    reason = (f"predicted peak {gib(plan.peak)} per GPU does not fit the {gib(gpu.usable)} free on {gpu.name} "
               f"({summary})")
     return StageFit("train", where, "refused", plan.peak, gpu.usable, summary, reason, tuple(fixes),
                     detail=mp.refusal_message(plan, fixes))
@@ -289,7 +283,7 @@ def _engine_fit(stage: str, engine: Engine | None, gpu_note: str, heads: int, un
     if unchecked:
         need = engine.weights + engine.reserve + engine.per_sequence
         return StageFit(stage, "", "not checked", need, None,
-                        f"weights {_gib(engine.weights)} + KV {_gib(engine.per_sequence)} per "
+                        f"weights {gib(engine.weights)} + KV {gib(engine.per_sequence)} per "
                         f"{engine.max_model_len:,}-token sequence per GPU (tp {engine.tp})", unchecked, engine=True)
     where = f"{engine.gpu.name} ({gpu_note})"
     if not engine.fits:
@@ -358,8 +352,8 @@ def _evaluate(run: RunConfig, sizes: TargetSizes, cfg: DrafterConfig, gpu: GpuMo
     # hidden states and MLP activations of one layer (as the memory plan's target forward).
     acts = tokens * (2 * cfg.feature_size + 4 * sizes.hidden_size + 3 * sizes.intermediate_size) * dtype
     peak = int((weights + cache + acts) * (1 + mp.MARGIN_FRACTION)) + mp.CUDA_WORKSPACE_BYTES
-    summary = (f"target {_gib(sizes.params * dtype)} + 2 drafters {_gib(2 * drafter * dtype)} + cache "
-               f"{_gib(cache)} and activations {_gib(acts)} of a {tokens:,}-token sequence, margin and workspaces")
+    summary = (f"target {gib(sizes.params * dtype)} + 2 drafters {gib(2 * drafter * dtype)} + cache "
+               f"{gib(cache)} and activations {gib(acts)} of a {tokens:,}-token sequence, margin and workspaces")
     if gpu is None:
         return StageFit("evaluate", "", "not checked", peak, None, summary, gpu_note)
     where = f"{gpu.name} ({gpu_note})"
@@ -368,7 +362,7 @@ def _evaluate(run: RunConfig, sizes: TargetSizes, cfg: DrafterConfig, gpu: GpuMo
     fixes = [f"a bigger GPU: {', '.join(m.name for m in fitting(peak))}"] if fitting(peak) else []
     if dtype == 4:
         fixes.insert(0, 'stages.evaluate.config.dtype = "bfloat16"')
-    reason = f"predicted peak {_gib(peak)} does not fit the {_gib(gpu.usable)} free on {gpu.name}"
+    reason = f"predicted peak {gib(peak)} does not fit the {gib(gpu.usable)} free on {gpu.name}"
     return StageFit("evaluate", where, "refused", peak, gpu.usable, summary, reason, tuple(fixes))
 
 

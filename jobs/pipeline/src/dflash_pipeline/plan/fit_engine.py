@@ -28,18 +28,18 @@ of 70 GiB or more that is not an A100, else 256 and 8,192 (vllm/engine/arg_utils
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dflash_pipeline.plan.gpu_models import GpuModel, fitting
-from dflash_train.training.memory_plan import GIB
+from dflash_train.training.memory_plan import GIB, largest_passing
 from dflash_train.training.target_params import TargetSizes
 
 RUNTIME_BYTES = 1 * GIB
 LARGE_GPU_BYTES = 70 * GIB
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as GiB with one decimal, as the fit lines print them."""
     return f"{n / GIB:.1f} GiB"
 
 
@@ -116,31 +116,21 @@ class Engine:
         return self.room >= self.per_sequence and not self.over_free
 
     def summary(self) -> str:
-        state = f" + {_gib(self.state)} recurrent state" if self.state else ""
-        return (f"tp {self.tp}: weights {_gib(self.weights)} + runtime {_gib(self.reserve)} + KV "
-                f"{_gib(self.per_sequence - self.state)}{state} per {self.max_model_len:,}-token sequence; vLLM "
-                f"takes {self.utilization:.2f} x {_gib(self.gpu.total)}, its KV cache {_gib(max(0, self.room))}: "
+        state = f" + {gib(self.state)} recurrent state" if self.state else ""
+        return (f"tp {self.tp}: weights {gib(self.weights)} + runtime {gib(self.reserve)} + KV "
+                f"{gib(self.per_sequence - self.state)}{state} per {self.max_model_len:,}-token sequence; vLLM "
+                f"takes {self.utilization:.2f} x {gib(self.gpu.total)}, its KV cache {gib(max(0, self.room))}: "
                 f"{self.at_once} sequence(s) of max_model_len at once")
 
     def refusal(self) -> str:
         if self.over_free:
-            return (f"gpu_memory_utilization {self.utilization:.2f} asks for {_gib(self.budget)} of {self.gpu.name}, "
-                    f"which has {_gib(self.gpu.usable)} free: vLLM refuses to start")
+            return (f"gpu_memory_utilization {self.utilization:.2f} asks for {gib(self.budget)} of {self.gpu.name}, "
+                    f"which has {gib(self.gpu.usable)} free: vLLM refuses to start")
         if self.room < 0:
-            return (f"the weights and runtime take {_gib(self.weights + self.reserve)} per GPU, more than the "
-                    f"{_gib(self.budget)} vLLM takes: the engine cannot load")
-        return (f"the KV cache gets {_gib(self.room)} per GPU, less than the {_gib(self.per_sequence)} one "
+            return (f"the weights and runtime take {gib(self.weights + self.reserve)} per GPU, more than the "
+                    f"{gib(self.budget)} vLLM takes: the engine cannot load")
+        return (f"the KV cache gets {gib(self.room)} per GPU, less than the {gib(self.per_sequence)} one "
                 f"{self.max_model_len:,}-token sequence needs: vLLM refuses to start")
-
-
-def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
-    """Largest v in [lo, hi] with ok(v) for ok true below some point; None when ok(lo) fails."""
-    if lo > hi or not ok(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo
 
 
 def remedies(engine: Engine, stage: str, heads: int) -> list[str]:
@@ -154,7 +144,7 @@ def remedies(engine: Engine, stage: str, heads: int) -> list[str]:
             out.append(f"{where}.gpus = {tp} (one engine over {tp} GPUs: tensor_parallel_size follows gpus)")
             break
     if not engine.over_free:
-        length = _largest(2, engine.max_model_len - 1, lambda n: replace(engine, max_model_len=n).fits)
+        length = largest_passing(2, engine.max_model_len - 1, lambda n: replace(engine, max_model_len=n).fits)
         if length is not None:
             out.append(f"{where}.config.max_model_len = {length} or less")
     steps = range(int(engine.utilization * 100) + 1, 100)
@@ -162,7 +152,7 @@ def remedies(engine: Engine, stage: str, heads: int) -> list[str]:
     if util is not None:
         out.append(f"{where}.config.gpu_memory_utilization = {util:.2f} or more")
     if not engine.over_free:
-        seqs = _largest(1, engine.seqs - 1, lambda n: replace(engine, max_num_seqs=n).fits)
+        seqs = largest_passing(1, engine.seqs - 1, lambda n: replace(engine, max_num_seqs=n).fits)
         if seqs is not None:
             out.append(f"{where}.config.max_num_seqs = {seqs} or less")
     bigger = [m for m in fitting(0, usable=False) if m.total > engine.gpu.total

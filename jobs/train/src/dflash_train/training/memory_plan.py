@@ -511,9 +511,10 @@ def _fits(plan: MemoryPlan, **change: Any) -> bool:
     return plan_memory(replace(plan.inputs, **change)).peak <= plan.available
 
 
-def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
-    """Largest v in [lo, hi] with ok(v), for ok monotonic (true below some point); None if ok(lo) fails."""
-    if not ok(lo):
+def largest_passing(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """Largest v in [lo, hi] with ok(v), for ok monotonic (true below some point); None if ok(lo) fails. The
+    remedies' search, here and for the engines' fit (`dflash_pipeline.plan.fit_engine`)."""
+    if lo > hi or not ok(lo):
         return None
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -541,18 +542,18 @@ def remedy_settings(plan: MemoryPlan) -> list[Remedy]:
         anchors = planned_anchor_count(block, i.max_anchors_per_row, length)
         return _fits(plan, max_length=length, anchors=anchors)
 
-    longest = _largest(32, i.max_length - 1, at_length) if i.max_length > 32 else None
+    longest = largest_passing(32, i.max_length - 1, at_length) if i.max_length > 32 else None
     if longest is not None:
         out.append(Remedy("max_length", longest))
     if i.micro_batch_rows > 1:
-        rows = _largest(1, i.micro_batch_rows - 1, lambda r: _fits(plan, micro_batch_rows=r))
+        rows = largest_passing(1, i.micro_batch_rows - 1, lambda r: _fits(plan, micro_batch_rows=r))
         if rows is not None:
             out.append(Remedy("micro_batch_rows", rows))
     if i.anchors > 1:
         def at_cap(cap: int) -> bool:
             return _fits(plan, max_anchors_per_row=cap, anchors=planned_anchor_count(block, cap, i.max_length))
 
-        cap = _largest(1, i.anchors - 1, at_cap)
+        cap = largest_passing(1, i.anchors - 1, at_cap)
         if cap is not None:
             out.append(Remedy("max_anchors_per_row", cap))
     if not i.activation_checkpointing and _fits(plan, activation_checkpointing=True):
