@@ -14,7 +14,7 @@ import torch
 from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import DrafterSection, Kind
 from dflash_shared.storage import ObjectStore
-from dflash_train.parallel.distributed import DistEnv, choose_parallelism, init_distributed
+from dflash_train.parallel.distributed import init_distributed
 from dflash_train.stage import run
 from dflash_train.training.checkpoint import complete_checkpoints
 from dflash_train.training.metrics import read_scalars
@@ -86,7 +86,3 @@ def test_single_process_needs_no_process_group() -> None:
     assert torch.equal(env.all_reduce_sum(torch.ones(2)), torch.ones(2))
 
 
-def test_parallelism_choice() -> None:
-    cpu = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-    assert choose_parallelism("auto", 10**12, 10**9, cpu) == "ddp"  # host memory is not what sharding is for
-    assert choose_parallelism("fsdp", 1, 1, cpu) == "fsdp"

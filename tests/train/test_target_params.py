@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.parallel import distributed
-from dflash_train.training import anchor_ladder, anchors
+from dflash_train.training import anchor_ladder, anchors, memory_plan
 from dflash_train.training.memory_plan import auto_parallelism
 from dflash_train.training.target_params import ConfigView, checkpoint_sizes, target_sizes, text_config
 from tests.support.published_configs import QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B
@@ -114,12 +113,17 @@ def test_the_torch_free_anchor_ladder_is_the_samplers() -> None:
                     anchors.bucket_anchor_count(count, block, cap)
 
 
-def test_auto_parallelism_is_the_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_stage_resolves_auto_parallelism_from_the_gpus_total_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage reads the device's total memory and applies the plan's rule; off CUDA auto is ddp."""
     total = 80 * 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
-    env = SimpleNamespace(device=torch.device("cuda", 0))
+    cuda = torch.device("cuda", 0)
     for requested in ("auto", "ddp", "fsdp"):
         for target_bytes in (10 * 2**30, 50 * 2**30, 70 * 2**30):
             for drafter_params in (100_000_000, 1_730_000_000):
-                assert auto_parallelism(requested, target_bytes, drafter_params, total) == \
-                    distributed.choose_parallelism(requested, target_bytes, drafter_params, env)  # type: ignore[arg-type]
+                assert memory_plan.choose_parallelism(requested, target_bytes, drafter_params, cuda) == \
+                    auto_parallelism(requested, target_bytes, drafter_params, total)
+    assert {auto_parallelism("auto", t, 100_000_000, total) for t in (10 * 2**30, 70 * 2**30)} == {"ddp", "fsdp"}
+    cpu = torch.device("cpu")
+    assert memory_plan.choose_parallelism("auto", 10**12, 10**9, cpu) == "ddp"  # host memory: not what sharding is for
+    assert memory_plan.choose_parallelism("fsdp", 1, 1, cpu) == "fsdp"

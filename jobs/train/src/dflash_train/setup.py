@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from dflash_shared.errors import BadInputError, ConfigError
 from dflash_shared.identity import chat_template_sha256, tokenizer_sha256
@@ -33,7 +33,7 @@ from dflash_train.parallel.rank0 import holds_rank0, on_rank0
 
 if TYPE_CHECKING:
     from dflash_train.data.loader import DataPlan, ShardCache
-    from dflash_train.parallel.distributed import DistEnv
+    from dflash_train.parallel.distributed import DistEnv, Parallelism
     from dflash_train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,6 @@ def prepare_run(config: TrainConfig, store: ObjectStore, env: DistEnv) -> Prepar
     from dflash_train.data import loader as data
     from dflash_train.drafter.mask_token import warn_on_zero_mask_row
     from dflash_train.drafter.model import DFlashDrafter
-    from dflash_train.parallel import distributed
     from dflash_train.target_model.loading import load_target
     from dflash_train.trainer import Trainer, TrainerSetup
     from dflash_train.training import checkpoint as ckpt
@@ -166,7 +165,8 @@ def prepare_run(config: TrainConfig, store: ObjectStore, env: DistEnv) -> Prepar
             drafter_params = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
         # Weight sizes come from the weight files, which only rank 0's node holds: rank 0 reads, all use.
         shape, replica = on_rank0(env, lambda: loaded_sizes(target_dir, dtype.itemsize))
-        parallelism = distributed.choose_parallelism(config.parallelism, replica, drafter_params, env)
+        parallelism = cast("Parallelism", memory_plan.choose_parallelism(config.parallelism, replica,
+                                                                           drafter_params, env.device))
         planned = memory_plan.check_run(config.runtime, config.recipe, cfg, shape, resolved.max_length, parallelism,
                                         env, dtype.itemsize)
         plan = plan_data(resolved, store, cache, env)

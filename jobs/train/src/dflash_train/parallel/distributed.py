@@ -36,7 +36,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_shared.errors import ConfigError
-from dflash_train.training.memory_plan import DRAFTER_STATE_BYTES, REPLICA_MEMORY_FRACTION
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +156,6 @@ def shutdown(env: DistEnv) -> None:
 
 def module_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def choose_parallelism(requested: str, target_bytes: int, drafter_params: int, env: DistEnv) -> Parallelism:
-    """Resolve `auto` from the memory a replica needs against the device's memory."""
-    if requested in ("ddp", "fsdp"):
-        return requested  # type: ignore[return-value]
-    if env.device.type != "cuda":
-        return "ddp"  # host memory is not the constraint sharding addresses
-    need = target_bytes + drafter_params * DRAFTER_STATE_BYTES
-    have = torch.cuda.get_device_properties(env.device).total_memory
-    choice: Parallelism = "ddp" if need < REPLICA_MEMORY_FRACTION * have else "fsdp"
-    log.info("parallelism auto -> %s: a replica needs %.1f GiB of %.1f GiB", choice, need / 2**30, have / 2**30)
-    return choice
 
 
 class DrafterDDP(DistributedDataParallel):

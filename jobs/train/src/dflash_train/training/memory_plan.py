@@ -42,10 +42,9 @@ from dflash_train.training.target_params import TargetSizes, checkpoint_sizes
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-# Bytes per drafter parameter held all run long: fp32 weight, fp32 gradient, two fp32 AdamW moments. Said here,
-# torch-free, for the plan; `distributed.choose_parallelism` imports it.
+# Bytes per drafter parameter held all run long: fp32 weight, fp32 gradient, two fp32 AdamW moments.
 DRAFTER_STATE_BYTES = 16
-# The threshold of `parallelism = auto` (`distributed.choose_parallelism` and `auto_parallelism` alike): DDP when a
+# The threshold of `parallelism = auto` (`auto_parallelism`, for the stage and the pipeline's plan alike): DDP when a
 # whole replica takes less than this share of the GPU's total memory.
 REPLICA_MEMORY_FRACTION = 0.8
 # Allocator margin: CUDA's caching allocator and glibc both keep freed blocks that a later, differently
@@ -367,13 +366,29 @@ def run_inputs(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterCon
 
 
 def auto_parallelism(requested: str, replica_bytes: int, drafter_params: int, total_memory: int) -> str:
-    """`distributed.choose_parallelism` on a CUDA device of `total_memory` bytes, without torch: ddp or fsdp as
-    given; `auto`: ddp when a replica (the target's weights plus the drafter's training state) takes less than
-    REPLICA_MEMORY_FRACTION of the GPU, else fsdp."""
+    """The run's parallelism on a CUDA device of `total_memory` bytes: ddp or fsdp as given; `auto`: ddp when a
+    replica (the target's weights plus the drafter's training state) takes less than REPLICA_MEMORY_FRACTION of the
+    GPU, else fsdp."""
     if requested in ("ddp", "fsdp"):
         return requested
     need = replica_bytes + drafter_params * DRAFTER_STATE_BYTES
     return "ddp" if need < REPLICA_MEMORY_FRACTION * total_memory else "fsdp"
+
+
+def choose_parallelism(requested: str, replica_bytes: int, drafter_params: int, device: Any) -> str:
+    """The train stage's `auto_parallelism` on `device` (a torch.device); off CUDA `auto` is ddp: host memory is not
+    what sharding addresses."""
+    if requested not in ("ddp", "fsdp") and device.type != "cuda":
+        return "ddp"
+    if requested in ("ddp", "fsdp"):
+        return requested
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    choice = auto_parallelism(requested, replica_bytes, drafter_params, total)
+    log.info("parallelism auto -> %s: a replica needs %.1f GiB of %.1f GiB", choice,
+             (replica_bytes + drafter_params * DRAFTER_STATE_BYTES) / GIB, total / GIB)
+    return choice
 
 
 def check_run(runtime: TrainingRuntime, recipe: TrainingRecipe, cfg: DrafterConfig, target: str | TargetSizes,
