@@ -131,12 +131,12 @@ def publish(run: PreparedRun, result: TrainResult, store: ObjectStore, world_siz
     steps = trainer.total_steps
     recipe = quality_recipe(resolved.config, resolved.drafter, steps)
     measured = performance(trainer, result, world_size, run.planned_peak, run.target_params, run.drafter_params)
-    data = trained_tokens(run.plan, steps, resolved.rows_per_step)
+    data = trained_tokens(trainer.plan, steps, resolved.rows_per_step)
     final = find_resume(store, resolved.config.output, result.checkpoint_uri)
     assert final is not None
-    manifest = build_manifest(resolved, final, result.final_metrics,
-                              {"world_size": world_size, "parallelism": run.parallelism, "mesh": mesh_of(trainer.model),
-                               "total_steps": steps, "warm_start": trainer.warm_started}, data, measured, recipe)
+    extra = {"world_size": world_size, "parallelism": trainer.setup.parallelism, "mesh": mesh_of(trainer.model),
+             "total_steps": steps, "warm_start": trainer.warm_started}
+    manifest = build_manifest(resolved, final, result.final_metrics, extra, data, measured, recipe)
     uri, _ = write_manifest(store, resolved.config.output, manifest)
     log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
              result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))

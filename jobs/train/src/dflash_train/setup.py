@@ -105,22 +105,18 @@ def plan_data(resolved: Resolved, store: ObjectStore, cache: ShardCache, env: Di
 
 @dataclass(frozen=True)
 class PreparedRun:
-    """A run ready for its first step: what was resolved, the data plan, the trainer (resumed where a checkpoint
-    was), and what the drafter manifest reports of the plan (`publish`); `close` removes its scratch and shard
-    cache."""
+    """A run ready for its first step: what was resolved, the trainer (resumed where a checkpoint was; it holds the
+    data plan, the shard cache and this rank's scratch), and what the drafter manifest reports of the plan
+    (`publish`); `close` removes the scratch and the cache."""
 
     resolved: Resolved
-    plan: DataPlan
     trainer: Trainer
-    parallelism: str
     planned_peak: int
     target_params: int  # those a token runs (a mixture of experts' active ones): what the pilot's MFU counts
     drafter_params: int
-    cache: ShardCache
-    scratch: str
 
     def close(self) -> None:
-        _remove_scratch(self.cache, self.scratch)
+        _remove_scratch(self.trainer.setup.cache, self.trainer.setup.scratch)
 
 
 def _remove_scratch(cache: ShardCache, scratch: str) -> None:
@@ -194,5 +190,4 @@ def prepare_run(config: TrainConfig, store: ObjectStore, env: DistEnv) -> Prepar
     except BaseException:
         _remove_scratch(cache, scratch)
         raise
-    return PreparedRun(resolved, plan, trainer, parallelism, planned.peak, shape.active_params, drafter_params, cache,
-                       scratch)
+    return PreparedRun(resolved, trainer, planned.peak, shape.active_params, drafter_params)
