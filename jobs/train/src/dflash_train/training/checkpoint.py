@@ -135,10 +135,11 @@ def _read_marker(store: ObjectStore, uri: str, names: set[str]) -> CompleteMarke
     return marker
 
 
-def complete_checkpoints(store: ObjectStore, output: str) -> list[CheckpointRef]:
-    """Usable checkpoints under `output`, oldest first."""
+def complete_checkpoints(store: ObjectStore, output: str, folders: dict[int, set[str]] | None = None,
+                         ) -> list[CheckpointRef]:
+    """Usable checkpoints under `output`, oldest first (`folders`: its step folders, where already listed)."""
     refs = []
-    for step, names in sorted(_step_folders(store, output).items()):
+    for step, names in sorted((_step_folders(store, output) if folders is None else folders).items()):
         uri = checkpoint_uri(output, step)
         marker = _read_marker(store, uri, names)
         if marker is not None:
@@ -182,7 +183,7 @@ def publish(store: ObjectStore, local_dir: str, uri: str, step: int, world_size:
 def prune(store: ObjectStore, output: str, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and every unfinished folder older than them."""
     folders = _step_folders(store, output)
-    complete = [ref.step for ref in complete_checkpoints(store, output)]
+    complete = [ref.step for ref in complete_checkpoints(store, output, folders)]  # one listing of the store
     kept = set(complete[-keep:])
     newest = max(kept, default=-1)
     for step, names in folders.items():
