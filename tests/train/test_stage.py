@@ -104,8 +104,8 @@ class _RecordingStore(ObjectStore):
 
 def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
     from dflash_train.data.loader import ShardCache, StepLoader
+    from dflash_train.prepare import plan_data, resolve
     from dflash_train.publish import trained_tokens
-    from dflash_train.setup import plan_data, resolve
 
     store = _RecordingStore()
     train_docs = synthetic_docs(30, max_len=60)  # token ids below 1,100

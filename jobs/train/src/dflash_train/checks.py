@@ -25,9 +25,9 @@ from dflash_shared.storage import ObjectStore, is_s3, join
 from dflash_train.config import TrainConfig
 from dflash_train.evaluate.config import EvaluateConfig
 from dflash_train.export.config import ExportConfig
+from dflash_train.prepare import TARGET_SMALL_FILES, open_input
 from dflash_train.publish import STAGE
 from dflash_train.sections import TrainingRuntime
-from dflash_train.setup import TARGET_SMALL_FILES, open_input
 
 REQUIRED = ["dflash_train", "dflash_shared", "torch", "transformers", "safetensors", "pyarrow", "numpy"]
 

@@ -21,7 +21,7 @@ from dflash_train.drafter.config import DrafterConfig
 
 if TYPE_CHECKING:
     from dflash_train.data.loader import DataPlan
-    from dflash_train.setup import PreparedRun, Resolved
+    from dflash_train.prepare import PreparedRun, Resolved
     from dflash_train.trainer import Trainer, TrainResult
     from dflash_train.training.checkpoint import CheckpointRef
 

@@ -1,6 +1,6 @@
 """The train stage: a tokenized manifest and a target model in, a trained drafter and its manifest out.
 
-Per rank (torchrun process), four phases: join the process group; prepare the run (`setup`: the target copied to
+Per rank (torchrun process), four phases: join the process group; prepare the run (`prepare`: the target copied to
 local scratch, the input and checkpoint refused where they do not fit, the memory plan checked, the data planned, the
 target loaded, the trainer built and resumed from the newest complete checkpoint); train (`trainer`); and on rank 0
 write the drafter manifest LAST (`publish`, the commit point). A rerun after the manifest exists does nothing; a
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dflash_shared.manifest_io import committed
 from dflash_shared.storage import ObjectStore
 from dflash_train.config import TrainConfig
+from dflash_train.prepare import TARGET_SMALL_FILES, prepare_run
 from dflash_train.publish import PACKAGES, STAGE, publish
-from dflash_train.setup import TARGET_SMALL_FILES, prepare_run
 
 __all__ = ["PACKAGES", "STAGE", "TARGET_SMALL_FILES", "run"]
 

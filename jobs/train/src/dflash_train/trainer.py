@@ -145,10 +145,13 @@ class Trainer:
                             self.step % config.heldout_every == 0 or self.step == self.total_steps):
                         heldout = heldout_acceptance(self.model, self.parts.target, setup.heldout, setup.drafter,
                                                      config.recipe, config.runtime, env)
-                    # Every rank asks every step (a collective): all stop at the same step.
-                    stopping = ("SIGTERM" if env.any(stop.is_set()) else "restart_after_step"
-                                if config.restart_after_step == self.step and (self.resumed_from or 0) < self.step
-                                else None) if self.step < self.total_steps else None
+                    stopping = None
+                    if self.step < self.total_steps:
+                        if env.any(stop.is_set()):  # every rank asks (a collective): all stop at the same step
+                            stopping = "SIGTERM"
+                        elif config.restart_after_step == self.step and (self.resumed_from or 0) < self.step:
+                            # The same on every rank; a run that resumed past it never stops again: it restarts once.
+                            stopping = "restart_after_step"
                     due = self.step % config.checkpoint_every == 0 or self.step == self.total_steps or bool(stopping)
                     self.recorded = metrics.after_step(self.step, stats, heldout, due, saved)
                     if due:
@@ -176,5 +179,6 @@ class Trainer:
         finally:
             loader.close()
             final = metrics.close(outcome, None if self.last_checkpoint is None else (self.step, self.last_checkpoint))
+        assert self.last_checkpoint is not None  # checked above; the finally does not narrow it
         return TrainResult(self.last_checkpoint, self.step, final, metrics.history)
 

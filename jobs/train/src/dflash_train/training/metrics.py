@@ -141,8 +141,8 @@ class RunMetrics:
     def __init__(self, env: DistEnv, block_size: int, total_steps: int, agreement_warn: float, logging: Logging,
                  store: ObjectStore, run_tag: str, resumed: dict[str, float] | None = None,
                  checkpoint: tuple[int, str] | None = None) -> None:
-        self.env, self.total_steps, self.agreement_warn, self.log_every = env, total_steps, agreement_warn, \
-            logging.log_every
+        self.env, self.total_steps, self.agreement_warn = env, total_steps, agreement_warn
+        self.log_every = logging.log_every
         self.window = MetricWindow(block_size, env.device)
         self.latest = {k: v for k, v in (resumed or {}).items() if k != FIRST_AGREEMENT}
         self.agreement = {k: v for k, v in self.latest.items() if k == "label_agreement"}
@@ -260,7 +260,8 @@ class MetricsSink:
                         **{k: round(metrics[k], 6) for k in _REPORTED if k in metrics}}
         # A report still being written (a slow store) is not queued behind: the next window tries again.
         if self._reports is not None and self._reports.idle and self._due.due():
-            self._reports.submit(self._publisher(self.record(), self._snapshot()))
+            job = self._publisher(self.record(), self._snapshot())
+            self._reports.submit(job)
 
     def checkpoint_saved(self, step: int, uri: str) -> None:
         """Name the newest complete checkpoint in the reports, and report it now (in the background) if idle."""
@@ -268,7 +269,8 @@ class MetricsSink:
             return
         self.last_checkpoint = {"step": step, "uri": uri, "saved": utc_stamp()}
         if self._reports is not None and self._reports.idle and self._latest is not None:
-            self._reports.submit(self._publisher(self.record(), []))
+            job = self._publisher(self.record(), [])
+            self._reports.submit(job)
 
     def record(self) -> dict[str, Any]:
         """The progress report as it stands: the last logged window, the state and the last checkpoint."""
