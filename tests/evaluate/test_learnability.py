@@ -149,3 +149,29 @@ def test_the_engine_accepts_what_the_gate_drafter_memorised(gate_chain: Any, var
     assert gate is not None and gate.prompts == DOCUMENTS and gate.min_acceptance == 0.9
     assert gate.engine_acceptance_rate >= 0.9, gate.engine
     assert gate.outputs_identical == DOCUMENTS and gate.steps is not None and not gate.steps.failure()
+
+
+def test_the_gate_keeps_the_drafter_whose_forward_met_the_rule(varied_targets: dict[TargetArch, Path]) -> None:
+    """No update follows the step that memorised the answers: the drafter the gate exports gives that step's loss
+    and predicts every label (an update after it could undo a label: the verdict then hung on the stopping step)."""
+    import torch
+
+    from dflash_train.evaluate.config import EvaluateConfig
+    from dflash_train.evaluate.learnability import GateSettings, memorise, memorising_step_inputs
+    from dflash_train.evaluate.speculate import greedy_with_logprobs
+    from dflash_train.evaluate.stage import stop_token_ids
+    from dflash_train.training.step import dflash_step
+    from tests.evaluate import eval_fixtures as ef
+
+    target_dir = varied_targets["qwen3"]
+    model, cfg = ef.load_target(target_dir), ef.drafter_config(8, ef.arch_of(target_dir))
+    prompts = ef.chat_prompts(target_dir, ef.heldout_texts(DOCUMENTS))
+    docs = [(ids, list(greedy_with_logprobs(model, ids, NEW_TOKENS, stop_token_ids(model)).tokens)) for ids in prompts]
+    lr = EvaluateConfig.model_fields["learnability_lr"].default
+    memorised = memorise(model, cfg, docs, GateSettings(DOCUMENTS, NEW_TOKENS, STEPS, lr, 0.9), torch.device("cpu"))
+    assert memorised.accuracy == 1.0 and memorised.steps < STEPS
+    target, batch, recipe, runtime = memorising_step_inputs(model, cfg, docs, torch.device("cpu"))
+    with torch.no_grad():
+        out = dflash_step(memorised.drafter, target, batch, cfg, recipe, runtime, torch.Generator().manual_seed(0))
+    assert int(out.correct.sum()) == int(out.counted.sum()) > 0
+    assert out.loss.item() == pytest.approx(memorised.loss, rel=1e-4, abs=1e-6)

@@ -42,7 +42,9 @@ EXPORT_FOLDER = "learnability-export"
 # (about 99% on each label) or MEMORISED_STEPS steps in a row that predicted them all. A drafter that has only just
 # memorised them flips on the last bits in which the decode's target states differ from training's; the second
 # rule ends it on a target whose LM head is nearly flat (a random one), whose loss stays high however right its
-# argmax.
+# argmax. The drafter exported is the one whose forward met the rule: no update follows it (at the gate's constant
+# rate one more update can undo a memorised label: the loss bounced between 0.001 and 0.2 from step to step once
+# every label was predicted, and the verdict hung on the step it stopped at).
 MEMORISED_LOSS = 0.01
 MEMORISED_STEPS = 10
 
@@ -63,9 +65,10 @@ class GateSettings:
 class Memorised:
     """The trained drafter and how far training got."""
 
-    drafter: Any
+    drafter: Any  # as it was at the last step's forward: no update follows it
     steps: int
     accuracy: float  # trained labels predicted at the last step
+    loss: float  # the last step's loss
 
 
 def acceptance_rate(acceptance: Acceptance, block_size: int) -> float:
@@ -87,17 +90,10 @@ def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], 
     """Train a fresh drafter of `cfg`'s shape on `docs` ((prompt, answer) pairs) with the train stage's step."""
     import torch
 
-    from dflash_train.data.batch import pack_documents
     from dflash_train.drafter.model import DFlashDrafter
-    from dflash_train.target_model.frozen import FrozenTarget
     from dflash_train.training.step import dflash_step
 
-    longest = max(len(p) + len(a) for p, a in docs)
-    recipe, runtime = memorising_sections(longest, len(docs))
-    # keep_output: the evaluation decodes with the whole model afterwards, so no layer may be dropped.
-    target = FrozenTarget(model, cfg.target_layer_ids, keep_output=True)
-    target.check_drafter_config(cfg)
-    batch = pack_documents([(p + a, [0] * len(p) + [1] * len(a)) for p, a in docs], max_length=longest).to(device)
+    target, batch, recipe, runtime = memorising_step_inputs(model, cfg, docs, device)
     torch.manual_seed(settings.seed)
     drafter = DFlashDrafter(cfg).to(device).train()
     optim = torch.optim.AdamW(drafter.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -106,24 +102,40 @@ def memorise(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], 
     generator = torch.Generator().manual_seed(settings.seed)
     # A bfloat16 target trains an fp32 drafter under autocast, as the trainer does.
     low_precision = next(model.parameters()).dtype == torch.bfloat16
-    accuracy, step, streak = 0.0, 0, 0
+    accuracy, loss, step, streak = 0.0, float("nan"), 0, 0
     for step in range(1, settings.steps + 1):
         amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if low_precision else nullcontext()
         with amp:
             out = dflash_step(drafter, target, batch, cfg, recipe, runtime, generator)
+        accuracy, loss = float(out.correct.sum()) / max(1, int(out.counted.sum())), out.loss.item()
+        if step % 50 == 0:
+            log.info("learnability gate: step %d/%d, loss %.4f, labels predicted %.1f%%", step, settings.steps,
+                     loss, 100 * accuracy)
+        streak = streak + 1 if accuracy == 1.0 else 0
+        if streak and (loss < MEMORISED_LOSS or streak >= MEMORISED_STEPS):
+            break  # before the update: these are the weights that met the rule
         optim.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optim.step()
         sched.step()
-        accuracy = float(out.correct.sum()) / max(1, int(out.counted.sum()))
-        if step % 50 == 0:
-            log.info("learnability gate: step %d/%d, loss %.4f, labels predicted %.1f%%", step, settings.steps,
-                     out.loss.item(), 100 * accuracy)
-        streak = streak + 1 if accuracy == 1.0 else 0
-        if streak and (out.loss.item() < MEMORISED_LOSS or streak >= MEMORISED_STEPS):
-            break
-    return Memorised(drafter.eval().requires_grad_(False), step, accuracy)
+    return Memorised(drafter.eval().requires_grad_(False), step, accuracy, loss)
+
+
+def memorising_step_inputs(model: Any, cfg: Any, docs: Sequence[tuple[list[int], list[int]]], device: torch.device
+                           ) -> tuple[Any, Any, TrainingRecipe, TrainingRuntime]:
+    """(target, batch, recipe, runtime) of `dflash_step` on `docs`, packed into one row each, every position an
+    anchor."""
+    from dflash_train.data.batch import pack_documents
+    from dflash_train.target_model.frozen import FrozenTarget
+
+    longest = max(len(p) + len(a) for p, a in docs)
+    recipe, runtime = memorising_sections(longest, len(docs))
+    # keep_output: the evaluation decodes with the whole model afterwards, so no layer may be dropped.
+    target = FrozenTarget(model, cfg.target_layer_ids, keep_output=True)
+    target.check_drafter_config(cfg)
+    batch = pack_documents([(p + a, [0] * len(p) + [1] * len(a)) for p, a in docs], max_length=longest).to(device)
+    return target, batch, recipe, runtime
 
 
 def run_gate(model: Any, run_drafter_cfg: Any, prompts: Sequence[tuple[str, list[int]]], stop: Sequence[int],
