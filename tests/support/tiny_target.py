@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -348,7 +349,18 @@ def build_tiny_target(arch: TargetArch = "qwen3", out_dir: Path | None = None, s
 VARIED_ALPHABET = range(1000, 1024)
 
 
-def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: float = 30.0) -> Path:
+# A layer's output projections: what it adds to the residual stream.
+_OUTPUT_PROJECTION = re.compile(r"\.layers\.(\d+)\.(?:self_attn\.o_proj|linear_attn\.out_proj|mlp\.down_proj)\.weight$")
+# Growth of the layers' output projections per layer (`build_varied_target`), where 1 leaves neighbouring layers'
+# states too alike for the learnability gate: the hybrid fixture's consecutive hidden states had a cosine of
+# 0.72-0.93, and a drafter memorising on layers 1, 3, 5 still had 83.7% of its tokens accepted reading layers 0, 2, 4
+# (the gate caught it only just). At 2 (0.45-0.53) it has 6.7%. The dense fixture stays at 1: at 2 its answers
+# collapse to 5-7 distinct tokens, and at 1 the gate already fails that defect at 31.4%.
+VARIED_GROWTH: dict[str, float] = {"qwen3_6": 2.0}
+
+
+def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: float = 30.0,
+                        growth: float | None = None) -> Path:
     """The default tiny target of `arch` made to say something that takes context to predict, cached.
 
     At the default initialisation the greedy output settles on one token repeated (a fixed point), which any
@@ -356,8 +368,11 @@ def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: f
     is then far from linear: its output changes from token to token) and the LM head rows of a 24-token alphabet
     by `boost` (the output stays within it, so a token does not say what follows it, the target's hidden states
     do). The dense target's LM head is untied for this (as Qwen3-8B's is). The learnability gate's tests need it:
-    memorising such answers depends on the target layers the drafter reads.
+    memorising such answers depends on the target layers the drafter reads. Layer l's output projections are also
+    multiplied by `growth` ** l (default `VARIED_GROWTH`), so that each layer's addition outweighs the stream it
+    joins and neighbouring layers' states differ.
     """
+    growth = VARIED_GROWTH.get(arch, 1.0) if growth is None else growth
     base = build_tiny_target(arch)
 
     def write(tmp: Path) -> None:
@@ -369,7 +384,9 @@ def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: f
         for name, tensor in weights.items():
             # The text model's decoder layers only: the vision tower and the MTP head are not what is decoded.
             if ".layers." in name and tensor.ndim == 2 and not name.startswith(("mtp.", "model.visual.")):
-                weights[name] = (tensor.float() * scale).to(torch.bfloat16).contiguous()
+                output = _OUTPUT_PROJECTION.search(name)
+                factor = scale * (growth ** int(output.group(1)) if output else 1.0)
+                weights[name] = (tensor.float() * factor).to(torch.bfloat16).contiguous()
         if "lm_head.weight" not in weights:  # tied: the head gets a copy of the embedding of its own
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
             config = json.loads((tmp / "config.json").read_text())
@@ -383,7 +400,8 @@ def build_varied_target(arch: TargetArch = "qwen3", scale: float = 4.0, boost: f
             path.chmod(0o644)
 
     key = _cache_key({"family": arch, "base": base.name, "scale": scale, "boost": boost,
-                      "alphabet": [VARIED_ALPHABET.start, VARIED_ALPHABET.stop]})
+                      "alphabet": [VARIED_ALPHABET.start, VARIED_ALPHABET.stop],
+                      **({"growth": growth} if growth != 1.0 else {})})
     return cached_model_build(qwen_assets.cache_root() / f"tiny-{arch}" / f"varied-{key}", key, write, None)
 
 
