@@ -23,6 +23,7 @@ def test_progress_report_and_tensorboard_reach_the_store_while_training_runs(tmp
     sink = MetricsSink(env, str(tmp_path / "tensorboard"), True, "from-step-0", store=store, output=out,
                        progress_every_s=1e-6, tokens_per_step=1024)
     sink.write(10, 100, METRICS)
+    sink.report()  # the trainer's RunMetrics asks once per step
     report_uri = join(out, "progress.json")
     deadline = time.monotonic() + 60
     while not (store.exists(report_uri) and store.list(join(out, "tensorboard"))):
@@ -48,5 +49,6 @@ def test_progress_report_and_tensorboard_reach_the_store_while_training_runs(tmp
     other = MetricsSink(DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")),
                         str(tmp_path / "tb1"), True, "r1", store=store, output=str(tmp_path / "other"))
     other.write(10, 100, METRICS)
+    other.report()
     other.close()
     assert not store.list(str(tmp_path / "other"))

@@ -159,7 +159,7 @@ class RunMetrics:
         """Count step `step` (1-based) into the window and log the window when due (a collective); before a checkpoint
         (`checkpoint_due`), store the event files: once the checkpoint is complete, the loss curve up to it is stored
         too, so a kill -9 right after it loses no logged step. `saved` names a checkpoint completed since the last
-        call. Returns what a checkpoint of this step records."""
+        call. Then the progress report, when one is due. Returns what a checkpoint of this step records."""
         if saved is not None:
             self.sink.checkpoint_saved(*saved)
         self.window.add(stats)
@@ -182,6 +182,7 @@ class RunMetrics:
             self.sink.write(step, self.total_steps, self.latest)
         if checkpoint_due:
             self.sink.upload()
+        self.sink.report()
         return {**self.latest, **({} if self.first_agreement is None else {FIRST_AGREEMENT: self.first_agreement})}
 
     def close(self, state: str, checkpoint: tuple[int, str] | None) -> dict[str, float]:
@@ -238,6 +239,7 @@ class MetricsSink:
         self.last_checkpoint: dict[str, Any] | None = None
         if last_checkpoint is not None:
             self.last_checkpoint = {"step": last_checkpoint[0], "uri": last_checkpoint[1], "saved": utc_stamp()}
+        self._checkpoint_unreported = False
         self._latest: dict[str, Any] | None = None
 
     def write(self, step: int, total: int, metrics: dict[str, float]) -> None:
@@ -258,18 +260,24 @@ class MetricsSink:
         self._latest = {"step": step, "total": total, "tokens": step * self.tokens_per_step,
                         "eta_s": None if eta is None else round(eta, 1),
                         **{k: round(metrics[k], 6) for k in _REPORTED if k in metrics}}
-        # A report still being written (a slow store) is not queued behind: the next window tries again.
-        if self._reports is not None and self._reports.idle and self._due.due():
-            job = self._publisher(self.record(), self._snapshot())
-            self._reports.submit(job)
 
     def checkpoint_saved(self, step: int, uri: str) -> None:
-        """Name the newest complete checkpoint in the reports, and report it now (in the background) if idle."""
+        """Name the newest complete checkpoint in the reports: the next `report` sends it."""
         if not self.env.is_main:
             return
         self.last_checkpoint = {"step": step, "uri": uri, "saved": utc_stamp()}
-        if self._reports is not None and self._reports.idle and self._latest is not None:
-            job = self._publisher(self.record(), [])
+        self._checkpoint_unreported = True
+
+    def report(self) -> None:
+        """Send the progress report in the background when one is due (every `progress_every_s`, with the event
+        files) or a checkpoint is not yet in one. A report still being written (a slow store) is not queued behind:
+        the next step tries again."""
+        if self._reports is None or not self._reports.idle or self._latest is None:
+            return
+        due = self._due.due()
+        if due or self._checkpoint_unreported:
+            self._checkpoint_unreported = False
+            job = self._publisher(self.record(), self._snapshot() if due else [])
             self._reports.submit(job)
 
     def record(self) -> dict[str, Any]:
