@@ -151,7 +151,9 @@ def test_the_engine_accepts_what_the_gate_drafter_memorised(gate_chain: Any, var
     assert gate.outputs_identical == DOCUMENTS and gate.steps is not None and not gate.steps.failure()
 
 
-def test_the_gate_keeps_the_drafter_whose_forward_met_the_rule(varied_targets: dict[TargetArch, Path]) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_6"])
+def test_the_gate_keeps_the_drafter_whose_forward_met_the_rule(arch: TargetArch,
+                                                               varied_targets: dict[TargetArch, Path]) -> None:
     """No update follows the step that memorised the answers: the drafter the gate exports gives that step's loss
     and predicts every label (an update after it could undo a label: the verdict then hung on the stopping step)."""
     import torch
@@ -163,7 +165,7 @@ def test_the_gate_keeps_the_drafter_whose_forward_met_the_rule(varied_targets: d
     from dflash_train.training.step import dflash_step
     from tests.evaluate import eval_fixtures as ef
 
-    target_dir = varied_targets["qwen3"]
+    target_dir = varied_targets[arch]
     model, cfg = ef.load_target(target_dir), ef.drafter_config(8, ef.arch_of(target_dir))
     prompts = ef.chat_prompts(target_dir, ef.heldout_texts(DOCUMENTS))
     docs = [(ids, list(greedy_with_logprobs(model, ids, NEW_TOKENS, stop_token_ids(model)).tokens)) for ids in prompts]

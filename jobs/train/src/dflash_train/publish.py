@@ -84,10 +84,8 @@ def trained_tokens(plan: DataPlan, steps: int, rows_per_step: int) -> TrainedTok
 
 def build_manifest(resolved: Resolved, checkpoint: CheckpointRef, final_metrics: dict[str, float],
                    extra: dict[str, Any], data: TrainedTokens | None = None,
-                   performance: dict[str, float] | None = None,
-                   recipe: dict[str, str | float | int | bool | None] | None = None) -> Manifest:
-    """The drafter manifest: final checkpoint, resolved config, target identity, lineage, final metrics; `recipe`
-    defaults to `quality_recipe` of the resolved run."""
+                   performance: dict[str, float] | None = None) -> Manifest:
+    """The drafter manifest: final checkpoint, resolved config, target identity, lineage, final metrics."""
     config, source, cfg = resolved.config, resolved.source, resolved.drafter
     identity = resolved.section.target
     identity = identity.model_copy(update={"special_tokens": identity.special_tokens.model_copy(
@@ -97,8 +95,6 @@ def build_manifest(resolved: Resolved, checkpoint: CheckpointRef, final_metrics:
     resolved_config = {**public_dict(config), "resolved": {"drafter": cfg.model_dump(mode="json"),
                                                            "max_length": resolved.max_length,
                                                            "rows_per_step": resolved.rows_per_step, **extra}}
-    if recipe is None:
-        recipe = quality_recipe(config, cfg, int(extra.get("total_steps", 0)))
     return Manifest(
         kind=Kind.drafter,
         run_id=config.run_id or source.manifest.run_id,
@@ -115,7 +111,7 @@ def build_manifest(resolved: Resolved, checkpoint: CheckpointRef, final_metrics:
             mask_token_id=cfg.mask_token_id,
             checkpoint_uri=checkpoint.uri,
             final_metrics=final_metrics,
-            recipe=recipe,
+            recipe=quality_recipe(config, cfg, int(extra.get("total_steps", 0))),
             data=data,
             performance=performance or {},
         ),
@@ -129,14 +125,13 @@ def publish(run: PreparedRun, result: TrainResult, store: ObjectStore, world_siz
 
     resolved, trainer = run.resolved, run.trainer
     steps = trainer.total_steps
-    recipe = quality_recipe(resolved.config, resolved.drafter, steps)
     measured = performance(trainer, result, world_size, run.planned_peak, run.target_params, run.drafter_params)
     data = trained_tokens(trainer.plan, steps, resolved.rows_per_step)
     final = find_resume(store, resolved.config.output, result.checkpoint_uri)
     assert final is not None
     extra = {"world_size": world_size, "parallelism": trainer.setup.parallelism, "mesh": mesh_of(trainer.model),
              "total_steps": steps, "warm_start": trainer.warm_started}
-    manifest = build_manifest(resolved, final, result.final_metrics, extra, data, measured, recipe)
+    manifest = build_manifest(resolved, final, result.final_metrics, extra, data, measured)
     uri, _ = write_manifest(store, resolved.config.output, manifest)
     log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
              result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))
