@@ -213,7 +213,7 @@ def test_prompts_from_completions_and_tokenized_records(tmp_path: Path, tiny_tar
 def test_tau_by_context_position_buckets_each_step_where_it_drafted() -> None:
     from types import SimpleNamespace
 
-    from dflash_train.evaluate.stage import bucket_name, by_position
+    from dflash_train.evaluate.acceptance import bucket_name, by_position
 
     # Prompt of 4090 tokens: the prefill commits token 4091; steps draft at 4091 (accepts 3), 4095 (accepts 1),
     # then 4097 (accepts 0), which is past 4096.

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_train.evaluate.acceptance import summarize
 from dflash_train.evaluate.speculate import greedy_reference, propose, speculative_generate
-from dflash_train.evaluate.stage import summarize
 from tests.evaluate import eval_fixtures as ef
 
 NEW_TOKENS = 32

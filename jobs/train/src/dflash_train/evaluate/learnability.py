@@ -142,8 +142,8 @@ def run_gate(model: Any, run_drafter_cfg: Any, prompts: Sequence[tuple[str, list
              settings: GateSettings, device: torch.device, dtype: torch.dtype, store: ObjectStore,
              export_uri: str) -> LearnabilityGate:
     """The gate (module docstring) on the first `settings.documents` of `prompts`; its report, pass or fail."""
+    from dflash_train.evaluate.acceptance import summarize
     from dflash_train.evaluate.speculate import HookedTarget, greedy_with_logprobs, speculative_generate
-    from dflash_train.evaluate.stage import summarize
     from dflash_train.export.files import export_drafter, load_export
 
     chosen = list(prompts[: settings.documents])
