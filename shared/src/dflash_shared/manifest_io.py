@@ -264,6 +264,6 @@ def write_manifest(store: ObjectStore, prefix: str, manifest: Manifest) -> tuple
     Locations inside the run root are written relative to `prefix`, so the manifest stays valid wherever
     the run root is moved or read from; `parse_manifest` resolves them back.
     """
-    uri = join(prefix, MANIFEST_NAME)
     portable = _map_locations(manifest, lambda location: relative_location(prefix, location))
+    uri = join(prefix, MANIFEST_NAME)
     return uri, store.put_if_absent(uri, portable.to_json())

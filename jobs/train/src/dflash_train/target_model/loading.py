@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_train.parallel.distributed import DistEnv, move_to_device, shard_target
+from dflash_train.parallel.distributed import DistEnv
+from dflash_train.parallel.placement import move_to_device, shard_target
 from dflash_train.target_model.frozen import FrozenTarget, Packing
 
 log = logging.getLogger(__name__)
@@ -107,12 +108,6 @@ def load_target(
 
     World size 1 loads directly; otherwise rank 0 reads the checkpoint and broadcasts it (module docstring).
     """
-    if not env.distributed:
-        return FrozenTarget.from_pretrained(path, layer_ids, device=env.device, dtype=dtype,
-                                            attn_implementation=attn_implementation, packing=packing,
-                                            keep_output=keep_output)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     if env.is_main:
         # Sharded: read into host memory, each layer then goes to the device as this rank's shard only.
         from transformers import AutoModelForCausalLM
@@ -122,8 +117,12 @@ def load_target(
             model.to(env.device)
     else:
         model = skeleton(path, dtype, attn_implementation)
-    # Drops unused layers (all are used with keep_output) before anything is read.
+    # Drops unused layers (all are used with keep_output) before anything is broadcast.
     target = FrozenTarget(model, layer_ids, packing=packing, keep_output=keep_output)
+    if not env.distributed:
+        return target
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     tied = _tied_groups(target.model)
     aliases = {name for _, *others in tied for name in others}
     # A tied weight is broadcast once, under its first name; `_retie` gives the others the same tensor.
