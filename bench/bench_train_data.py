@@ -67,7 +67,9 @@ def make_shards(work: Path, docs: int, max_length: int, shards: int, seed: int =
 
 def loader_rate(work: Path, shards: list, digest: str, max_length: int, rows_per_step: int, steps: int) -> float:
     from dflash_shared.storage import ObjectStore
-    from dflash_train.data.loader import ShardCache, StepLoader, build_plan
+    from dflash_train.data.loader import StepLoader
+    from dflash_train.data.plan import build_plan
+    from dflash_train.data.shards import ShardCache
 
     store = ObjectStore()
     cache = ShardCache(store, str(work / "cache"), 2**34)
@@ -88,7 +90,9 @@ def step_rate(work: Path, shards: list, digest: str, max_length: int, rows: int,
     import torch
 
     from dflash_shared.storage import ObjectStore
-    from dflash_train.data.loader import ShardCache, StepLoader, build_plan
+    from dflash_train.data.loader import StepLoader
+    from dflash_train.data.plan import build_plan
+    from dflash_train.data.shards import ShardCache
     from dflash_train.drafter.config import DrafterConfig
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.target_model.frozen import FrozenTarget

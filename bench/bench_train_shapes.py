@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import MASK_TOKEN  # noqa: E402  (also puts dflash_train on the path)
 
 from dflash_train.data.batch import PackedBatch, pack_row, stack_rows  # noqa: E402
-from dflash_train.data.loader import best_fit_rows  # noqa: E402
+from dflash_train.data.plan import best_fit_rows  # noqa: E402
 from dflash_train.drafter.attention import build_drafter_mask, compiled_flex_on_cpu  # noqa: E402
 from dflash_train.drafter.config import DrafterConfig  # noqa: E402
 from dflash_train.drafter.model import DFlashDrafter  # noqa: E402

@@ -85,15 +85,15 @@ def test_model_optimizer_and_rng_round_trip(storage_root: str, store: ObjectStor
                        plan_fingerprint="abc", scheduler={"last_epoch": 7}, world_size=1, metrics={"loss": 1.5})
     out = join(storage_root, "run")
     torch.manual_seed(123)
-    uri = save_checkpoint(model, optimizer, state, cfg.model_dump_json(), store, out, ENV, str(tmp_path), keep=2)
+    saved = save_checkpoint(model, optimizer, state, cfg.model_dump_json(), store, out, ENV, str(tmp_path), keep=2)
     expected_draw = torch.rand(3)
-    assert uri == checkpoint_uri(out, 7) and store.exists(join(uri, MODEL))
+    assert saved.uri == checkpoint_uri(out, 7) and store.exists(join(saved.uri, MODEL))
 
     torch.manual_seed(999)
     fresh = DFlashDrafter(cfg)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     ref = find_resume(store, out, "auto")
-    assert ref is not None
+    assert ref == saved  # what the save returns is what a resume finds
     loaded = load_checkpoint(ref, fresh, fresh_opt, store, ENV, str(tmp_path))
     assert loaded == state
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):

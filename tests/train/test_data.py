@@ -16,15 +16,9 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore, join
 from dflash_train.data.batch import PAD_DOCUMENT, pack_row
-from dflash_train.data.loader import (
-    DataPlan,
-    ShardCache,
-    StepLoader,
-    best_fit_rows,
-    build_plan,
-    epoch_rows,
-    total_steps,
-)
+from dflash_train.data.loader import StepLoader
+from dflash_train.data.plan import DataPlan, best_fit_rows, build_plan, epoch_rows, total_steps
+from dflash_train.data.shards import ShardCache
 from tests.train.train_fixtures import identity_of, synthetic_docs, tiny_target, write_tokenized
 
 MAX_LEN = 128

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dflash_shared.errors import BadInputError
-from dflash_train.data.loader import ShardTable
+from dflash_train.data.shards import ShardTable
 from tests.support.noise import PROPERTY
 
 _LIST_TYPES = [pa.list_(pa.int32()), pa.large_list(pa.int64()), pa.list_(pa.int8()), pa.list_(pa.uint16()),

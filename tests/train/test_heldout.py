@@ -11,7 +11,7 @@ from dflash_shared.manifest_io import load_manifest
 from dflash_shared.manifests import Kind
 from dflash_shared.storage import ObjectStore
 from dflash_train.config import debug
-from dflash_train.data.loader import ShardCache
+from dflash_train.data.shards import ShardCache
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.parallel.distributed import DistEnv

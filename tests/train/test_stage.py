@@ -103,7 +103,8 @@ class _RecordingStore(ObjectStore):
 
 
 def test_training_never_reads_the_heldout_split(tmp_path: Path) -> None:
-    from dflash_train.data.loader import ShardCache, StepLoader
+    from dflash_train.data.loader import StepLoader
+    from dflash_train.data.shards import ShardCache
     from dflash_train.prepare import plan_data, resolve
     from dflash_train.publish import trained_tokens
 

@@ -32,8 +32,10 @@ from dflash_train.drafter.resolve import resolve_drafter
 from dflash_train.parallel.rank0 import holds_rank0, on_rank0
 
 if TYPE_CHECKING:
-    from dflash_train.data.loader import DataPlan, ShardCache
-    from dflash_train.parallel.distributed import DistEnv, Parallelism
+    from dflash_train.data.plan import DataPlan
+    from dflash_train.data.shards import ShardCache
+    from dflash_train.parallel.distributed import DistEnv
+    from dflash_train.parallel.placement import Parallelism
     from dflash_train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,11 @@ def scratch_root(config: TrainConfig) -> str:
 
 def plan_data(resolved: Resolved, store: ObjectStore, cache: ShardCache, env: DistEnv) -> DataPlan:
     """The run's data plan over the train split (counted by the ranks together, or read back on a resume)."""
-    from dflash_train.data import loader as data
+    from dflash_train.data.plan import build_plan
 
-    return data.build_plan(store, join(resolved.config.output, "train", "plan.json"), resolved.train_shards,
-                           resolved.source.sha256, cache, resolved.max_length, resolved.config.seed, env.rank,
-                           env.world_size, env.all_gather_object)
+    return build_plan(store, join(resolved.config.output, "train", "plan.json"), resolved.train_shards,
+                      resolved.source.sha256, cache, resolved.max_length, resolved.config.seed, env.rank,
+                      env.world_size, env.all_gather_object)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ def prepare_run(config: TrainConfig, store: ObjectStore, env: DistEnv) -> Prepar
     """The run, prepared as the module docstring says (the caller closes it)."""
     import torch
 
-    from dflash_train.data import loader as data
+    from dflash_train.data.plan import total_steps
+    from dflash_train.data.shards import ShardCache
     from dflash_train.drafter.mask_token import warn_on_zero_mask_row
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.target_model.loading import load_target
@@ -150,7 +153,7 @@ def prepare_run(config: TrainConfig, store: ObjectStore, env: DistEnv) -> Prepar
     cfg = resolved.drafter
     scratch = os.path.join(root, f"rank-{env.rank}")
     os.makedirs(scratch, exist_ok=True)
-    cache = data.ShardCache(store, os.path.join(root, "shards"), int(config.cache_gib * 2**30), config.verify_shards)
+    cache = ShardCache(store, os.path.join(root, "shards"), int(config.cache_gib * 2**30), config.verify_shards)
     try:
         # A checkpoint saved under other settings is refused before the target is loaded or a byte planned.
         ref = ckpt.find_resume(store, config.output, config.resume)
@@ -166,7 +169,7 @@ def prepare_run(config: TrainConfig, store: ObjectStore, env: DistEnv) -> Prepar
         planned = memory_plan.check_run(config.runtime, config.recipe, cfg, shape, resolved.max_length, parallelism,
                                         env, dtype.itemsize)
         plan = plan_data(resolved, store, cache, env)
-        steps = data.total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
+        steps = total_steps(plan, resolved.rows_per_step, config.epochs, config.max_steps)
         # Rank 0 reads the checkpoint and broadcasts it: no rank but rank 0 holds a host copy of the target.
         target = load_target(target_dir, cfg.target_layer_ids, env, parallelism == "fsdp" and env.distributed, dtype,
                              attn_implementation=config.target_attn_implementation, packing=config.target_packing,

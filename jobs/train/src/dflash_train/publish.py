@@ -20,7 +20,7 @@ from dflash_train.config import TrainConfig, settings_identity
 from dflash_train.drafter.config import DrafterConfig
 
 if TYPE_CHECKING:
-    from dflash_train.data.loader import DataPlan
+    from dflash_train.data.plan import DataPlan
     from dflash_train.prepare import PreparedRun, Resolved
     from dflash_train.trainer import Trainer, TrainResult
     from dflash_train.training.checkpoint import CheckpointRef
@@ -120,18 +120,15 @@ def build_manifest(resolved: Resolved, checkpoint: CheckpointRef, final_metrics:
 
 def publish(run: PreparedRun, result: TrainResult, store: ObjectStore, world_size: int) -> str:
     """Write the drafter manifest of a finished run (rank 0 only) and return its URI."""
-    from dflash_train.parallel.distributed import mesh_of
-    from dflash_train.training.checkpoint import find_resume
+    from dflash_train.parallel.placement import mesh_of
 
     resolved, trainer = run.resolved, run.trainer
     steps = trainer.total_steps
     measured = performance(trainer, result, world_size, run.planned_peak, run.target_params, run.drafter_params)
     data = trained_tokens(trainer.plan, steps, resolved.rows_per_step)
-    final = find_resume(store, resolved.config.output, result.checkpoint_uri)
-    assert final is not None
     extra = {"world_size": world_size, "parallelism": trainer.setup.parallelism, "mesh": mesh_of(trainer.model),
              "total_steps": steps, "warm_start": trainer.warm_started}
-    manifest = build_manifest(resolved, final, result.final_metrics, extra, data, measured)
+    manifest = build_manifest(resolved, result.checkpoint, result.final_metrics, extra, data, measured)
     uri, _ = write_manifest(store, resolved.config.output, manifest)
     log.info("drafter manifest %s: %d steps, final loss %.4f, tau %.2f", uri, result.steps,
              result.final_metrics.get("loss", float("nan")), result.final_metrics.get("tau", float("nan")))

@@ -23,9 +23,12 @@ from dflash_shared.errors import ConfigError, Preempted
 from dflash_shared.storage import ObjectStore
 from dflash_train.config import TrainConfig, settings_identity
 from dflash_train.data.batch import PackedBatch
-from dflash_train.data.loader import DataPlan, ShardCache, StepLoader
+from dflash_train.data.loader import StepLoader
+from dflash_train.data.plan import DataPlan
+from dflash_train.data.shards import ShardCache
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.parallel.distributed import DistEnv, Parallelism, wrap_drafter
+from dflash_train.parallel.distributed import DistEnv
+from dflash_train.parallel.placement import Parallelism, wrap_drafter
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training import checkpoint as ckpt
 from dflash_train.training.heldout import heldout_acceptance
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 class TrainResult:
     """What a finished run produced: the final checkpoint, its metrics and every logged window."""
 
-    checkpoint_uri: str
+    checkpoint: ckpt.CheckpointRef
     steps: int
     final_metrics: dict[str, float]
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -93,7 +96,7 @@ class Trainer:
         self.total_steps, self.rows_per_step, self.plan = setup.total_steps, rows_per_step, setup.plan
         self.step = 0
         self.recorded: dict[str, float] = {}  # the metrics the last checkpoint recorded (RunMetrics.after_step)
-        self.last_checkpoint: str | None = None
+        self.last_checkpoint: ckpt.CheckpointRef | None = None
         # Timings the drafter manifest records (a pilot's report compares them with the plan).
         self.save_seconds: float | None = None
         self.resume_seconds: float | None = None
@@ -115,7 +118,7 @@ class Trainer:
             self.total_steps = state.total_steps
             self.scheduler = build_scheduler(self.parts.optimizer, self.config.recipe, self.total_steps)
         self.scheduler.load_state_dict(state.scheduler)
-        self.recorded, self.step, self.last_checkpoint = dict(state.metrics), state.step, ref.uri
+        self.recorded, self.step, self.last_checkpoint = dict(state.metrics), state.step, ref
         self.resume_seconds, self.resumed_from = time.perf_counter() - started, state.step
 
     def train(self) -> TrainResult:
@@ -125,7 +128,7 @@ class Trainer:
                              Logging(config.log_every, config.tensorboard, setup.scratch, config.output,
                                      config.progress_every_s, self.rows_per_step * self.plan.max_length),
                              self.store, f"from-step-{self.step}", self.recorded or None,
-                             None if self.last_checkpoint is None else (self.step, self.last_checkpoint))
+                             None if self.last_checkpoint is None else (self.step, self.last_checkpoint.uri))
         loader = StepLoader(self.plan, setup.cache, self.rows_per_step, config.runtime.micro_batch_rows, env.rank,
                             env.world_size, self.step, self.total_steps, config.prefetch_steps,
                             pin_memory=env.device.type == "cuda")
@@ -165,10 +168,10 @@ class Trainer:
                             setup.drafter.model_dump_json(indent=1), self.store, config.output, env,
                             setup.scratch, config.keep_checkpoints)
                         self.save_seconds = time.perf_counter() - started
-                        saved = (self.step, self.last_checkpoint)
-                    if stopping:
+                        saved = (self.step, self.last_checkpoint.uri)
+                    if stopping:  # due: saved just now
                         log.warning("stopped at step %d (%s); checkpoint %s written in %.1f s; a rerun resumes "
-                                    "from it", self.step, stopping, self.last_checkpoint, self.save_seconds or 0.0)
+                                    "from it", self.step, stopping, saved and saved[1], self.save_seconds or 0.0)
                         raise Preempted(stopping)
             if self.step != self.total_steps or self.last_checkpoint is None:
                 raise RuntimeError(f"the data loader ended at step {self.step} of {self.total_steps}")
@@ -178,7 +181,8 @@ class Trainer:
             raise
         finally:
             loader.close()
-            final = metrics.close(outcome, None if self.last_checkpoint is None else (self.step, self.last_checkpoint))
+            final = metrics.close(outcome, None if self.last_checkpoint is None else (self.step,
+                                                                                       self.last_checkpoint.uri))
         assert self.last_checkpoint is not None  # checked above; the finally does not narrow it
         return TrainResult(self.last_checkpoint, self.step, final, metrics.history)
 

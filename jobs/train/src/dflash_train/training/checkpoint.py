@@ -108,15 +108,15 @@ def checkpoint_uri(output: str, step: int) -> str:
 # ---------------------------------------------------------------------------------------- store side
 
 
-def _step_folders(store: ObjectStore, output: str) -> dict[int, set[str]]:
-    """Step -> names of the files found in its folder."""
+def _step_folders(store: ObjectStore, output: str) -> dict[int, tuple[str, set[str]]]:
+    """Step -> its folder, as the store listed it, and the names of the files found in it."""
     root = join(output, CHECKPOINTS)
-    found: dict[int, set[str]] = {}
+    found: dict[int, tuple[str, set[str]]] = {}
     for uri in store.list(root):
         parts = uri[len(root):].strip("/").split("/")
         match = _STEP_DIR.match(parts[0]) if len(parts) == 2 else None
         if match:
-            found.setdefault(int(match.group(1)), set()).add(parts[1])
+            found.setdefault(int(match.group(1)), (uri.rsplit("/", 1)[0], set()))[1].add(parts[1])
     return found
 
 
@@ -135,12 +135,11 @@ def _read_marker(store: ObjectStore, uri: str, names: set[str]) -> CompleteMarke
     return marker
 
 
-def complete_checkpoints(store: ObjectStore, output: str, folders: dict[int, set[str]] | None = None,
+def complete_checkpoints(store: ObjectStore, output: str, folders: dict[int, tuple[str, set[str]]] | None = None,
                          ) -> list[CheckpointRef]:
     """Usable checkpoints under `output`, oldest first (`folders`: its step folders, where already listed)."""
     refs = []
-    for step, names in sorted((_step_folders(store, output) if folders is None else folders).items()):
-        uri = checkpoint_uri(output, step)
+    for step, (uri, names) in sorted((_step_folders(store, output) if folders is None else folders).items()):
         marker = _read_marker(store, uri, names)
         if marker is not None:
             refs.append(CheckpointRef(uri, step, marker))
@@ -165,7 +164,8 @@ def find_resume(store: ObjectStore, output: str, resume: str) -> CheckpointRef |
     return CheckpointRef(uri, marker.step, marker)
 
 
-def publish(store: ObjectStore, local_dir: str, uri: str, step: int, world_size: int, workers: int = 4) -> None:
+def publish(store: ObjectStore, local_dir: str, uri: str, step: int, world_size: int, workers: int = 4,
+            ) -> CompleteMarker:
     """Upload every file of `local_dir` to `uri`, then COMPLETE.json: the commit point of the checkpoint."""
     names = sorted(os.listdir(local_dir))
 
@@ -178,6 +178,7 @@ def publish(store: ObjectStore, local_dir: str, uri: str, step: int, world_size:
         files = dict(pool.map(upload, names))
     marker = CompleteMarker(step=step, files=files, world_size=world_size, created_at=datetime.now(UTC))
     store.write_bytes(join(uri, COMPLETE), marker.model_dump_json(indent=1).encode())
+    return marker
 
 
 def prune(store: ObjectStore, output: str, keep: int) -> None:
@@ -186,10 +187,9 @@ def prune(store: ObjectStore, output: str, keep: int) -> None:
     complete = [ref.step for ref in complete_checkpoints(store, output, folders)]  # one listing of the store
     kept = set(complete[-keep:])
     newest = max(kept, default=-1)
-    for step, names in folders.items():
+    for step, (uri, names) in folders.items():
         if step in kept or step > newest:
             continue
-        uri = checkpoint_uri(output, step)
         # The marker goes first, so that a prune cut short never leaves a "complete" folder with holes.
         for name in sorted(names, key=lambda n: n != COMPLETE):
             store.delete(join(uri, name))
@@ -242,12 +242,14 @@ def save_checkpoint(
     env: DistEnv,
     scratch: str,
     keep: int,
-) -> str:
-    """Gather the full state on rank 0 and publish it (a collective: every rank must call it)."""
+) -> CheckpointRef:
+    """Gather the full state on rank 0 and publish it (a collective: every rank must call it); every rank gets
+    the reference rank 0 wrote."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     uri = checkpoint_uri(output, state.step)
+    marker = None
     if env.rank == 0:
         local = os.path.join(scratch, f"checkpoint-{state.step:08d}")
         shutil.rmtree(local, ignore_errors=True)
@@ -261,13 +263,13 @@ def save_checkpoint(
                 fh.write(state.model_dump_json(indent=1))
             with open(os.path.join(local, DRAFTER_CONFIG), "w", encoding="utf-8") as fh:
                 fh.write(drafter_config_json)
-            publish(store, local, uri, state.step, env.world_size)
+            marker = publish(store, local, uri, state.step, env.world_size)
         finally:
             shutil.rmtree(local, ignore_errors=True)
         prune(store, output, keep)
         log.info("checkpoint step %d saved to %s", state.step, uri)
-    env.barrier()
-    return uri
+    # The other ranks wait here until rank 0 has published (the broadcast is the barrier).
+    return CheckpointRef(uri, state.step, env.broadcast_object(marker))
 
 
 def load_checkpoint(

@@ -25,7 +25,7 @@ import torch
 
 from dflash_shared.manifests import Shard
 from dflash_train.data.batch import PackedBatch, pack_documents
-from dflash_train.data.loader import ShardCache
+from dflash_train.data.shards import ShardCache
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.parallel.distributed import DistEnv
 from dflash_train.sections import TrainingRecipe, TrainingRuntime

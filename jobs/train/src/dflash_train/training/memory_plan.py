@@ -4,7 +4,7 @@
 (the target's shapes come from its config.json and safetensors headers, nothing is loaded):
 
 - the frozen target's weights (whole under DDP; under FSDP this rank's shard of the decoder layers plus
-  the gathered layers, with the embedding and LM head whole on every rank, as `distributed` wraps it);
+  the gathered layers, with the embedding and LM head whole on every rank, as `parallel.placement` wraps it);
 - the drafter's fp32 weights, gradients and AdamW moments (`DRAFTER_STATE_BYTES`);
 - the target features the drafter reads, the drafter's activations saved for backward for the worst-case
   anchor count N (N x block_size query tokens over max_length context tokens), the attention's own

@@ -23,7 +23,8 @@ from torch import nn
 
 from dflash_train.data.loader import StepBatches
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.parallel.distributed import DistEnv, accumulate
+from dflash_train.parallel.distributed import DistEnv
+from dflash_train.parallel.placement import accumulate
 from dflash_train.sections import TrainingRecipe, TrainingRuntime
 from dflash_train.target_model.frozen import FrozenTarget
 from dflash_train.training.optim import clip_gradients
