@@ -102,8 +102,8 @@ QWEN3_MOE = TargetFamily(
     max_model_len=16384, thinking=_QWEN3_THINKING, non_thinking=_QWEN3_NON_THINKING,
     about="Qwen3 mixture of experts (Qwen3MoeForCausalLM): Qwen3's budget and sampling")
 # Qwen3.6's card suggests ~32K output tokens for most queries in thinking mode; the context adds 8K of prompt.
-# Its mixture-of-experts siblings (qwen3_5_moe) share its sampling and hybrid layers; their expert layers are not
-# counted by the memory model yet (dflash_train.training.target_params refuses them).
+# Its mixture-of-experts siblings (qwen3_5_moe) share its sampling and hybrid layers; the memory model counts their
+# experts held and run (dflash_train.training.target_params).
 QWEN3_5 = TargetFamily(
     "qwen3_5", frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}), r"qwen3\.[5-9]",
     hybrid=True, max_new_tokens=32768, max_model_len=40960,

@@ -53,7 +53,14 @@ from dflash_train.drafter.mask_token import reference_mask_token
 from dflash_train.drafter.resolve import build_drafter
 from dflash_train.sections import TrainingRecipe, TrainingRuntime, section_of
 from dflash_train.training import memory_plan as mp
-from dflash_train.training.target_params import DTYPE_BYTES, ConfigView, TargetSizes, target_sizes, text_config
+from dflash_train.training.target_params import (
+    DTYPE_BYTES,
+    ConfigView,
+    TargetSizes,
+    kv_bytes_per_token,
+    target_sizes,
+    text_config,
+)
 
 
 @dataclass(frozen=True)
@@ -267,7 +274,7 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
     where = f"{gpu.name} ({gpu_note})"
     if plan.fits:
         return StageFit("train", where, "fits", plan.peak, gpu.usable, summary)
-    fixes = [_RUN_FILE_FIX[r.setting].format(r.value) for r in mp.remedy_settings(plan)]
+    fixes = mp.remedies(plan, _RUN_FILE_FIX)
     bigger = [m.name for m in fitting(plan.peak) if m.total > gpu.total]
     if bigger:
         fixes.append("a bigger GPU: " + ", ".join(bigger))
@@ -277,12 +284,10 @@ def _train(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], sizes:
                     detail=mp.refusal_message(plan, fixes))
 
 
-def _engine_fit(stage: str, engine: Engine | None, gpu_note: str, heads: int, unchecked: str,
+def _engine_fit(stage: str, engine: Engine, gpu_note: str, heads: int, unchecked: str,
                 concurrency: tuple[int, str] | None = None) -> StageFit:
-    assert engine is not None
     if unchecked:
-        need = engine.weights + engine.reserve + engine.per_sequence
-        return StageFit(stage, "", "not checked", need, None,
+        return StageFit(stage, "", "not checked", engine.need, None,
                         f"weights {gib(engine.weights)} + KV {gib(engine.per_sequence)} per "
                         f"{engine.max_model_len:,}-token sequence per GPU (tp {engine.tp})", unchecked, engine=True)
     where = f"{engine.gpu.name} ({gpu_note})"
@@ -328,9 +333,9 @@ def _serve_check(run: RunConfig, settings: JobSettings, raw: Mapping[str, Any], 
     block = int(offline["block_size"] or cfg.block_size)
     # Its default context: the longest prompt evaluated + max_new_tokens + a block.
     context = values["max_model_len"] or int(offline["max_prompt_tokens"]) + int(offline["max_new_tokens"]) + block
-    dtype = 4 if values["dtype"] == "float32" else 2  # auto: the offline evaluation's, bfloat16 on CUDA
+    dtype = DTYPE_BYTES.get(str(values["dtype"]), 2)  # auto: the offline evaluation's, bfloat16 on CUDA
     tp = settings.gpus or 1
-    drafter_kv = 2 * cfg.num_layers * max(1, cfg.num_key_value_heads // tp) * cfg.head_dim * dtype
+    drafter_kv = kv_bytes_per_token(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, tp)
     engine = Engine(sizes, _placeholder(gpu), dtype, tp, int(context), float(values["gpu_memory_utilization"]),
                     values["max_num_seqs"], mp.drafter_parameter_count(cfg)[0], drafter_kv)
     return _engine_fit("serve-check", engine, gpu_note, _heads(raw), "" if gpu else gpu_note)
@@ -343,14 +348,14 @@ def _heads(raw: Mapping[str, Any]) -> int:
 def _evaluate(run: RunConfig, sizes: TargetSizes, cfg: DrafterConfig, gpu: GpuModel | None,
               gpu_note: str) -> StageFit:
     values = stage_values(run, EVALUATE)
-    dtype = 4 if values["dtype"] == "float32" else 2
+    dtype = DTYPE_BYTES.get(str(values["dtype"]), 2)
     drafter = mp.drafter_parameter_count(cfg)[0]
     tokens = int(values["max_prompt_tokens"]) + int(values["max_new_tokens"]) + cfg.block_size
     weights = (sizes.params + 2 * drafter) * dtype
     cache = tokens * sizes.kv_bytes_per_token(dtype) + sizes.recurrent_bytes_per_sequence(dtype)
     # The captured target features, once in the drafter's context and once being concatenated; the prefill's
     # hidden states and MLP activations of one layer (as the memory plan's target forward).
-    acts = tokens * (2 * cfg.feature_size + 4 * sizes.hidden_size + 3 * sizes.intermediate_size) * dtype
+    acts = tokens * (2 * cfg.feature_size + sizes.layer_activations_per_token) * dtype
     peak = int((weights + cache + acts) * (1 + mp.MARGIN_FRACTION)) + mp.CUDA_WORKSPACE_BYTES
     summary = (f"target {gib(sizes.params * dtype)} + 2 drafters {gib(2 * drafter * dtype)} + cache "
                f"{gib(cache)} and activations {gib(acts)} of a {tokens:,}-token sequence, margin and workspaces")

@@ -81,16 +81,13 @@ class Engine:
         return RUNTIME_BYTES + prefill + self.seqs * s.vocab_size * 4
 
     @property
-    def kv_per_token(self) -> int:
-        return self.sizes.kv_bytes_per_token(self.dtype_bytes, self.tp) + self.extra_kv_per_token
-
-    @property
     def state(self) -> int:
         return self.sizes.recurrent_bytes_per_sequence(self.dtype_bytes, self.tp)
 
     @property
     def per_sequence(self) -> int:
-        return self.max_model_len * self.kv_per_token + self.state
+        kv_per_token = self.sizes.kv_bytes_per_token(self.dtype_bytes, self.tp) + self.extra_kv_per_token
+        return self.max_model_len * kv_per_token + self.state
 
     @property
     def room(self) -> int:

@@ -50,10 +50,6 @@ class GangHold:
         return self.seconds * self.gpus / 3600
 
 
-def _backoff(failures: int) -> float:
-    return min(BACKOFF_BASE_S * 2 ** (failures - 1), BACKOFF_MAX_S)
-
-
 def _join_timeout(pod_spec: dict[str, Any]) -> float:
     for arg in pod_spec["containers"][0].get("args", []):
         if arg.startswith("--rdzv-conf=") and (match := _JOIN_TIMEOUT.search(arg.removeprefix("--rdzv-conf="))):
@@ -80,15 +76,12 @@ def dead_rank_hold(obj: dict[str, Any]) -> GangHold:
     t = COLLECTIVE_TIMEOUT_S + POD_START_S
     steps = [f"{COLLECTIVE_TIMEOUT_S:.0f} s until the survivors' collective times out, {POD_START_S:.0f} s to "
              "replace them (exit 75, no retry used)"]
-    failures = 0
-    while True:
+    for failures in range(1, limit + 2):  # until failure limit + 1 fails the index
         t += join
-        failures += 1
         steps.append(f"rendezvous {failures} gives up after {join:.0f} s (exit 1: failure {failures} of each "
                      f"surviving index, backoffLimitPerIndex {limit})")
-        if failures > limit:
-            break
-        t += _backoff(failures) + POD_START_S
+        if failures <= limit:  # the Job controller's backoff, then a replacement starts
+            t += min(BACKOFF_BASE_S * 2 ** (failures - 1), BACKOFF_MAX_S) + POD_START_S
     if max_failed is not None and survivors > int(max_failed):
         steps.append(f"{survivors} failed indexes > maxFailedIndexes {max_failed}: the Job fails")
         return GangHold(t, survivors, survivors * _gpus_per_pod(pod), "maxFailedIndexes", steps)

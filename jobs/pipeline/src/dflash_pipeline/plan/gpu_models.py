@@ -16,16 +16,6 @@ Two more, from the vendors' data sheets, scale the plan's default throughputs, w
 a stage runs on (`throughput_scale`): memory bandwidth for decoding (generate, evaluate: each token reads the
 weights and the KV cache) and dense bf16 tensor throughput for training (large matrix products). A default scaled
 so is an estimate, and the plan says so; a rate measured by a pilot or set in the run file is used as it is.
-
-| product (label) | nvidia-smi total | usable | memory bandwidth | dense bf16 |
-|---|---|---|---|---|
-| NVIDIA-B200 | 183,359 MiB | 178.5 GiB | 8.0 TB/s | 2,250 TFLOPS |
-| NVIDIA-H200 (also NVL) | 143,771 MiB | 139.8 GiB | 4.8 TB/s | 989 TFLOPS |
-| NVIDIA-H100-NVL | 95,830 MiB | 93.0 GiB | 3.9 TB/s | 835 TFLOPS |
-| NVIDIA-H100-80GB-HBM3 (also PCIe, which is slower) | 81,559 MiB | 79.0 GiB | 3.35 TB/s | 989 TFLOPS |
-| NVIDIA-A100-SXM4-80GB (also PCIe 80GB) | 81,559 MiB | 79.0 GiB | 2.04 TB/s | 312 TFLOPS |
-| NVIDIA-A100-SXM4-40GB (also PCIe 40GB) | 40,960 MiB | 39.4 GiB | 1.56 TB/s | 312 TFLOPS |
-| NVIDIA-L40S | 46,068 MiB | 44.4 GiB | 0.86 TB/s | 362 TFLOPS |
 """
 
 from __future__ import annotations
@@ -62,8 +52,9 @@ def _model(name: str, total_mib: int, speeds: tuple[float, float], gpu_class: st
     return GpuModel(name, total, GPU_CLASSES[gpu_class] if gpu_class else total - CUDA_CONTEXT_BYTES, *speeds)
 
 
-# First match wins: the patterns run over the normalised name (upper case, dashes, no vendor prefix).
-# Speeds: (memory bandwidth TB/s, dense bf16 TFLOPS), the module docstring's table.
+# First match wins: the patterns run over the normalised name (upper case, dashes, no vendor prefix). Each product:
+# its label, nvidia-smi's total in MiB, (memory bandwidth TB/s, dense bf16 TFLOPS), and its GPU_CLASSES entry.
+# H200 covers the NVL; the H100 and A100 lines their PCIe forms too (the H100 PCIe is slower than listed).
 TABLE: tuple[tuple[str, GpuModel], ...] = (
     (r"\bB200\b", _model("NVIDIA-B200", 183_359, (8.0, 2250))),
     (r"\bH200\b", _model("NVIDIA-H200", 143_771, (4.8, 989), "141 GB")),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ from dflash_shared.manifests import (
 from dflash_shared.storage import ObjectNotFoundError, ObjectStore, StorageError, join
 from dflash_shared.target_family import stated_parameters
 from dflash_shared.window import MAX_UNREAD_FRACTION
+from dflash_train.training.memory_plan import DRAFTER_STATE_BYTES
 
 # Default estimates, used only where neither a manifest nor the run file says; each is printed as `estimate`.
 # Mean prompt length of chat SFT data (ShareGPT/UltraChat-like histories).
@@ -93,6 +94,10 @@ MOE_RATE_CAP = 3.0
 DEFAULT_COPY_BYTES_PER_S = 500e6
 # Engine/process start after the copy: CUDA context, weights to the GPU, graph capture or compilation.
 START_SECONDS = 300.0
+CPU_POD_START_SECONDS = 60.0  # a CPU stage's pod (import, tokenize): no model to load
+# The drafter the plan sizes checkpoints for before one exists: ~2B parameters (fp32 weights, gradients and AdamW
+# moments in a checkpoint; bf16 weights in an export).
+REFERENCE_DRAFTER_PARAMS = 2e9
 # Stored bytes per token: completions as JSONL with text and token ids, zstd; tokenized Arrow rows (int32 ids,
 # loss mask, document ids, uncompressed). Measured ratios from an earlier run replace these.
 COMPLETION_BYTES_PER_TOKEN = 4.0
@@ -242,17 +247,13 @@ class _Figures:
             return self.put(name, Figure(given, "run file"))
         if scaled is None:
             return self.put(name, Figure(default, "estimate"))
-        return self.put(name, self._for_gpu(default, *scaled))
+        figure = self._for_gpu(default, *scaled)
+        if (moe := moe_rate_factor(self.run.target.model_id)) is not None:
+            factor, why = moe
+            figure = Figure(figure.value * factor, f"{figure.source}; x {factor:.2f}, {why}")
+        return self.put(name, figure)
 
     def _for_gpu(self, default: float, stage: str, bound: str) -> Figure:
-        figure = self._for_gpu_model(default, stage, bound)
-        scale = moe_rate_factor(self.run.target.model_id)
-        if scale is None:
-            return figure
-        factor, why = scale
-        return Figure(figure.value * factor, f"{figure.source}; x {factor:.2f}, {why}")
-
-    def _for_gpu_model(self, default: float, stage: str, bound: str) -> Figure:
         model, _ = gpu_of(self.run, self.run.stages.for_stage(stage))
         if model is None:
             return Figure(default, f"estimate: an {REFERENCE_GPU} figure, the stage's GPU unknown")
@@ -298,7 +299,6 @@ class Limits:
     max_new_tokens: int
     context: int  # the generate engine's max_model_len
     family_budget: int  # the family's own budget (uncapped), what the default answer length is half of
-    capped: bool  # generate stops each completion at its training_window (the context is that window)
     tokenize_window: int  # tokenize's max_length: records are cut there
     window: int  # tokens per record a training row reads: train's max_length, at most tokenize's
     refusal: str | None = None  # why the generate stage would refuse these limits at its start
@@ -320,7 +320,7 @@ def _limits(run: RunConfig) -> Limits:
         refusal = (f"max_new_tokens {max_new:,} / max_model_len {context:,} do not fit inside its training_window "
                    f"{generate_window:,} (cap_to_training_window): the stage refuses them at its start; leave "
                    "them unset, or set cap_to_training_window = false to generate past the window")
-    return Limits(int(max_new), int(context), family.max_new_tokens, capped, tokenize_window, window, refusal)
+    return Limits(int(max_new), int(context), family.max_new_tokens, tokenize_window, window, refusal)
 
 
 def _measured_budget(section: CompletionsSection, limits: Limits, prompt_tokens: float) -> float:
@@ -366,8 +366,7 @@ def _workload(run: RunConfig, figures: _Figures) -> _Workload:
         records = RecordTokens(prompt_tokens, answer, limits.max_new_tokens, limits.context, limits.window)
         completion, length, trained = records.generated, records.length, records.trained
         # What tokenize keeps of a record: the same record against its own max_length.
-        stored = RecordTokens(prompt_tokens, answer, limits.max_new_tokens, limits.context,
-                              limits.tokenize_window).trained
+        stored = replace(records, window=limits.tokenize_window).trained
         _record_figures(figures, records, "run file" if training_window(run) is not None else "estimate")
     else:  # imported conversations: the whole conversation is the record
         completion, length, trained = 0.0, prompt_tokens, min(prompt_tokens, limits.window)
@@ -404,11 +403,11 @@ def _data_tokens(figures: _Figures, prompts: float | None, stored: float, traine
 
 
 def _import(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
-    # Its start is a minute. A sample (a pilot's) is read whole by one pod, which counts only the prompts it draws.
+    # A sample (a pilot's) is read whole by one pod, which counts only the prompts it draws.
     read = run.plan.source_records or w.prompts
     sampled = f" (a sample of {_count(read)} read)" if read != w.prompts else ""
     counted = 0.0 if run.source.kind != "prompts" else (w.prompts or 0) / IMPORT_COUNTED_PROMPTS_PER_S_PER_POD
-    wall = _wall(read, IMPORT_RECORDS_PER_S_PER_POD, pods, 60.0)
+    wall = _wall(read, IMPORT_RECORDS_PER_S_PER_POD, pods, CPU_POD_START_SECONDS)
     wall = None if wall is None else wall + counted / max(pods, 1)
     return StagePlan("import", pods, gpus, wall, 0.0,
                      (w.prompts or 0) * w.prompt_tokens * PROMPT_BYTES_PER_TOKEN, 0,
@@ -453,7 +452,7 @@ def _tokenize(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: 
     per_token = figures.bytes_per_token(Kind.tokenized, "total_tokens", TOKENIZED_BYTES_PER_TOKEN)
     # It reads every token of the records and writes those within its max_length.
     read = None if w.prompts is None else w.prompts * w.record_tokens
-    return StagePlan("tokenize", pods, gpus, _wall(read, rate, pods, 60.0), 0.0,
+    return StagePlan("tokenize", pods, gpus, _wall(read, rate, pods, CPU_POD_START_SECONDS), 0.0,
                      (w.total_tokens or 0) * per_token, 0,
                      f"{_count(read)} tokens read, {_count(w.total_tokens)} kept (max_length "
                      f"{w.limits.tokenize_window:,}); {rate:,.0f} tok/s/pod")
@@ -479,10 +478,9 @@ def _train(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int
         limit += f", a restart resuming from step {restart}"
     # Only the pod holding global rank 0 copies the weights (rank 0 loads and broadcasts them; the other pods
     # copy config and tokenizer files), but any pod may hold rank 0, so each is sized for a copy, with the data
-    # cache beside it. The store keeps `keep` checkpoints of the drafter's weights and AdamW states (~16 bytes
-    # per parameter of a ~2B drafter).
+    # cache beside it. The store keeps `keep` checkpoints of the drafter's weights and AdamW states.
     return StagePlan("train", pods, gpus, _wall(work, rate, gpus, starts * w.target_start), w.target_bytes + cache,
-                     keep * 2e9 * 16, 1,
+                     keep * REFERENCE_DRAFTER_PARAMS * DRAFTER_STATE_BYTES, 1,
                      f"{_count(work)} training tokens ({_count(steps)} steps{limit}, rows of {w.limits.window:,}); "
                      f"{rate:,.0f} tok/s/GPU")
 
@@ -501,8 +499,9 @@ def _decode(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: in
 
 
 def _export(run: RunConfig, figures: _Figures, w: _Workload, pods: int, gpus: int) -> StagePlan:
-    # Reads the final checkpoint (~2B drafter, fp32 weights and optimizer states) and writes bf16 serving files.
-    return StagePlan("export", pods, gpus, 600.0, 2e9 * 16, 2e9 * 2, 0, "the final checkpoint to serving files")
+    # Reads the final checkpoint (fp32 weights and optimizer states) and writes bf16 serving files.
+    return StagePlan("export", pods, gpus, 600.0, REFERENCE_DRAFTER_PARAMS * DRAFTER_STATE_BYTES,
+                     REFERENCE_DRAFTER_PARAMS * 2, 0, "the final checkpoint to serving files")
 
 
 def build_plan(run: RunConfig, store: ObjectStore | None = None, *,

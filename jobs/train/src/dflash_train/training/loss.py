@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 
-# Budget of float32 logits held at once; 1 GiB is ~1,700 tokens of a 152k vocabulary.
-DEFAULT_LOGITS_BYTES = 1 << 30
+from dflash_train.training.memory_plan import DEFAULT_LOGITS_BYTES  # 1 GiB: ~1,700 tokens of a 152k vocabulary
+
 Objective = Literal["data_ce", "target_argmax_ce", "target_kl"]
 Weighting = Literal["exp_decay", "dpace"]
 OBJECTIVES: tuple[str, ...] = ("data_ce", "target_argmax_ce", "target_kl")

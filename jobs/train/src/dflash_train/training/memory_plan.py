@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -105,6 +105,10 @@ class PlanInputs:
     soft_labels: bool = False
 
 
+DRAFTER_PHASE = "drafter forward/backward"
+TARGET_PHASE = "target forward"
+
+
 @dataclass(frozen=True)
 class Term:
     """One line of the plan: what it is, its bytes, and the formula that gives them."""
@@ -113,11 +117,7 @@ class Term:
     bytes: int
     formula: str
     # When the term is alive: all run long ("resident"), or in one phase of a step only.
-    phase: str = "drafter forward/backward"
-
-
-DRAFTER_PHASE = "drafter forward/backward"
-TARGET_PHASE = "target forward"
+    phase: str = DRAFTER_PHASE
 
 
 @dataclass(frozen=True)
@@ -191,16 +191,13 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
         target_w = (sum(kept) // shards + FSDP_GATHERED_LAYERS * max(kept) + tgt.whole_params) * i.target_bytes
         target_note = (f"{len(kept)} of {len(tgt.layer_params)} layers kept, 1/{shards} of each + "
                        f"{FSDP_GATHERED_LAYERS} gathered; embedding and LM head whole")
-        target_load = target_w
     else:
         target_w = (sum(kept) + tgt.whole_params) * i.target_bytes
         target_note = f"{len(kept)} of {len(tgt.layer_params)} layers kept, whole on this rank"
-        # `target_model.loading` drops the unused layers before placing the model on a GPU; on CPU the host is the
-        # device, and transformers reads the whole checkpoint into it first.
-        target_load = target_w
-        if i.device_type == "cpu":
-            target_load = tgt.params * i.target_bytes
     target_note += f", {i.target_bytes} B/param"
+    # `target_model.loading` drops the unused layers before placing the model on a GPU; on CPU the host is the
+    # device, and transformers reads the whole checkpoint into it first (unsharded).
+    target_load = tgt.params * i.target_bytes if i.device_type == "cpu" and not sharded else target_w
 
     # Drafter state: fp32 weights, gradients and two AdamW moments, sharded under FSDP (plus the two gathered
     # layers' bf16 weights and fp32 gradients before their reduce-scatter). DDP keeps a second copy of the
@@ -299,7 +296,7 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
     # boolean build temporaries, as for the drafter's mask) and about one layer's hidden states and MLP
     # activations; feature noise adds an fp32 draw of the features' size and its sum.
     target_fwd = 2 * feat_elems * i.target_bytes + rows * seq * seq * (i.target_bytes + 2)
-    target_fwd += c_tok * (4 * tgt.hidden_size + 3 * tgt.intermediate_size) * i.target_bytes
+    target_fwd += c_tok * tgt.layer_activations_per_token * i.target_bytes
     if i.feature_noise:
         target_fwd += feat_elems * 4 * 2
     terms = (
@@ -378,10 +375,10 @@ def auto_parallelism(requested: str, replica_bytes: int, drafter_params: int, to
 def choose_parallelism(requested: str, replica_bytes: int, drafter_params: int, device: Any) -> str:
     """The train stage's `auto_parallelism` on `device` (a torch.device); off CUDA `auto` is ddp: host memory is not
     what sharding addresses."""
-    if requested not in ("ddp", "fsdp") and device.type != "cuda":
-        return "ddp"
     if requested in ("ddp", "fsdp"):
         return requested
+    if device.type != "cuda":
+        return "ddp"
     import torch
 
     total = torch.cuda.get_device_properties(device).total_memory
@@ -408,7 +405,8 @@ def available_memory(device: Any) -> tuple[int, str]:
         free, total = torch.cuda.mem_get_info(device)
         return int(free), f"torch.cuda.mem_get_info: free of {total / GIB:.1f} GiB on {device}"
     avail, source = _host_available()
-    ranks = _local_ranks()
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()  # the ranks sharing this host
+    ranks = int(raw) if raw.isdigit() and int(raw) > 0 else 1
     if ranks > 1:
         return avail // ranks, f"{source} / {ranks} ranks on this host"
     return avail, source
@@ -443,7 +441,7 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
             continue
         if raw == "max" or int(raw) >= 1 << 60:
             return None
-        stat_file = root / (limit_file.rsplit("/", 1)[0] + "/memory.stat" if "/" in limit_file else "memory.stat")
+        stat_file = (root / limit_file).with_name("memory.stat")
         cache = 0
         try:
             for line in stat_file.read_text().splitlines():
@@ -454,11 +452,6 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
             pass
         return max(0, int(raw) - max(0, usage - cache))
     return None
-
-
-def _local_ranks() -> int:
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 # ------------------------------------------------------------------------------------------ long windows
@@ -557,20 +550,16 @@ def remedy_settings(plan: MemoryPlan) -> list[Remedy]:
         anchors = planned_anchor_count(block, i.max_anchors_per_row, length)
         return _fits(plan, max_length=length, anchors=anchors)
 
-    longest = largest_passing(32, i.max_length - 1, at_length) if i.max_length > 32 else None
-    if longest is not None:
-        out.append(Remedy("max_length", longest))
-    if i.micro_batch_rows > 1:
-        rows = largest_passing(1, i.micro_batch_rows - 1, lambda r: _fits(plan, micro_batch_rows=r))
-        if rows is not None:
-            out.append(Remedy("micro_batch_rows", rows))
-    if i.anchors > 1:
-        def at_cap(cap: int) -> bool:
-            return _fits(plan, max_anchors_per_row=cap, anchors=planned_anchor_count(block, cap, i.max_length))
+    def at_cap(cap: int) -> bool:
+        return _fits(plan, max_anchors_per_row=cap, anchors=planned_anchor_count(block, cap, i.max_length))
 
-        cap = largest_passing(1, i.anchors - 1, at_cap)
-        if cap is not None:
-            out.append(Remedy("max_anchors_per_row", cap))
+    # The largest smaller value of each that fits (none where even the least, 32 tokens or 1, does not).
+    searches = (("max_length", 32, i.max_length, at_length),
+                ("micro_batch_rows", 1, i.micro_batch_rows, lambda r: _fits(plan, micro_batch_rows=r)),
+                ("max_anchors_per_row", 1, i.anchors, at_cap))
+    for setting, least, now, ok in searches:
+        if (value := largest_passing(least, now - 1, ok)) is not None:
+            out.append(Remedy(setting, value))
     if not i.activation_checkpointing and _fits(plan, activation_checkpointing=True):
         out.append(Remedy("activation_checkpointing", True))
     if i.backend == "sdpa" and i.device_type == "cuda" and _fits(plan, backend="flex"):
@@ -584,23 +573,22 @@ def remedy_settings(plan: MemoryPlan) -> list[Remedy]:
     return out
 
 
-def _stage_flag(remedy: Remedy) -> str:
-    """A remedy as the train stage's command line and environment set it."""
-    value = remedy.value
-    return {
-        "max_length": f"max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= {value}",
-        "micro_batch_rows": f"micro_batch_rows (--micro-batch-rows) <= {value}",
-        "max_anchors_per_row": f"max_anchors_per_row (--max-anchors-per-row) <= {value}",
-        "activation_checkpointing": "activation_checkpointing=true (--activation-checkpointing)",
-        "attention_backend": "attention_backend=flex (--attention-backend flex)",
-        "parallelism": "parallelism=fsdp (--parallelism fsdp)",
-        "fsdp_ranks": f"parallelism=fsdp over {value} ranks (torchrun --nproc-per-node {value})",
-    }[remedy.setting]
+# Each remedy as the train stage's command line and environment set it (`{}`: the remedy's value).
+_STAGE_FLAGS = {
+    "max_length": "max_length (--max-length / DFLASH_TRAIN_MAX_LENGTH) <= {}",
+    "micro_batch_rows": "micro_batch_rows (--micro-batch-rows) <= {}",
+    "max_anchors_per_row": "max_anchors_per_row (--max-anchors-per-row) <= {}",
+    "activation_checkpointing": "activation_checkpointing=true (--activation-checkpointing)",
+    "attention_backend": "attention_backend=flex (--attention-backend flex)",
+    "parallelism": "parallelism=fsdp (--parallelism fsdp)",
+    "fsdp_ranks": "parallelism=fsdp over {0} ranks (torchrun --nproc-per-node {0})",
+}
 
 
-def remedies(plan: MemoryPlan) -> list[str]:
-    """Settings that would make `plan` fit, each checked by re-planning with it changed, as the stage's flags."""
-    return [_stage_flag(remedy) for remedy in remedy_settings(plan)]
+def remedies(plan: MemoryPlan, phrasing: Mapping[str, str] = _STAGE_FLAGS) -> list[str]:
+    """Settings that would make `plan` fit, each checked by re-planning with it changed, phrased by `phrasing`
+    (a template per `Remedy.setting`; default: the train stage's flags)."""
+    return [phrasing[remedy.setting].format(remedy.value) for remedy in remedy_settings(plan)]
 
 
 def refusal_message(plan: MemoryPlan, fixes: list[str] | None = None) -> str:
@@ -611,13 +599,12 @@ def refusal_message(plan: MemoryPlan, fixes: list[str] | None = None) -> str:
     alive = [t for t in plan.terms if t.phase in ("resident", phase)]
     biggest = sorted(alive, key=lambda t: t.bytes, reverse=True)[:3]
     fixes = remedies(plan) if fixes is None else fixes
-    text = (f"predicted peak memory {_gib(plan.peak)} per rank does not fit the {_gib(plan.available)} available "
+    return (f"predicted peak memory {_gib(plan.peak)} per rank does not fit the {_gib(plan.available)} available "
             f"({plan.available_source}); it peaks in the {phase}, whose largest terms are "
             + ", ".join(f"{t.name} {_gib(t.bytes)}" for t in biggest)
             + ". Change one of: " + ("; ".join(fixes) if fixes else
                                    "max_length, micro_batch_rows, max_anchors_per_row, parallelism (none alone fits)")
             + f"\n{plan.table()}")
-    return text
 
 
 def check(plan: MemoryPlan, any_rank: Callable[[bool], bool] | None = None) -> None:

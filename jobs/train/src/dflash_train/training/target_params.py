@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_shared.errors import ConfigError
-from dflash_shared.target_family import EXPERT_COUNT_KEYS, family_of_config, is_hybrid_config
+from dflash_shared.target_family import EXPERT_COUNT_KEYS, FAMILIES, family_of_config, is_hybrid_config
 
 # Bytes per parameter of the dtypes a config.json or an engine setting names.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -51,6 +51,17 @@ _NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|multi_modal_projector)\.|^
 # Softmax-attention layer kinds. A sliding-window layer holds fewer keys than a full one; counting its cache as
 # full keeps the figure an upper bound.
 _ATTENTION = ("full_attention", "sliding_attention")
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
+    """K and V of one token in `layers` attention layers, on one GPU of a `tp`-way engine (a target's cache, or
+    a drafter's beside it in the serving engine)."""
+    return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
+
+
+def tied_embeddings(raw: Mapping[str, Any]) -> bool:
+    """Whether the LM head is the input embedding (the text config's flag, else the outer config's)."""
+    return bool(text_config(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
 
 
 def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,8 +134,13 @@ class TargetSizes:
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
         """K and V of one token in every full-attention layer, on one GPU of a `tp`-way engine."""
-        heads = max(1, self.num_key_value_heads // tp)
-        return 2 * self.full_attention_layers * heads * self.head_dim * dtype_bytes
+        return kv_bytes_per_token(self.full_attention_layers, self.num_key_value_heads, self.head_dim, dtype_bytes, tp)
+
+    @property
+    def layer_activations_per_token(self) -> int:
+        """Elements one decoder layer's forward holds per token at its peak, about: its hidden states and MLP
+        activations (the memory plan's target forward; the fit check's evaluation prefill)."""
+        return 4 * self.hidden_size + 3 * self.intermediate_size
 
     def recurrent_bytes_per_sequence(self, dtype_bytes: int, tp: int = 1) -> int:
         """The fixed state of one sequence in every linear-attention layer, on one GPU of a `tp`-way engine."""
@@ -143,8 +159,9 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
     hybrid = is_hybrid_config(text)
     # The families' architectures (dflash_shared.target_family) are counted; anything else is refused, never guessed.
     if not hybrid and family_of_config(text) is None:
-        raise ValueError(f"config.json of a {architecture} (model_type {model_type!r}): only dense Qwen3 "
-                         "(Qwen3ForCausalLM) and Qwen3.5/3.6 (Qwen3_5ForConditionalGeneration) targets are counted")
+        counted = ", ".join(sorted(kind for family in FAMILIES for kind in family.model_types))
+        raise ValueError(f"config.json of a {architecture} (model_type {model_type!r}) is not counted: the model types "
+                         f"counted are those of the target families (dflash_shared.target_family): {counted}")
     try:
         layers = int(text["num_hidden_layers"])
         hidden = int(text["hidden_size"])
@@ -183,7 +200,7 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
         else:
             raise ValueError(f"config.json: layer type {kind!r} is not counted ({', '.join(_ATTENTION)}, "
                              "linear_attention)")
-    tied = bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+    tied = tied_embeddings(raw)
     whole = vocab * hidden * (1 if tied else 2) + hidden
     dtype = str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
                 or "bfloat16")
@@ -232,7 +249,7 @@ def checkpoint_sizes(target_dir: str | Path) -> TargetSizes:
         counted = target_sizes(raw)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    tied = bool(text_config(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+    tied = tied_embeddings(raw)
     per_layer = [0] * len(counted.layer_params)
     whole, vocab = 0, counted.vocab_size
     files = sorted(root.glob("*.safetensors"))
@@ -256,14 +273,6 @@ def checkpoint_sizes(target_dir: str | Path) -> TargetSizes:
                    else ())
 
 
-def replica_bytes(target_dir: str | Path, stored_bytes: int, loaded_bytes: int) -> int:
-    """Device bytes of one whole replica of the target as loaded (`loaded_bytes` per parameter): its weight files'
-    sizes (everything they hold, vision tower and MTP included), rescaled from the `stored_bytes` per parameter of
-    the files (`TargetSizes.dtype_bytes`). What `parallelism = auto` weighs; the plan's weights term counts layers."""
-    files = sum(p.stat().st_size for p in Path(target_dir).glob("*") if p.suffix in (".safetensors", ".bin"))
-    return files * loaded_bytes // stored_bytes
-
-
 def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
     """(name, element count, shape) of each tensor: the file's 8-byte length, then its JSON header."""
     with open(path, "rb") as fh:
@@ -275,6 +284,10 @@ def _safetensors_entries(path: Path) -> list[tuple[str, int, list[int]]]:
 
 def loaded_sizes(target_dir: str | Path, loaded_bytes: int) -> tuple[TargetSizes, int]:
     """The checkpoint's sizes (`checkpoint_sizes`) and the device bytes of one whole replica loaded at `loaded_bytes`
-    per parameter (`replica_bytes`): what the train stage weighs its parallelism and memory plan with."""
+    per parameter: what the train stage weighs its parallelism and memory plan with. The replica is the weight
+    files' sizes (everything they hold, vision tower and MTP included) rescaled from their stored bytes per
+    parameter (`TargetSizes.dtype_bytes`); what `parallelism = auto` weighs, where the plan's weights term counts
+    layers."""
     sizes = checkpoint_sizes(target_dir)
-    return sizes, replica_bytes(target_dir, sizes.dtype_bytes, loaded_bytes)
+    files = sum(p.stat().st_size for p in Path(target_dir).glob("*") if p.suffix in (".safetensors", ".bin"))
+    return sizes, files * loaded_bytes // sizes.dtype_bytes
