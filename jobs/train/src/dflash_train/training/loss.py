@@ -114,8 +114,7 @@ class _LinearTokenLoss(torch.autograd.Function):
                 grad, scale, token_loss[start:end], pred[start:end] = _chunk_loss(
                     h, weight, labels[start:end], None if soft is None else soft[start:end], stats)
                 if grad_h is not None:
-                    # d loss_t / d logits = (softmax - label distribution); a bf16 head's is normalised after the
-                    # matmul, on [T, H].
+                    # d loss_t / d logits = (softmax - label distribution), normalised after the matmul, on [T, H].
                     grad_h[start:end] = ((grad @ weight).to(stats) / scale.unsqueeze(1)).to(hidden.dtype)
                 del grad
         ctx.mark_non_differentiable(pred)
@@ -156,11 +155,10 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, sof
     """(scale * d loss / d logits [T, V], scale [T], loss [T], argmax [T]) of one chunk.
 
     One buffer of logits in the head's dtype, worked on in place: its max, then exp(logits - max), whose row sums
-    (row_sum, in `stats`) give the loss. A float32 head then normalises the buffer (scale 1). A bf16 head does not:
-    the label distribution times row_sum is subtracted in `stats` (at the label: exact where the drafter is
-    confident), and the caller divides by scale = row_sum after its matmul, on [T, H]. That is four passes over a
-    bf16 buffer, where a float32 copy took six and two conversions (a bf16 step 2.0x faster on CPU:
-    docs/benchmarks.md)."""
+    (row_sum, in `stats`) give the loss. The buffer is not normalised: the label distribution times row_sum is
+    subtracted in `stats` (at the label: exact where the drafter is confident), and the caller divides by
+    scale = row_sum after its matmul, on [T, H]. That is four passes over a bf16 buffer, where a float32 copy took
+    six and two conversions (a bf16 step 2.0x faster on CPU: docs/benchmarks.md)."""
     logits = h @ weight.t()
     row_max, pred = logits.max(dim=-1)
     if soft is None:
@@ -184,15 +182,6 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, sof
         row_sum = exp.sum(dim=-1).to(stats) + 1
         exp[rows, pred] = 1
     loss = row_max.to(stats) + row_sum.log() - label_logit
-    if exp.dtype == stats:
-        # A float32 (or float64) head normalises in place, as it always has: its training is unchanged to the bit.
-        exp.div_(row_sum.unsqueeze(1))
-        scale = torch.ones_like(row_sum)
-        if soft is None:
-            exp[rows, labels] -= 1.0
-        else:
-            exp.sub_(p)
-        return exp, scale, loss, pred
     if soft is None:
         exp[rows, labels] = (exp[rows, labels].to(stats) - row_sum).to(exp.dtype)
     else:
