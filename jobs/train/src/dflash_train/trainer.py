@@ -169,9 +169,10 @@ class Trainer:
                             setup.scratch, config.keep_checkpoints)
                         self.save_seconds = time.perf_counter() - started
                         saved = (self.step, self.last_checkpoint.uri)
-                    if stopping:  # due: saved just now
+                    if stopping:
+                        assert saved is not None  # a stop is due: saved just now
                         log.warning("stopped at step %d (%s); checkpoint %s written in %.1f s; a rerun resumes "
-                                    "from it", self.step, stopping, saved and saved[1], self.save_seconds or 0.0)
+                                    "from it", self.step, stopping, saved[1], self.save_seconds or 0.0)
                         raise Preempted(stopping)
             if self.step != self.total_steps or self.last_checkpoint is None:
                 raise RuntimeError(f"the data loader ended at step {self.step} of {self.total_steps}")

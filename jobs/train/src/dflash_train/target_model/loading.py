@@ -109,7 +109,8 @@ def load_target(
     World size 1 loads directly; otherwise rank 0 reads the checkpoint and broadcasts it (module docstring).
     """
     if env.is_main:
-        # Sharded: read into host memory, each layer then goes to the device as this rank's shard only.
+        # Rank 0 (the only rank of world 1) reads the checkpoint. Sharded: into host memory, each layer then goes to
+        # the device as this rank's shard only.
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
