@@ -97,9 +97,8 @@ class FrozenTarget:
         self.layer_ids = [int(i) for i in layer_ids]
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"layer ids must be a non-empty list without repeats, got {self.layer_ids}")
-        if not all(0 <= i < self.num_layers for i in self.layer_ids):
-            raise ValueError(f"target layer ids {self.layer_ids} outside 0..{self.num_layers - 1} for a "
-                             f"{self.num_layers}-layer target")
+        # The serving engine must capture every id: the last layer only on targets whose vLLM code records it.
+        check_target_layer_ids(self.config, self.layer_ids, self.num_layers)
         self.keep_output = keep_output
         keep_layers = self.num_layers if keep_output else max(self.layer_ids) + 1
         decoder.layers = nn.ModuleList(list(layers)[:keep_layers])
@@ -116,8 +115,6 @@ class FrozenTarget:
             decoder.layers[layer_id].register_forward_hook(self._hook(layer_id))
         if keep_output:
             decoder.norm.register_forward_hook(self._hook(FINAL))
-        # The serving engine must capture every id: the last layer only on targets whose vLLM code records it.
-        check_target_layer_ids(self.config, self.layer_ids, self.num_layers)
 
     @classmethod
     def from_pretrained(

@@ -108,15 +108,15 @@ def checkpoint_uri(output: str, step: int) -> str:
 # ---------------------------------------------------------------------------------------- store side
 
 
-def _step_folders(store: ObjectStore, output: str) -> dict[int, tuple[str, set[str]]]:
-    """Step -> its folder, as the store listed it, and the names of the files found in it."""
+def _step_folders(store: ObjectStore, output: str) -> dict[int, set[str]]:
+    """Step -> names of the files found in its folder."""
     root = join(output, CHECKPOINTS)
-    found: dict[int, tuple[str, set[str]]] = {}
+    found: dict[int, set[str]] = {}
     for uri in store.list(root):
         parts = uri[len(root):].strip("/").split("/")
         match = _STEP_DIR.match(parts[0]) if len(parts) == 2 else None
         if match:
-            found.setdefault(int(match.group(1)), (uri.rsplit("/", 1)[0], set()))[1].add(parts[1])
+            found.setdefault(int(match.group(1)), set()).add(parts[1])
     return found
 
 
@@ -135,11 +135,12 @@ def _read_marker(store: ObjectStore, uri: str, names: set[str]) -> CompleteMarke
     return marker
 
 
-def complete_checkpoints(store: ObjectStore, output: str, folders: dict[int, tuple[str, set[str]]] | None = None,
+def complete_checkpoints(store: ObjectStore, output: str, folders: dict[int, set[str]] | None = None,
                          ) -> list[CheckpointRef]:
     """Usable checkpoints under `output`, oldest first (`folders`: its step folders, where already listed)."""
     refs = []
-    for step, (uri, names) in sorted((_step_folders(store, output) if folders is None else folders).items()):
+    for step, names in sorted((_step_folders(store, output) if folders is None else folders).items()):
+        uri = checkpoint_uri(output, step)
         marker = _read_marker(store, uri, names)
         if marker is not None:
             refs.append(CheckpointRef(uri, step, marker))
@@ -187,9 +188,10 @@ def prune(store: ObjectStore, output: str, keep: int) -> None:
     complete = [ref.step for ref in complete_checkpoints(store, output, folders)]  # one listing of the store
     kept = set(complete[-keep:])
     newest = max(kept, default=-1)
-    for step, (uri, names) in folders.items():
+    for step, names in folders.items():
         if step in kept or step > newest:
             continue
+        uri = checkpoint_uri(output, step)
         # The marker goes first, so that a prune cut short never leaves a "complete" folder with holes.
         for name in sorted(names, key=lambda n: n != COMPLETE):
             store.delete(join(uri, name))
