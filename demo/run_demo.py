@@ -19,7 +19,8 @@ prompts.
 - `qwen3_moe`: a random 4-layer Qwen3 mixture of experts (Qwen3-30B-A3B's layout: 8 experts a layer, 2 routed per
   token);
 - `qwen3_6_moe`: the `qwen3_6` hybrid as a mixture of experts (Qwen3.6's MoE siblings' layout: 8 routed experts and
-  a gated shared one a layer).
+  a gated shared one a layer);
+- `qwen2`: a random dense 4-layer Qwen2 (Qwen2.5's layout, vocabulary and template: no thinking mode).
 Each has its own run id and model folder, so the runs can share a store.
 """
 
@@ -67,7 +68,7 @@ SERVE_CHECK = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
 # vLLM's CPU build sizes its KV cache from free memory unless told (6 GiB here for a 512-token context); 1 GiB
 # holds every sequence these stages run at once, and sets the demo's peak memory.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-TARGETS = ("speaking", "qwen3", "qwen3_6", "qwen3_moe", "qwen3_6_moe")
+TARGETS = ("speaking", "qwen3", "qwen3_6", "qwen3_moe", "qwen3_6_moe", "qwen2")
 TARGET_ENV = "DFLASH_DEMO_TARGET"
 # Per target: run id (it names the Jobs: lowercase letters, digits, '-'), model folder, and what differs from
 # the defaults above. The debug drafter preset fits the 4-layer Qwen3 target (layers 1 and 2); the 8-layer
@@ -92,6 +93,9 @@ PER_TARGET: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"run_id": "demo-qwen3-moe", "model": "model-qwen3_moe", "stages": {}, "pilot": {"prompts": 80}},
     "qwen3_6_moe": {"run_id": "demo-qwen36-moe", "model": "model-qwen3_6_moe", "stages": {"train": HYBRID_TRAIN},
                     "pilot": {"prompts": 80}},
+    # Left unset, as a Qwen2.5 user would: the stages settle it from the family, which has no thinking mode.
+    "qwen2": {"run_id": "demo-qwen2", "model": "model-qwen2", "stages": {}, "pilot": {"prompts": 80},
+              "enable_thinking": None},
 }
 # Every stage runs on this machine's CPU: no GPU requests, no GPU tolerations.
 ON_CPU = {"gpus": 0, "tolerations": []}
@@ -110,7 +114,8 @@ def run_file(model: Path, root: str, overrides: dict[str, Any], target: str = "s
     return {
         "run_id": PER_TARGET[target]["run_id"],
         "root": root,
-        "target": {"model_id": f"tiny-{target}-demo", "uri": str(model), "enable_thinking": False},
+        "target": {"model_id": f"tiny-{target}-demo", "uri": str(model),
+                   "enable_thinking": PER_TARGET[target].get("enable_thinking", False)},
         "source": {"kind": "prompts", "uri": f"{str(root).rstrip('/')}/{source_folder(target)}"},
         "stages": stages,
         # `--overrides` may also hold a [pilot] table: the counts of the run's pilot.

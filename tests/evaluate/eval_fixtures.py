@@ -58,9 +58,10 @@ MASK_ID = SPECIAL["mask"]
 
 
 def arch_of(target_dir: Path) -> TargetArch:
-    """Which tiny target a directory holds, from its config.json (qwen3_5 = the Qwen3.6 architecture)."""
+    """Which tiny target's vocabulary a directory holds, from its config.json (qwen3_5 = the Qwen3.6 architecture,
+    qwen2 = Qwen2.5's; the others Qwen3's)."""
     model_type = json.loads((Path(target_dir) / "config.json").read_text())["model_type"]
-    return "qwen3_6" if model_type == "qwen3_5" else "qwen3"
+    return {"qwen3_5": "qwen3_6", "qwen2": "qwen2"}.get(model_type, "qwen3")  # type: ignore[return-value]
 
 
 def special_ids(target_dir: Path) -> dict[str, int]:
@@ -263,13 +264,16 @@ def untrained_like(drafter: Any) -> Any:
 
 
 def drafter_config(block_size: int = 8, arch: TargetArch = "qwen3") -> DrafterConfig:
-    """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer Qwen3 target, or
-    over layers 1, 3 and 5 (linear, full, linear attention) of the 8-layer Qwen3.6-architecture target."""
+    """The tiny drafter: 2 full-attention layers over target layers 1 and 2 of the 4-layer Qwen3 (or Qwen2.5, with
+    its own mask token) target, or over layers 1, 3 and 5 (linear, full, linear attention) of the 8-layer
+    Qwen3.6-architecture target."""
     from dflash_train.drafter.config import DrafterConfig
 
     if arch == "qwen3_6":
         return DrafterConfig.debug(block_size=block_size, num_target_layers=8,
                                    target_layer_ids=[1, 3, 5], mask_token_id=qwen_special_ids(arch)["mask"])
+    if arch == "qwen2":
+        return DrafterConfig.debug(block_size=block_size, mask_token_id=qwen_special_ids(arch)["mask"])
     return DrafterConfig.debug(block_size=block_size, mask_token_id=MASK_ID)
 
 

@@ -45,7 +45,8 @@ def test_flags_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None
 def test_thinking_defaults_to_the_recommended_thinking_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     clear_stage_env(monkeypatch)
     config = parse_settings(GenerateConfig, BASE)
-    assert config.enable_thinking is True
+    # Unset: the family's default mode, thinking for Qwen3.
+    assert config.enable_thinking is None and config.settle().enable_thinking is True
     # Qwen3's 8K budget, capped to what the default 4,096-token training window holds beside a prompt.
     assert config.sampling() == qwen_thinking().with_overrides(max_tokens=4095)
 
@@ -88,7 +89,7 @@ def test_worker_layout_covers_every_engine_once(monkeypatch: pytest.MonkeyPatch)
 def test_target_identity_uses_the_shared_hashes(qwen3_tokenizer_dir: Path) -> None:
     config = GenerateConfig(input="i", output="o", model=str(qwen3_tokenizer_dir), model_id="org/tiny",
                             enable_thinking=False)
-    target = target_identity(config, str(qwen3_tokenizer_dir), "abc123")
+    target = target_identity(config, str(qwen3_tokenizer_dir), "abc123", enable_thinking=False)
     assert target.tokenizer_sha256 == identity.tokenizer_sha256(qwen3_tokenizer_dir)
     assert target.chat_template_sha256 == identity.chat_template_sha256(qwen3_tokenizer_dir)
     assert (target.model_id, target.revision, target.enable_thinking) == ("org/tiny", "abc123", False)
@@ -96,4 +97,5 @@ def test_target_identity_uses_the_shared_hashes(qwen3_tokenizer_dir: Path) -> No
     assert (special.end_of_turn, special.think_start, special.think_end) == (
         IDS["im_end"], IDS["think_start"], IDS["think_end"])
     with pytest.raises(ConfigError, match=re.escape("end_of_turn token '<|eot_id|>' is not in the vocabulary")):
-        target_identity(config.model_copy(update={"end_of_turn": "<|eot_id|>"}), str(qwen3_tokenizer_dir), None)
+        target_identity(config.model_copy(update={"end_of_turn": "<|eot_id|>"}), str(qwen3_tokenizer_dir), None,
+                        enable_thinking=False)

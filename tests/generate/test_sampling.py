@@ -44,6 +44,8 @@ def test_family_presets() -> None:
     assert values(default_sampling(False, "qwen3_5")) == (0.7, 0.8, 20, 0.0, 1.5, 1.0)
     # The MoE family samples as dense Qwen3 does (its model card's values).
     assert default_sampling(True, "qwen3_moe") == default_sampling(True, "qwen3")
+    # Qwen2.5 has one mode, with a light repetition penalty (its generation_config.json's values).
+    assert values(default_sampling(False, "qwen2")) == (0.7, 0.8, 20, 0.0, 0.0, 1.05)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +90,20 @@ def test_non_thinking_mode_keeps_the_preset() -> None:
     choice = choose_sampling("qwen3_5", False, SHIPPED)
     assert choice.sampling == default_sampling(False, "qwen3_5")
     assert set(choice.sources.values()) == {"preset:qwen3_5/non_thinking"}
+
+
+def test_a_family_without_thinking_settles_to_its_only_mode_and_reads_its_generation_config() -> None:
+    """Qwen2.5 has no thinking mode: unset, enable_thinking settles off there (on for the families that think);
+    its generation_config.json is that mode's; thinking on is refused before any engine starts (exit 64)."""
+    qwen2 = TargetInfo(model_type="qwen2", family="qwen2", generation_config=SHIPPED)
+    settled = generate_config().settle(qwen2)
+    assert settled.enable_thinking is False
+    assert values(settled.sampling) == (0.9, 0.9, 40, 0.0, 0.0, 1.05)
+    assert settled.choice.sources["temperature"] == "generation_config"
+    assert generate_config().settle(TargetInfo()).enable_thinking is True
+    assert generate_config(enable_thinking=False).settle(TargetInfo()).enable_thinking is False
+    with pytest.raises(ConfigError, match="enable_thinking: qwen2 targets have no thinking mode"):
+        generate_config(enable_thinking=True).settle(qwen2)
 
 
 def test_explicit_values_always_win() -> None:

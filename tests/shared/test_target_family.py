@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_shared.target_family import (
+    FAMILIES,
+    QWEN2,
     QWEN3,
     QWEN3_5,
     QWEN3_MOE,
@@ -28,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
     ("Qwen/Qwen3-8B", QWEN3), ("Qwen/Qwen3-30B-A3B", QWEN3_MOE), ("Qwen/Qwen3-Coder-30B-A3B-Instruct", QWEN3_MOE),
     ("Qwen/Qwen3-235B-A22B-Thinking-2507", QWEN3_MOE), ("tiny-qwen3_moe-demo", QWEN3_MOE),
     ("Qwen/Qwen3.6-27B", QWEN3_5), ("Qwen/Qwen3.5-397B-A17B", QWEN3_5), ("org/my-finetune-of-qwen3.6", QWEN3_5),
-    ("tiny-demo", QWEN3),
+    ("Qwen/Qwen2.5-7B-Instruct", QWEN2), ("Qwen/Qwen2-72B-Instruct", QWEN2), ("tiny-qwen2-demo", QWEN2),
+    ("Qwen/Qwen2.5-Coder-32B-Instruct", QWEN2), ("tiny-demo", QWEN3),
 ])
 def test_the_plan_knows_the_family_from_the_model_id(model_id: str, family: object) -> None:
     assert family_of_model_id(model_id) is family
@@ -54,6 +57,7 @@ def test_a_mixture_of_experts_is_known_from_its_config() -> None:
     ({"model_type": "qwen3_moe", "num_experts": 128}, QWEN3_MOE, False),
     ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, QWEN3_5, True),  # a multimodal one
     ({"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"]}, QWEN3_5, True),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, QWEN2, False),
     ({"model_type": "llama"}, None, False),
     ({"model_type": "other", "text_config": {"layer_types": ["linear_attention"]}}, None, True),
 ])
@@ -64,6 +68,14 @@ def test_the_stages_know_the_family_and_hybrids_from_config_json(config: dict, f
     obj = SimpleNamespace(**{k: v for k, v in config.items() if k != "text_config"},
                           **({"text_config": SimpleNamespace(**text)} if text else {}))
     assert family_of_config(config_view(obj)) is family and is_hybrid_config(config_view(obj)) is hybrid
+
+
+def test_a_family_without_a_thinking_mode_refuses_thinking_and_keeps_its_instruct_sampling() -> None:
+    assert [family.name for family in FAMILIES if not family.thinks] == ["qwen2"]
+    assert QWEN2.sampling(False).repetition_penalty == 1.05 and QWEN3.sampling(False).repetition_penalty == 1.0
+    with pytest.raises(ValueError, match="qwen2 targets have no thinking mode: set enable_thinking = false"):
+        QWEN2.sampling(True)
+    assert QWEN3.sampling(True).temperature == 0.6 and QWEN3_5.sampling(True).presence_penalty == 1.5
 
 
 def test_no_other_module_tests_a_model_type_or_a_model_id() -> None:

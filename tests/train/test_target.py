@@ -24,7 +24,7 @@ from dflash_train.target_model.linear_kernels import REFERENCE, kernel_status, u
 from dflash_train.training.step import dflash_step
 from tests.support.qwen_assets import qwen_embedding_rows, qwen_special_ids
 from tests.support.step_recipe import step_recipe, step_runtime
-from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
+from tests.support.tiny_target import MOE_ARCHS, QWEN2_ARCHS, TargetArch, build_tiny_target
 
 ALL_IDS = [0, 1, 2]  # every id a 4-layer target allows (the last layer is excluded)
 # Per architecture: layer ids (the hybrid's 3 is a full-attention layer, the others Gated DeltaNet) and
@@ -357,22 +357,23 @@ def test_step_leaves_the_target_frozen_and_its_embedding_unresized(arch_target_d
         assert torch.equal(tensor, after[name]), name
 
 
-# The mixture-of-experts families' tiny targets: Qwen3-MoE (4 layers, all full attention) and Qwen3.6-MoE (the
-# hybrid pattern, a shared expert beside the routed ones).
-MOE_IDS = {"qwen3_moe": [0, 1, 2], "qwen3_6_moe": [0, 2, 3, 5]}
+# The other families' tiny targets: Qwen3-MoE (4 layers, all full attention), Qwen3.6-MoE (the hybrid pattern, a
+# shared expert beside the routed ones) and Qwen2.5 (4 dense layers, biased q/k/v, no q/k norms).
+FAMILY_IDS = {"qwen3_moe": [0, 1, 2], "qwen3_6_moe": [0, 2, 3, 5], "qwen2": [1, 2]}
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_a_mixture_of_experts_target_is_hooked_frozen_and_packed_exactly(arch: TargetArch, qwen_docs):
-    """Hooks on the layer ids read what transformers' hidden states say; the router and every expert are frozen
-    with the rest; a packed row's features equal each document's alone (routing is per token)."""
+@pytest.mark.parametrize("arch", MOE_ARCHS + QWEN2_ARCHS)
+def test_the_other_families_targets_are_hooked_frozen_and_packed_exactly(arch: TargetArch, qwen_docs):
+    """Hooks on the layer ids read what transformers' hidden states say; every weight is frozen (a mixture's router
+    and experts included); a packed row's features equal each document's alone (routing is per token)."""
     target_dir = build_tiny_target(arch)
-    target = FrozenTarget.from_pretrained(target_dir, MOE_IDS[arch])
+    target = FrozenTarget.from_pretrained(target_dir, FAMILY_IDS[arch])
     reference = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     _assert_hooks_read_the_hidden_states(target, reference, qwen_docs[0][0])
     expert_params = {name: p for name, p in target.model.named_parameters() if "experts" in name or ".gate." in name
                      or name.endswith("mlp.gate.weight")}
-    assert expert_params and not any(p.requires_grad for p in target.model.parameters())
+    assert bool(expert_params) == (arch in MOE_ARCHS)
+    assert not any(p.requires_grad for p in target.model.parameters())
     docs = qwen_docs[:4]
     batch = _two_rows(docs)
     _assert_rows_match(target.features(batch.input_ids, batch.position_ids, batch.document_ids),

@@ -17,8 +17,8 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.training import anchor_ladder, anchors, memory_plan
 from dflash_train.training.memory_plan import auto_parallelism
 from dflash_train.training.target_params import ConfigView, checkpoint_sizes, target_sizes, text_config
-from tests.support.published_configs import QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B
-from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
+from tests.support.published_configs import QWEN2_5_7B, QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B
+from tests.support.tiny_target import MOE_ARCHS, QWEN2_ARCHS, TargetArch, build_tiny_target
 
 
 def test_from_config_equals_the_checkpoint_headers(target_arch: str) -> None:
@@ -44,8 +44,8 @@ QWEN3_5_MOE_TOY: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("config", [QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B, QWEN3_5_MOE_TOY],
-                         ids=["qwen3.6-27b", "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-moe"])
+@pytest.mark.parametrize("config", [QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B, QWEN3_5_MOE_TOY, QWEN2_5_7B],
+                         ids=["qwen3.6-27b", "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-moe", "qwen2.5-7b"])
 def test_from_config_equals_the_model_transformers_builds(config: dict[str, Any]) -> None:
     """The published shapes, counted against the modules transformers builds (on the meta device: no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -61,7 +61,7 @@ def test_from_config_equals_the_model_transformers_builds(config: dict[str, Any]
 
 
 @pytest.mark.parametrize(("config", "total_b", "active_b"), [
-    (QWEN3_30B_A3B, 30.5, 3.35), (QWEN3_8B, 8.19, 8.19), (QWEN3_6_27B, 26.9, 26.9)])
+    (QWEN3_30B_A3B, 30.5, 3.35), (QWEN3_8B, 8.19, 8.19), (QWEN3_6_27B, 26.9, 26.9), (QWEN2_5_7B, 7.61, 7.61)])
 def test_a_mixture_of_experts_holds_every_expert_and_runs_the_routed_ones(config: dict[str, Any], total_b: float,
                                                                            active_b: float) -> None:
     """The model card's counts: Qwen3-30B-A3B holds 30.5B parameters and runs 3.3B per token (router, 8 of 128
@@ -71,14 +71,16 @@ def test_a_mixture_of_experts_holds_every_expert_and_runs_the_routed_ones(config
     assert sizes.active_params / 1e9 == pytest.approx(active_b, abs=0.05)
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_the_moe_fixtures_from_config_equal_their_checkpoints(arch: TargetArch) -> None:
+@pytest.mark.parametrize("arch", MOE_ARCHS + QWEN2_ARCHS)
+def test_the_other_families_fixtures_from_config_equal_their_checkpoints(arch: TargetArch) -> None:
     """The tiny mixture-of-experts targets' config.json counts their checkpoints exactly, every expert's weights
-    (and Qwen3.6-MoE's shared experts) included, its MTP layer not."""
+    (and Qwen3.6-MoE's shared experts) included, its MTP layer not; and Qwen2.5's, whose q/k/v biases its config
+    does not state (the family does)."""
     target_dir = build_tiny_target(arch)
     raw = json.loads((target_dir / "config.json").read_text())
     assert target_sizes(raw) == checkpoint_sizes(target_dir)
-    assert target_sizes(raw).active_params < target_sizes(raw).params
+    sizes = target_sizes(raw)
+    assert (sizes.active_params < sizes.params) == (arch in MOE_ARCHS)
 
 
 def _drafters(raw: dict[str, Any], tmp_path: Path, **overrides: Any) -> tuple[DrafterConfig, DrafterConfig]:

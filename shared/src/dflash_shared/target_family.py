@@ -1,5 +1,6 @@
 """What a target family is, said once: which checkpoints belong to it, whether it is a hybrid or a mixture of
-experts, its generation budget, its recommended sampling, and the sizes a model id states. Every stage and the
+experts, whether it has a thinking mode, its generation budget, its recommended sampling, and the sizes a model id
+states. Every stage and the
 plan ask here; no other module tests a model type or reads a model id.
 
 A family is known from a target's config.json (`family_of_config`: its `model_type`, at the top level or under
@@ -13,20 +14,25 @@ A mixture-of-experts target (`is_moe_config`: its config states `num_experts`) h
 runs `num_experts_per_tok` of them per token: the memory model counts its total parameters, the plan's throughput
 its active ones (`stated_parameters` reads both from a model id such as "Qwen3-30B-A3B").
 
-| family | model types | hybrid | experts | budget (new / context) | sampling |
-|---|---|---|---|---|---|
-| qwen3 | qwen3 | no | no | 8,192 / 16,384 | Qwen3's |
-| qwen3_moe | qwen3_moe (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, Qwen3-235B-A22B) | no | yes | 8,192 / 16,384 | Qwen3's |
-| qwen3_5 | qwen3_5, qwen3_5_text (Qwen3.5, Qwen3.6), their MoE siblings' | yes | some | 32,768 / 40,960 | Qwen3.5's |
+A family without a thinking mode (Qwen2.5: its template has no think block, its answers no reasoning) generates
+with thinking off unless told otherwise, and refuses thinking on (`TargetFamily.thinks`).
+
+| family | model types | hybrid | experts | thinks | budget (new / ctx) | sampling |
+|---|---|---|---|---|---|---|
+| qwen2 | qwen2 (Qwen2, Qwen2.5, their Coder and Math models) | no | no | no | 8,192 / 16,384 | Qwen2.5's |
+| qwen3 | qwen3 | no | no | yes | 8,192 / 16,384 | Qwen3's |
+| qwen3_moe | qwen3_moe (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, 235B-A22B) | no | yes | yes | 8,192 / 16,384 | Qwen3's |
+| qwen3_5 | qwen3_5, qwen3_5_text (Qwen3.5, 3.6), their MoE siblings' | yes | some | yes | 32,768 / 40,960 | Qwen3.5's |
 
 A model id names the MoE family when it states an active count ("-A3B") or says "moe".
 
 Adding a family takes: a `TargetFamily` in `FAMILIES` (its model types, a model-id pattern, hybrid or not, its
-budget, its sampling per mode, its reference mask token where the first unused row is not it); its drafter shape
-where the reference differs (dflash_train.drafter.config); its parameter terms if its layers are not those counted
-in dflash_train.training.target_params (dense and expert MLPs, full and Gated DeltaNet attention are); and a tiny
-fixture in tests/support/tiny_target.py. What the qwen3_moe families took beyond this module: docs/targets.md,
-"Mixtures of experts".
+budget, its sampling per mode and whether it thinks, its reference mask token where the first unused row is not it);
+its attention's parameter terms (`qk_norm`, `qkv_bias`); its drafter shape where the reference differs
+(dflash_train.drafter.config); its layers' parameter terms if they are not those counted in
+dflash_train.training.target_params (dense and expert MLPs, full and Gated DeltaNet attention are); and a tiny fixture
+in tests/support/tiny_target.py. What the qwen3_moe and qwen2 families took beyond this module:
+docs/targets.md, "Mixtures of experts" and "Qwen2.5".
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-FamilyName = Literal["qwen3", "qwen3_moe", "qwen3_5"]
+FamilyName = Literal["qwen2", "qwen3", "qwen3_moe", "qwen3_5"]
 LINEAR_ATTENTION = "linear_attention"
 # The config.json keys that make a layer's MLP a mixture of experts (Qwen3-MoE and Qwen3.5-MoE state the first).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
@@ -51,6 +57,7 @@ class Sampling:
     top_k: int
     min_p: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,12 +70,16 @@ class TargetFamily:
     hybrid: bool  # linear-attention layers beside full attention
     max_new_tokens: int  # generation budget when none is set and it is not capped to the training window
     max_model_len: int  # the engine's context for that budget (prompt + answer)
-    thinking: Sampling  # recommended sampling in thinking mode
+    thinking: Sampling | None  # recommended sampling in thinking mode; None: the family has no thinking mode
     non_thinking: Sampling  # and in non-thinking (instruct) mode
     about: str
     # The reference drafters' mask token on the family's own vocabulary: (embedding rows, mask id); None where the
     # rule is the first embedding row past the tokenizer (dflash_train.drafter.mask_token).
     reference_mask: tuple[int, int] | None = None
+    # The attention's parameter terms beside its four projections (dflash_train.training.target_params): Qwen3's and
+    # Qwen3.5's norm q and k per head; Qwen2's q, k and v projections carry biases (its config states none).
+    qk_norm: bool = True
+    qkv_bias: bool = False
 
     def mask_token_for(self, vocab_rows: int) -> int | None:
         """The reference mask token of a target of this family with `vocab_rows` embedding rows, where known."""
@@ -76,8 +87,18 @@ class TargetFamily:
             return self.reference_mask[1]
         return None
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the family has a thinking mode; it is then the mode its targets run in by default."""
+        return self.thinking is not None
+
     def sampling(self, enable_thinking: bool) -> Sampling:
-        return self.thinking if enable_thinking else self.non_thinking
+        """The recommended sampling for a mode; thinking on a family without that mode is a ValueError."""
+        if not enable_thinking:
+            return self.non_thinking
+        if self.thinking is None:
+            raise ValueError(f"{self.name} targets have no thinking mode: set enable_thinking = false")
+        return self.thinking
 
 
 # Qwen3's model card: thinking mode must not decode greedily; non-thinking mode samples cooler and narrower.
@@ -89,6 +110,12 @@ _QWEN3_NON_THINKING = Sampling(temperature=0.7, top_p=0.8, top_k=20)
 # Qwen3.5/3.6 tokenizer fills ids up to 248,076 of the 248,320 rows).
 QWEN3_6_MASK_TOKEN = 248070
 QWEN3_6_VOCAB_ROWS = 248320
+# Qwen2.5's generation_config.json (its only mode): Qwen3's non-thinking values and a light repetition penalty.
+QWEN2 = TargetFamily(
+    "qwen2", frozenset({"qwen2"}), r"qwen2(?!\d)", hybrid=False, max_new_tokens=8192, max_model_len=16384,
+    thinking=None, non_thinking=Sampling(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+    about="dense Qwen2 / Qwen2.5 (Qwen2ForCausalLM, attention with q/k/v biases): no thinking mode",
+    qk_norm=False, qkv_bias=True)
 # A model id that states an active count ("-A3B") names a mixture of experts.
 _ACTIVE_COUNT = r"(?:-a\d+(?:\.\d+)?b(?![a-z0-9])|[-_]moe)"
 QWEN3 = TargetFamily(
@@ -111,7 +138,7 @@ QWEN3_5 = TargetFamily(
     non_thinking=Sampling(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5),
     about="Qwen3.5 / Qwen3.6 (Qwen3_5ForConditionalGeneration): Gated DeltaNet hybrids",
     reference_mask=(QWEN3_6_VOCAB_ROWS, QWEN3_6_MASK_TOKEN))
-FAMILIES: tuple[TargetFamily, ...] = (QWEN3, QWEN3_MOE, QWEN3_5)
+FAMILIES: tuple[TargetFamily, ...] = (QWEN2, QWEN3, QWEN3_MOE, QWEN3_5)
 BY_NAME: dict[str, TargetFamily] = {family.name: family for family in FAMILIES}
 
 
@@ -215,8 +242,9 @@ def engine_captures_last_layer(config: Mapping[str, Any]) -> bool:
         set(config_model_types(config)) & LAST_LAYER_CAPTURED_MODEL_TYPES)
 
 
-# Every family's chat markers are Qwen's ChatML and think tags: a turn opens with TURN_START and its role, ends with
-# END_OF_TURN; reasoning sits between THINK_MARKERS. The tokenize stage renders and masks with them.
+# Every family's chat markers are Qwen's ChatML: a turn opens with TURN_START and its role, ends with END_OF_TURN;
+# the reasoning of a family that thinks sits between THINK_MARKERS (Qwen2.5's template never writes them). The
+# tokenize stage renders and masks with them.
 TURN_START = "<|im_start|>"
 END_OF_TURN = "<|im_end|>"
 THINK_MARKERS = ("<think>", "</think>")

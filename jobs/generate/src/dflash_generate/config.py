@@ -36,6 +36,7 @@ class GenerationSettings:
     """The target-dependent settings of a run, settled: sampling (with sources) and the length budget."""
 
     family: Family
+    enable_thinking: bool  # the mode prompts are rendered in: the config's, else the family's default
     choice: SamplingChoice
     max_new_tokens: int
     max_model_len: int
@@ -66,7 +67,9 @@ class GenerateConfig(StageSettings):
     )
     download_workers: int = Field(default=16, ge=1, description="Files copied in parallel from S3 or the hub.")
     run_id: str | None = Field(default=None, description="Run id; defaults to the prompts manifest's.")
-    enable_thinking: bool = Field(default=True, description="Render prompts with thinking mode on (recorded).")
+    enable_thinking: bool | None = Field(
+        default=None, description="Render prompts with thinking mode on (recorded). Default: on where the target's "
+        "family has a thinking mode (Qwen3, Qwen3.5/3.6), off where it has none (Qwen2.5), which refuses it on.")
     training_window: int = Field(
         default=DEFAULT_TRAINING_WINDOW, gt=16,
         description="Tokens per record (prompt + completion) the train stage reads: its max_length. The "
@@ -194,10 +197,14 @@ class GenerateConfig(StageSettings):
             _check_limits(max_new_tokens, max_model_len)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        choice = choose_sampling(target.family, self.enable_thinking, target.generation_config, explicit,
-                                 max_tokens=max_new_tokens, seed=self.seed)
-        return GenerationSettings(target.family, choice, max_new_tokens, max_model_len, self.training_window,
-                                  self.cap_to_training_window)
+        thinking = BY_NAME[target.family].thinks if self.enable_thinking is None else self.enable_thinking
+        try:
+            choice = choose_sampling(target.family, thinking, target.generation_config, explicit,
+                                     max_tokens=max_new_tokens, seed=self.seed)
+        except ValueError as err:  # thinking on for a family without that mode
+            raise ConfigError(f"enable_thinking: {err}") from err
+        return GenerationSettings(target.family, thinking, choice, max_new_tokens, max_model_len,
+                                  self.training_window, self.cap_to_training_window)
 
     def sampling(self, target: TargetInfo | None = None) -> SamplingConfig:
         """The sampling for the thinking mode on `target` (default: a Qwen3 without generation_config)."""

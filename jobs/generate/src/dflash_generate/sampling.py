@@ -2,9 +2,10 @@
 
 The drafter learns the target's own distribution, so completions are sampled with the settings the model
 is meant to run with. Each value comes from, in order: the user (an explicit setting always wins); the
-target's `generation_config.json`, in thinking mode (the mode Qwen's shipped values are for: its file has
-one set of values and no mode); the family's preset for the mode (Qwen recommends different values for
-thinking and non-thinking mode, and Qwen3.5/3.6 others than Qwen3: dflash_shared.target_family holds them).
+target's `generation_config.json`, in its family's default mode (the mode Qwen's shipped values are for: its file
+has one set of values and no mode; thinking where the family thinks); the family's preset for the mode (Qwen
+recommends different values for thinking and non-thinking mode, and Qwen3.5/3.6 others than Qwen3:
+dflash_shared.target_family holds them).
 `choose_sampling` records where each value came from. This module has no vLLM import; the engine turns a
 `SamplingConfig` into vLLM's `SamplingParams`.
 """
@@ -126,13 +127,15 @@ def choose_sampling(
     max_tokens: int | None = None,
     seed: int | None = None,
 ) -> SamplingChoice:
-    """Each sampling field from the user, else the target's generation_config (thinking mode), else the preset."""
+    """Each sampling field from the user, else the target's generation_config (the family's default mode), else
+    the preset. Thinking on for a family without that mode is a ValueError."""
     preset_source = f"preset:{family}/{'thinking' if enable_thinking else 'non_thinking'}"
     values = default_sampling(enable_thinking, family).model_dump()
     sources = dict.fromkeys(SAMPLING_FIELDS, preset_source)
-    # generation_config.json holds one set of values, the default (thinking) mode's for Qwen: using them for
-    # non-thinking runs would contradict the model card's non-thinking values.
-    shipped = generation_config_values(generation_config or {}) if enable_thinking else {}
+    # generation_config.json holds one set of values, the default mode's (thinking for Qwen3 and Qwen3.5/3.6, the
+    # only mode for Qwen2.5): using them in the other mode would contradict the model card's values for it.
+    default_mode = BY_NAME[family].thinks
+    shipped = generation_config_values(generation_config or {}) if enable_thinking == default_mode else {}
     for layer, source in ((shipped, "generation_config"), (explicit or {}, "explicit")):
         for name, value in layer.items():
             if value is None:

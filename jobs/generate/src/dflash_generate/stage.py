@@ -71,8 +71,10 @@ def worker_shard(config: GenerateConfig) -> tuple[int, int]:
     return pod * dp + (config.data_parallel_rank or 0), pods * dp
 
 
-def target_identity(config: GenerateConfig, tokenizer_dir: str, revision: str | None) -> TargetIdentity:
-    """The identity the tokenize stage checks, computed with the same functions it uses."""
+def target_identity(config: GenerateConfig, tokenizer_dir: str, revision: str | None,
+                    enable_thinking: bool) -> TargetIdentity:
+    """The identity the tokenize stage checks (with the thinking mode settled for the target), computed with the
+    same functions it uses."""
     from tokenizers import Tokenizer
 
     try:
@@ -90,7 +92,7 @@ def target_identity(config: GenerateConfig, tokenizer_dir: str, revision: str | 
         revision=revision,
         tokenizer_sha256=tokenizer_sha,
         chat_template_sha256=template_sha,
-        enable_thinking=config.enable_thinking,
+        enable_thinking=enable_thinking,
         special_tokens=SpecialTokens(
             end_of_turn=end_of_turn,
             think_start=vocab.token_to_id(config.think_start),
@@ -127,7 +129,7 @@ class Resolved:
     def plan(self) -> WorkerPlan:
         config = self.config
         return WorkerPlan(
-            enable_thinking=config.enable_thinking,
+            enable_thinking=self.settings.enable_thinking,
             sampling=self.sampling,
             max_inflight=config.inflight,
             policy=config.quality_policy(),
@@ -151,10 +153,10 @@ def resolve(config: GenerateConfig, store: ObjectStore, scratch: str) -> Resolve
         workers=config.download_workers,
     )
     tokenizer_dir = model.tokenizer_dir()
-    target = target_identity(config, tokenizer_dir, model.revision)
     # config.json and generation_config.json come with the tokenizer files, before the weights.
     info = read_target(tokenizer_dir)
     settings = config.settle(info)
+    target = target_identity(config, tokenizer_dir, model.revision, settings.enable_thinking)
     log.info("target %s: family %s%s; sampling %s (sources %s); max_new_tokens %d, max_model_len %d, training "
              "window %d (%s)", info.model_type, info.family, " (hybrid)" if info.hybrid else "",
              settings.sampling.as_record_dict(), settings.choice.sources, settings.max_new_tokens,
@@ -270,7 +272,7 @@ def run(config: GenerateConfig, store: ObjectStore | None = None, engine: VllmEn
         resolved = resolve(config, store, scratch)
         log.info("%d prompts in %d chunk(s) of up to %d, thinking %s, worker %d/%d, target %s (tokenizer %s, "
                  "template %s)", resolved.source.manifest.total_records, len(resolved.chunks), config.chunk_records,
-                 config.enable_thinking, index, count, resolved.target.model_id,
+                 resolved.settings.enable_thinking, index, count, resolved.target.model_id,
                  resolved.target.tokenizer_sha256[:12], resolved.target.chat_template_sha256[:12])
         by_item = {chunk.item: chunk for chunk in resolved.chunks}
         provider = engine_provider(resolved, engine)

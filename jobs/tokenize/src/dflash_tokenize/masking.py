@@ -72,6 +72,9 @@ PROMPT_MISMATCH = "prompt_ids_mismatch"
 LITERAL_UNRESOLVED = "literal_specials_unresolved"
 # The chat template raised on the record (its own raise_exception, or a value it cannot handle).
 TEMPLATE_REFUSED = "template_refused"
+# The final answer has reasoning that the rendered conversation leaves out (a template without a thinking mode,
+# such as Qwen2.5's): training would silently drop it.
+REASONING_DROPPED = "reasoning_not_rendered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,14 @@ def _render_one(
             f"the generation prompt is not a prefix of the rendered conversation (they differ at char {at}: "
             f"prompt {prompt[at : at + 40]!r} vs conversation {full[at : at + 40]!r}): reasoning given "
             "with thinking disabled, or a template that rewrites earlier turns once the answer is present",
+        )
+    reasoning = (record.messages[-1].reasoning_content or "").strip()
+    if reasoning and reasoning not in full[len(prompt):]:
+        raise MaskingError(
+            record.id,
+            REASONING_DROPPED,
+            f"the chat template does not render the final answer's reasoning ({len(reasoning)} characters), which "
+            "would then never be trained: a target without a thinking mode, given answers from one that thinks",
         )
     literal = scan == "always" or has_literal_specials(chat, dicts, tools)
     return _Rendered(record, dicts, tools, thinking, full, len(prompt), literal, template_kwargs)

@@ -7,7 +7,9 @@ The counts follow the modules transformers builds (models/qwen3/modeling_qwen3.p
 modeling_qwen3_5.py), parameter by parameter:
 
 - a dense Qwen3 decoder layer (Qwen3ForCausalLM): q/k/v/o projections (with biases under attention_bias), q_norm
-  and k_norm over head_dim, the SwiGLU MLP (gate, up, down), two RMSNorms over hidden;
+  and k_norm over head_dim, the SwiGLU MLP (gate, up, down), two RMSNorms over hidden; a Qwen2 / Qwen2.5 layer
+  (Qwen2ForCausalLM, models/qwen2/modeling_qwen2.py) the same without q_norm and k_norm and with biases on q, k and v
+  (the family's `qk_norm` and `qkv_bias`);
 - a Qwen3.5/3.6 layer (Qwen3_5ForConditionalGeneration's language model, by `layer_types`): full_attention as
   Qwen3's but with q_proj twice as wide (it also makes the output gate); linear_attention, Gated DeltaNet:
   in_proj_qkv to 2K + V channels (K = key heads x key head dim, V = value heads x value head dim), in_proj_z to
@@ -175,12 +177,14 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
     types = tuple(text.get("layer_types") or ["full_attention"] * layers)
     if len(types) != layers:
         raise ValueError(f"config.json: {len(types)} layer_types for {layers} layers")
-    bias = bool(text.get("attention_bias", False))
+    family = family_of_config(text)
+    qk_norm, qkv_bias = (family.qk_norm, family.qkv_bias) if family else (True, False)
     gate = 2 if hybrid else 1  # Qwen3.5's q_proj also produces the attention output gate
     attention = (hidden * heads * head_dim * gate + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
-                 + 2 * head_dim)
-    if bias:
-        attention += heads * head_dim * gate + 2 * kv_heads * head_dim + hidden
+                 + (2 * head_dim if qk_norm else 0))
+    attention_bias = bool(text.get("attention_bias", False))  # Qwen3's flag: q, k, v and o biased
+    if qkv_bias or attention_bias:
+        attention += heads * head_dim * gate + 2 * kv_heads * head_dim + (hidden if attention_bias else 0)
     norms = 2 * hidden  # input and post-attention norms
     mlps = [_mlp_params(text, hidden, inter, index) for index in range(layers)]  # (held, active) per layer
     linear = dict(k_heads=0, v_heads=0, k_dim=0, v_dim=0, kernel=0)

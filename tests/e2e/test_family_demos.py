@@ -1,9 +1,11 @@
-"""The mixture-of-experts families end to end: `demo/run_demo.py --target qwen3_moe` (and `qwen3_6_moe`, the hybrid
-with a shared expert) runs every stage on the tiny MoE target: generate on vLLM (CPU), tokenize, train with the
-target's hooks on its MoE layers, export, evaluate (lossless, float32) and the serving check in vLLM.
+"""The families beyond the two every test runs on, end to end: `demo/run_demo.py --target qwen3_moe` (and
+`qwen3_6_moe`, the hybrid with a shared expert; `qwen2`, Qwen2.5 with no thinking mode and enable_thinking left
+unset) runs every stage on the tiny target: generate on vLLM (CPU), tokenize, train with the target's hooks on its
+layers, export, evaluate (lossless, float32) and the serving check in vLLM.
 
-Both repeat the dense and hybrid demo's path with another target, so they run in the extended tier (`make
-test-all`); the default tier keeps the MoE targets' own tests (parameter counts, hooks, packing, the offline loop).
+Each repeats the dense and hybrid demo's path with another target, so they run in the extended tier (`make
+test-all`); the default tier keeps the families' own tests (parameter counts, hooks, packing, the offline loop, the
+thinking mode, Qwen2.5's masks).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from dflash_shared.storage import ObjectStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.extended]
 REPO = Path(__file__).resolve().parents[2]
-RUNS = {"qwen3_moe": "demo-qwen3-moe", "qwen3_6_moe": "demo-qwen36-moe"}
+RUNS = {"qwen3_moe": "demo-qwen3-moe", "qwen3_6_moe": "demo-qwen36-moe", "qwen2": "demo-qwen2"}
+FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_6_moe": "qwen3_5", "qwen2": "qwen2"}
 
 
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("target", list(RUNS))
-def test_every_stage_runs_on_a_mixture_of_experts_target(target: str, tmp_path: Path) -> None:
+def test_every_stage_runs_on_the_other_families_targets(target: str, tmp_path: Path) -> None:
     out = tmp_path / "demo"
     done = subprocess.run([sys.executable, "demo/run_demo.py", "--out", str(out), "--target", target], cwd=REPO,
                           capture_output=True, text=True, timeout=3300, check=False)
@@ -38,14 +41,18 @@ def test_every_stage_runs_on_a_mixture_of_experts_target(target: str, tmp_path: 
     loaded = {name: load_manifest(store, str(run / name), kind) for name, kind in kinds.items()}
     assert all(m.manifest.accounting.failed == 0 for m in loaded.values())
     completions = loaded["completions"].manifest.section
-    assert completions.target_family == ("qwen3_moe" if target == "qwen3_moe" else "qwen3_5")  # type: ignore[union-attr]
-    # The train stage counted what a token runs: fewer parameters than the checkpoint holds.
+    assert completions.target_family == FAMILY[target]  # type: ignore[union-attr]
+    # Off everywhere: the run file says so for the mixtures; for Qwen2.5, left unset, generation settled it from the
+    # family (no thinking mode), and the later stages read it from the records.
+    assert completions.target.enable_thinking is False  # type: ignore[union-attr]
+    # The train stage counted what a token runs: fewer parameters than the checkpoint holds for a mixture.
     config = json.loads((out / f"model-{target}" / "config.json").read_text())
     performance = loaded["drafter"].manifest.section.performance  # type: ignore[union-attr]
     from dflash_train.training.target_params import target_sizes
 
     sizes = target_sizes(config)
-    assert performance["target_parameters"] == sizes.active_params < sizes.params
+    assert performance["target_parameters"] == sizes.active_params
+    assert (sizes.active_params < sizes.params) == (target != "qwen2")
     report = next(s.uri for s in loaded["serving"].manifest.shards if s.uri.endswith("serve-check.json"))
     check = json.loads(store.read_bytes(report))
     assert check["compared"] == "matched" and check["output_mismatches"] == [], check

@@ -1,6 +1,7 @@
-"""The offline loop on the mixture-of-experts families (Qwen3-MoE; Qwen3.6-MoE, a hybrid with a shared expert):
-the target's greedy output whatever the drafts, with a rejection forced at a chosen slot, and with every draft
-accepted. Routing is per token, so a verification of a block routes each token as plain decoding does."""
+"""The offline loop on the families beyond the two every test runs on: the mixtures of experts (Qwen3-MoE;
+Qwen3.6-MoE, a hybrid with a shared expert) and Qwen2.5. The target's greedy output whatever the drafts, with a
+rejection forced at a chosen slot, and with every draft accepted. Routing is per token, so a verification of a
+block routes each token as plain decoding does."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from dflash_train.evaluate.speculate import HookedTarget, greedy_reference, spec
 from tests.evaluate import eval_fixtures as ef
 from tests.evaluate.forced_drafts import forced_drafts
 from tests.support.qwen_assets import qwen_special_ids
-from tests.support.tiny_target import MOE_ARCHS, TargetArch, build_tiny_target
+from tests.support.tiny_target import MOE_ARCHS, QWEN2_ARCHS, TargetArch, build_tiny_target
 
 NEW_TOKENS = 32
 BLOCK = 8
-# Each MoE fixture's dense sibling: its vocabulary, and the drafter shape the evaluate tests use for it.
-DENSE_SIBLING: dict[str, TargetArch] = {"qwen3_moe": "qwen3", "qwen3_6_moe": "qwen3_6"}
+# Each fixture's dense sibling: its vocabulary, and the drafter shape the evaluate tests use for it.
+DENSE_SIBLING: dict[str, TargetArch] = {"qwen3_moe": "qwen3", "qwen3_6_moe": "qwen3_6", "qwen2": "qwen2"}
 
 
 @functools.cache
@@ -39,9 +40,9 @@ def _setup(arch: TargetArch) -> tuple[Any, Any, list[int], list[int], tuple[int,
     return HookedTarget(model, drafter.config.target_layer_ids), drafter, prompt, reference, stops, special["mask"]
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", MOE_ARCHS + QWEN2_ARCHS)
 @pytest.mark.parametrize("wrong_at", [None, 3, BLOCK - 1])
-def test_a_mixture_of_experts_target_decodes_its_own_greedy_output(arch: TargetArch, wrong_at: int | None,
+def test_the_other_families_targets_decode_their_own_greedy_output(arch: TargetArch, wrong_at: int | None,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """None: the untrained drafter's own drafts (rejected); 3: drafts right up to that slot; BLOCK - 1: the
     whole block right, every step."""
