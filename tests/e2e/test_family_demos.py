@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.extended]
 REPO = Path(__file__).resolve().parents[2]
 RUNS = {"qwen3_moe": "demo-qwen3-moe", "qwen3_6_moe": "demo-qwen36-moe", "qwen2": "demo-qwen2"}
 FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_6_moe": "qwen3_5", "qwen2": "qwen2"}
+# The serving check compares every prompt where the engine ran the evaluation's float32, the prompts both decoded
+# alike where it could not (vLLM's CPU build runs Gated DeltaNet in bfloat16 only).
+COMPARED = {"qwen3_moe": "all", "qwen3_6_moe": "matched", "qwen2": "all"}
 
 
 @pytest.mark.timeout(3600)
@@ -55,4 +58,4 @@ def test_every_stage_runs_on_the_other_families_targets(target: str, tmp_path: P
     assert (sizes.active_params < sizes.params) == (target != "qwen2")
     report = next(s.uri for s in loaded["serving"].manifest.shards if s.uri.endswith("serve-check.json"))
     check = json.loads(store.read_bytes(report))
-    assert check["compared"] == "matched" and check["output_mismatches"] == [], check
+    assert check["compared"] == COMPARED[target] and check["output_mismatches"] == [], check

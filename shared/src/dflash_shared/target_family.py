@@ -1,7 +1,6 @@
 """What a target family is, said once: which checkpoints belong to it, whether it is a hybrid or a mixture of
 experts, whether it has a thinking mode, its generation budget, its recommended sampling, and the sizes a model id
-states. Every stage and the
-plan ask here; no other module tests a model type or reads a model id.
+states. Every stage and the plan ask here; no other module tests a model type or reads a model id.
 
 A family is known from a target's config.json (`family_of_config`: its `model_type`, at the top level or under
 `text_config`, where multimodal checkpoints nest the language model) or, where no file is read (the plan), from
