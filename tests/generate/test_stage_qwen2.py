@@ -25,12 +25,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 QWEN2 = pytest.mark.parametrize("target_arch", ["qwen2"], indirect=True)
 
 
+def prompts_and_output(tmp_path: Path, count: int) -> tuple[ObjectStore, str, str]:
+    """The store, a prompts manifest of `count` prompts, and where the completions go."""
+    store = ObjectStore()
+    src = write_prompts(store, join(str(tmp_path), "prompts"), varied_prompts(count))
+    return store, src, join(str(tmp_path), "completions")
+
+
 @QWEN2
 def test_unset_thinking_generates_in_the_familys_only_mode(engine: Any, tiny_target_dir: Path,
                                                           tmp_path: Path) -> None:
-    store = ObjectStore()
-    src = write_prompts(store, join(str(tmp_path), "prompts"), varied_prompts(6))
-    out = join(str(tmp_path), "completions")
+    store, src, out = prompts_and_output(tmp_path, 6)
     config = stage_config(src, out, tiny_target_dir)
     assert config.enable_thinking is None
     assert run(config, store, engine=engine) == join(out, "manifest.json")
@@ -52,9 +57,7 @@ def test_unset_thinking_generates_in_the_familys_only_mode(engine: Any, tiny_tar
 @QWEN2
 def test_thinking_on_is_refused_before_anything_is_generated(engine: Any, tiny_target_dir: Path,
                                                              tmp_path: Path) -> None:
-    store = ObjectStore()
-    src = write_prompts(store, join(str(tmp_path), "prompts"), varied_prompts(2))
-    out = join(str(tmp_path), "completions")
+    store, src, out = prompts_and_output(tmp_path, 2)
     with pytest.raises(ConfigError, match="enable_thinking: qwen2 targets have no thinking mode"):
         run(stage_config(src, out, tiny_target_dir, enable_thinking=True), store, engine=engine)
     assert store.list(out) == []
