@@ -11,6 +11,7 @@ import pytest
 
 from dflash_shared.records import Message, ToolCall, ToolCallFunction
 from dflash_tokenize import masking
+from dflash_tokenize.chat import ChatFormat
 from dflash_tokenize.masking import MaskingError
 from tests.support.chat_references import C, qwen_chat
 from tests.tokenize.test_masking import (
@@ -76,3 +77,24 @@ def test_an_answer_with_reasoning_is_refused_by_name() -> None:
     # Where the template renders it (Qwen3, thinking on), the same record trains, reasoning included.
     trained = masking.render(rec, qwen_chat("qwen3"), enable_thinking=True)
     assert masked_text(qwen_chat("qwen3"), trained) == "<think>\nR\n</think>\n\nA<|im_end|>"
+
+
+def test_an_inline_think_block_the_template_cuts_is_refused_by_name() -> None:
+    """A template that cuts an inline think block from the final turn (as thinking models built on Qwen2, such as QwQ,
+    do: `content.split('</think>')[-1]`) would train the answer alone; Qwen2.5's, which renders the content as it is,
+    keeps the block as text and trains it."""
+    rec = _record(Message(role="user", content="Q"),
+                  Message(role="assistant", content="<think>\nStep by step.\n</think>\n\nA"), rid="rec-inline")
+    base = chat()
+    cutting = ChatFormat(
+        base.tokenizer.to_str().encode(),
+        "{%- for m in messages %}{{- '<|im_start|>' ~ m.role ~ '\\n' -}}"
+        "{{- (m.content.split('</think>')[-1].lstrip('\\n') if m.role == 'assistant' else m.content) -}}"
+        "{{- '<|im_end|>\\n' -}}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' -}}{%- endif %}",
+    )
+    with pytest.raises(MaskingError, match="rec-inline: the chat template does not render") as err:
+        masking.render(rec, cutting)
+    assert err.value.reason == masking.REASONING_DROPPED
+    kept = masking.render(rec, base)
+    assert masked_text(base, kept) == "<think>\nStep by step.\n</think>\n\nA<|im_end|>"

@@ -72,8 +72,9 @@ PROMPT_MISMATCH = "prompt_ids_mismatch"
 LITERAL_UNRESOLVED = "literal_specials_unresolved"
 # The chat template raised on the record (its own raise_exception, or a value it cannot handle).
 TEMPLATE_REFUSED = "template_refused"
-# The final answer has reasoning that the rendered conversation leaves out (a template without a thinking mode,
-# such as Qwen2.5's): training would silently drop it.
+# The final answer has reasoning (its own field, or a think block inline in its content) that the rendered
+# conversation leaves out (a template without a thinking mode, such as Qwen2.5's, or one that cuts an inline think
+# block from the final turn): training would silently drop it.
 REASONING_DROPPED = "reasoning_not_rendered"
 
 
@@ -156,7 +157,7 @@ def _render_one(
             f"prompt {prompt[at : at + 40]!r} vs conversation {full[at : at + 40]!r}): reasoning given "
             "with thinking disabled, or a template that rewrites earlier turns once the answer is present",
         )
-    reasoning = (record.messages[-1].reasoning_content or "").strip()
+    reasoning = _final_reasoning(record, chat)
     if reasoning and reasoning not in full[len(prompt):]:
         raise MaskingError(
             record.id,
@@ -166,6 +167,17 @@ def _render_one(
         )
     literal = scan == "always" or has_literal_specials(chat, dicts, tools)
     return _Rendered(record, dicts, tools, thinking, full, len(prompt), literal, template_kwargs)
+
+
+def _final_reasoning(record: CompletionRecord, chat: ChatFormat) -> str:
+    """The final answer's reasoning, stripped: its `reasoning_content`, else what a think block inline in its content
+    holds (the text before the closing marker, after any opening one)."""
+    final = record.messages[-1]
+    if final.reasoning_content:
+        return final.reasoning_content.strip()
+    if chat.think_end in final.content:
+        return final.content.split(chat.think_end)[0].split(chat.think_start)[-1].strip()
+    return ""
 
 
 def _char_spans(item: _Rendered, scan_text: str, chat: ChatFormat, policy: MaskPolicy) -> list[tuple[int, int]]:
