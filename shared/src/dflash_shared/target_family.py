@@ -91,12 +91,20 @@ class TargetFamily:
         """Whether the family has a thinking mode; it is then the mode its targets run in by default."""
         return self.thinking is not None
 
-    def sampling(self, enable_thinking: bool) -> Sampling:
-        """The recommended sampling for a mode; thinking on a family without that mode is a ValueError."""
-        if not enable_thinking:
-            return self.non_thinking
-        if self.thinking is None:
+    def mode(self, enable_thinking: bool | None) -> bool:
+        """The thinking mode a target of this family runs in: the one asked for, else (None) the family's default;
+        thinking on a family without that mode is a ValueError."""
+        if enable_thinking is None:
+            return self.thinks
+        if enable_thinking and not self.thinks:
             raise ValueError(f"{self.name} targets have no thinking mode: set enable_thinking = false")
+        return enable_thinking
+
+    def sampling(self, enable_thinking: bool) -> Sampling:
+        """The recommended sampling for a mode (`mode` refuses thinking on a family without it)."""
+        if not self.mode(enable_thinking):
+            return self.non_thinking
+        assert self.thinking is not None  # mode() refused thinking on a family without it
         return self.thinking
 
 

@@ -197,12 +197,12 @@ class GenerateConfig(StageSettings):
             _check_limits(max_new_tokens, max_model_len)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        thinking = BY_NAME[target.family].thinks if self.enable_thinking is None else self.enable_thinking
         try:
-            choice = choose_sampling(target.family, thinking, target.generation_config, explicit,
-                                     max_tokens=max_new_tokens, seed=self.seed)
+            thinking = BY_NAME[target.family].mode(self.enable_thinking)
         except ValueError as err:  # thinking on for a family without that mode
             raise ConfigError(f"enable_thinking: {err}") from err
+        choice = choose_sampling(target.family, thinking, target.generation_config, explicit,
+                                 max_tokens=max_new_tokens, seed=self.seed)
         return GenerationSettings(target.family, thinking, choice, max_new_tokens, max_model_len,
                                   self.training_window, self.cap_to_training_window)
 

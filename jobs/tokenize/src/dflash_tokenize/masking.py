@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from tokenizers import Encoding
 
+from dflash_shared.conversations import split_inline_thinking
 from dflash_shared.records import CompletionRecord
 from dflash_tokenize.byte_spans import BytePositions, text_is_as_encoded
 from dflash_tokenize.chat import ChatFormat, message_dict
@@ -157,7 +158,7 @@ def _render_one(
             f"prompt {prompt[at : at + 40]!r} vs conversation {full[at : at + 40]!r}): reasoning given "
             "with thinking disabled, or a template that rewrites earlier turns once the answer is present",
         )
-    reasoning = _final_reasoning(record, chat)
+    reasoning = _final_reasoning(record)
     if reasoning and reasoning not in full[len(prompt):]:
         raise MaskingError(
             record.id,
@@ -169,15 +170,10 @@ def _render_one(
     return _Rendered(record, dicts, tools, thinking, full, len(prompt), literal, template_kwargs)
 
 
-def _final_reasoning(record: CompletionRecord, chat: ChatFormat) -> str:
-    """The final answer's reasoning, stripped: its `reasoning_content`, else what a think block inline in its content
-    holds (the text before the closing marker, after any opening one)."""
+def _final_reasoning(record: CompletionRecord) -> str:
+    """The final answer's reasoning, stripped: its `reasoning_content`, else a think block inline in its content."""
     final = record.messages[-1]
-    if final.reasoning_content:
-        return final.reasoning_content.strip()
-    if chat.think_end in final.content:
-        return final.content.split(chat.think_end)[0].split(chat.think_start)[-1].strip()
-    return ""
+    return (final.reasoning_content or split_inline_thinking(final.content)[0] or "").strip()
 
 
 def _char_spans(item: _Rendered, scan_text: str, chat: ChatFormat, policy: MaskPolicy) -> list[tuple[int, int]]:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_shared.errors import ConfigError
-from dflash_shared.target_family import EXPERT_COUNT_KEYS, FAMILIES, family_of_config, is_hybrid_config
+from dflash_shared.target_family import EXPERT_COUNT_KEYS, FAMILIES, QWEN3, family_of_config, is_hybrid_config
 
 # Bytes per parameter of the dtypes a config.json or an engine setting names.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -177,13 +177,12 @@ def target_sizes(raw: Mapping[str, Any]) -> TargetSizes:
     types = tuple(text.get("layer_types") or ["full_attention"] * layers)
     if len(types) != layers:
         raise ValueError(f"config.json: {len(types)} layer_types for {layers} layers")
-    family = family_of_config(text)
-    qk_norm, qkv_bias = (family.qk_norm, family.qkv_bias) if family else (True, False)
+    family = family_of_config(text) or QWEN3  # a hybrid of no family (by its layer_types): Qwen3's attention terms
     gate = 2 if hybrid else 1  # Qwen3.5's q_proj also produces the attention output gate
     attention = (hidden * heads * head_dim * gate + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
-                 + (2 * head_dim if qk_norm else 0))
+                 + (2 * head_dim if family.qk_norm else 0))
     attention_bias = bool(text.get("attention_bias", False))  # Qwen3's flag: q, k, v and o biased
-    if qkv_bias or attention_bias:
+    if family.qkv_bias or attention_bias:
         attention += heads * head_dim * gate + 2 * kv_heads * head_dim + (hidden if attention_bias else 0)
     norms = 2 * hidden  # input and post-attention norms
     mlps = [_mlp_params(text, hidden, inter, index) for index in range(layers)]  # (held, active) per layer
